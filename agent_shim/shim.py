@@ -1,0 +1,371 @@
+"""Child side of isolate: run one episode under the agent's own interpreter.
+
+Started by the parent as ``<python> -I <path to this file>``. Standard library only, Python 3.9+,
+so it runs in an agent virtualenv that has neither isolate nor pydantic. Lifecycle:
+
+1. Keep a private copy of fd 1 for protocol frames; point fd 1 and ``sys.stdout`` at stderr,
+   so nothing the agent (or any process it starts) prints can reach the protocol pipe.
+2. Read one handshake line from stdin, then point fd 0 at /dev/null and keep a private copy of
+   the parent's pipe: EOF on it means the parent died.
+3. Answer ``hello`` with our protocol version; stop on a mismatch.
+4. Become a child subreaper (Linux), so processes that double-fork or ``setsid()`` away from the
+   agent are re-parented here and stay inside the episode.
+5. Fork the worker, which imports and calls the entrypoint and writes a ``result`` or ``error``
+   frame. The supervisor (this process) reaps orphans, enforces its own deadline, watches the
+   parent pipe, and when the worker is gone kills every survivor and sends ``done``.
+
+Frames are single JSON lines carrying the handshake's nonce. See docs/protocol.md.
+"""
+
+import asyncio
+import ctypes
+import inspect
+import json
+import numbers
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+PROTOCOL_VERSION = 1
+MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
+PR_SET_CHILD_SUBREAPER = 36
+# After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
+# the parent promises its tree is gone within 2 s of its own death.
+PARENT_GONE_GRACE = 1.0
+
+
+class Channel:
+    """The private protocol pipe: one JSON line per frame, written whole."""
+
+    def __init__(self, fd, nonce):
+        self.fd = fd
+        self.nonce = nonce
+
+    def send(self, frame_type, **fields):
+        fields["t"] = frame_type
+        fields["nonce"] = self.nonce
+        data = (json.dumps(fields, default=repr) + "\n").encode("utf-8", "backslashreplace")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
+def read_handshake(fd):
+    chunks, size = [], 0
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None  # parent gone before the handshake was complete
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            # Anything after the newline is unused; the parent writes nothing more.
+            chunks.append(chunk[:newline])
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_HANDSHAKE_BYTES:
+            return None
+
+
+def set_subreaper():
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+# --- the worker -------------------------------------------------------------------------------
+
+
+def worker(hs, channel):
+    """Import and call the entrypoint; exit code 0 after a result, else the error's code."""
+    module_name, _, attr = hs["entrypoint"].partition(":")
+    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # -I ignores PYTHONPATH; honour the one the spec set, after the agent root.
+    for entry in reversed(([hs["agent_root"]] if hs.get("agent_root") else []) + extra_path):
+        sys.path.insert(0, entry)
+    try:
+        target = __import__(module_name, fromlist=["_"])
+        for part in attr.split("."):
+            target = getattr(target, part)
+        if not callable(target):
+            raise TypeError(
+                "%s is a %s, not a function" % (hs["entrypoint"], type(target).__name__)
+            )
+    except BaseException as exc:
+        sys.stderr.write(traceback.format_exc())
+        tried = "sys.path starts %s" % (sys.path[:3],)
+        channel.send(
+            "error",
+            kind="setup",
+            type=type(exc).__name__,
+            message="cannot load entrypoint %s (%s): %s" % (hs["entrypoint"], tried, exc),
+            traceback=traceback.format_exc(),
+        )
+        return 1
+    kwargs = dict(hs.get("kwargs") or {})
+    kwargs.update(hs.pop("secrets", None) or {})
+    try:
+        value = target(hs["data"], **kwargs)
+        del kwargs
+        if inspect.isawaitable(value):
+            value = asyncio.run(_await(value))
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt are the agent's too
+        sys.stderr.write(traceback.format_exc())  # the log keeps it too
+        code = 1
+        if isinstance(exc, SystemExit):
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        channel.send(
+            "error",
+            kind="agent",
+            type=type(exc).__name__,
+            message=_exc_message(exc),
+            traceback=traceback.format_exc(),
+        )
+        return code & 0xFF
+    channel.send("result", **to_result(value, hs.get("max_info_bytes", 1 << 20)))
+    return 0
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _exc_message(exc):
+    if isinstance(exc, SystemExit):
+        return "SystemExit(%r)" % (exc.code,)
+    return str(exc)
+
+
+def to_result(value, max_info_bytes):
+    """Split a return value into reward and extra info; leave validation to the parent."""
+    extra = None
+    if isinstance(value, tuple) and len(value) == 2:
+        value, extra = value
+    fields = {}
+    if isinstance(value, numbers.Real):
+        fields["reward"] = float(value)
+    elif isinstance(value, dict) and all(isinstance(v, numbers.Real) for v in value.values()):
+        fields["reward"] = {str(k): float(v) for k, v in value.items()}
+    else:
+        fields["reward"] = None
+        fields["reward_type"] = type(value).__name__
+        fields["reward_repr"] = repr(value)[:200]
+    if extra is not None:
+        text = json.dumps(extra, default=repr)
+        if len(text) > max_info_bytes:
+            extra = {"truncated": True, "bytes": len(text), "preview": text[:4096]}
+        else:
+            extra = json.loads(text)
+    fields["info"] = extra
+    return fields
+
+
+# --- the supervisor ---------------------------------------------------------------------------
+
+
+def process_table():
+    """Map pid -> (ppid, state) for every process, from /proc; empty where there is no /proc."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: split after the last ')'.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        table[int(name)] = (int(rest[1]), rest[0].decode())
+    return table
+
+
+def live_descendants(root):
+    table = process_table()
+    children = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], list(children.get(root, ()))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, ()))
+        if table[pid][1] not in "ZX":
+            found.append(pid)
+    return found
+
+
+def reap(worker_pid, status):
+    """Reap every exited child; return the worker's wait status once it is known."""
+    while True:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == worker_pid:
+            status = code
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def kill_tree(worker_pid, status, grace):
+    """SIGCONT+SIGTERM every descendant, SIGKILL what is left after ``grace`` seconds.
+
+    Returns (number of processes signalled, worker status)."""
+    me = os.getpid()
+    victims = set()
+    end = time.monotonic() + grace
+    delay = 0.002
+    while True:
+        status = reap(worker_pid, status)
+        live = live_descendants(me)
+        if not live:
+            return len(victims), status
+        fresh = [pid for pid in live if pid not in victims]
+        victims.update(fresh)
+        if time.monotonic() < end:
+            signal_all(fresh, signal.SIGCONT)
+            signal_all(fresh, signal.SIGTERM)
+        else:
+            signal_all(live, signal.SIGKILL)
+            if time.monotonic() > end + 5.0:
+                # Something is stuck in the kernel (D state); the parent's sweep takes over.
+                return len(victims), status
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):
+    deadline = time.monotonic() + float(hs.get("deadline", 1e9))
+    grace = float(hs.get("kill_grace", 5.0))
+    poller = select.poll()
+    poller.register(parent_fd, select.POLLIN)
+    poller.register(wake_fd, select.POLLIN)
+    status, why = None, "exited"
+    while True:
+        status = reap(worker_pid, status)
+        if status is not None:
+            break
+        if flags.get("terminated"):
+            why, grace = "terminated", min(grace, PARENT_GONE_GRACE)
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            why = "deadline"
+            break
+        for fd, _ in poller.poll(min(remaining, 3600.0) * 1000):
+            if fd == wake_fd:
+                try:
+                    os.read(wake_fd, 4096)
+                except BlockingIOError:
+                    pass
+            elif not os.read(parent_fd, 4096):
+                why, grace = "parent gone", min(grace, PARENT_GONE_GRACE)
+                poller.unregister(parent_fd)
+                break
+        if why != "exited":
+            break
+    killed, status = kill_tree(worker_pid, status, grace)
+    done = {"why": why, "killed": killed, "exit_code": None, "signal": None}
+    if status is not None:
+        if os.WIFSIGNALED(status):
+            done["signal"] = os.WTERMSIG(status)
+        else:
+            done["exit_code"] = os.WEXITSTATUS(status)
+    if why == "parent gone":
+        return 0
+    try:
+        channel.send("done", **done)
+    except OSError:
+        pass
+    return 0 if why == "exited" else 3
+
+
+def main():
+    frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
+    os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
+    for stream in (sys.stdout, sys.stderr):
+        # Explicit, so nothing the agent printed is lost on a crash, whatever the env says.
+        stream.reconfigure(line_buffering=True, write_through=True)
+    parent_fd = os.dup(0)
+    raw = read_handshake(parent_fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if raw is None:
+        sys.stderr.write("isolate shim: no handshake from the parent\n")
+        return 2
+    try:
+        hs = json.loads(raw)
+        nonce = hs["nonce"]
+    except (ValueError, KeyError, TypeError) as exc:
+        sys.stderr.write("isolate shim: unreadable handshake (%s)\n" % type(exc).__name__)
+        return 2
+    del raw
+    channel = Channel(frames_fd, nonce)
+    subreaper = set_subreaper()
+    channel.send(
+        "hello",
+        protocol=PROTOCOL_VERSION,
+        pid=os.getpid(),
+        python=".".join(map(str, sys.version_info[:3])),
+        subreaper=subreaper,
+    )
+    if hs.get("protocol") != PROTOCOL_VERSION:
+        return 2
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    flags = {}
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: flags.update(terminated=True))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal is not our business
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            for fd in (wake_r, wake_w, parent_fd):
+                os.close(fd)
+            code = worker(hs, channel)
+        except BaseException:
+            traceback.print_exc()  # a bug of the shim itself: leave a trace in the log
+        finally:
+            # Skip the agent's atexit hooks and non-daemon threads: the frame is sent, and a
+            # hung interpreter shutdown must not turn a result into a timeout.
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+    hs.pop("secrets", None)
+    hs.pop("data", None)
+    return supervise(hs, channel, parent_fd, pid, wake_r, flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""isolate: run each agent episode in its own fresh Python process, get the whole tree back.
+
+::
+
+    spec = isolate.EpisodeSpec(agent_root="/path/to/agent", timeout=1800)
+    outcome = await isolate.run_episode(spec, record, secrets={"override_api_key": key})
+
+See README.md for the failure taxonomy and docs/protocol.md for the wire protocol.
+"""
+
+from ._config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec
+from ._errors import (
+    AgentError,
+    ArgumentError,
+    EpisodeCrashed,
+    EpisodeError,
+    EpisodeTimeout,
+    IsolateError,
+    ProtocolError,
+    SetupError,
+)
+from ._launcher import run_episode, shim_path
+from ._outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
+from ._protocol import PROTOCOL_VERSION
+
+__all__ = [
+    "DEFAULT_INHERIT_ENV",
+    "EPISODE_ENV",
+    "PROTOCOL_VERSION",
+    "STATUSES",
+    "AgentError",
+    "ArgumentError",
+    "EpisodeCrashed",
+    "EpisodeError",
+    "EpisodeOutcome",
+    "EpisodeSpec",
+    "EpisodeTimeout",
+    "ErrorInfo",
+    "IsolateError",
+    "ProtocolError",
+    "SetupError",
+    "Status",
+    "run_episode",
+    "shim_path",
+]

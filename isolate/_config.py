@@ -1,0 +1,104 @@
+"""Configuration of an episode: :class:`EpisodeSpec`."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+#: Environment names a child inherits from the parent by default. Patterns use fnmatch syntax.
+DEFAULT_INHERIT_ENV: tuple[str, ...] = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "LC_*",
+    "TZ",
+    "TMPDIR",
+    "TERM",
+)
+
+_ENTRYPOINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ENV_NAME = re.compile(r"^[^=\x00]+$")
+#: Set by isolate in every child; tags the episode's processes for the sweep.
+EPISODE_ENV = "ISOLATE_EPISODE_ID"
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number of seconds")
+    return value
+
+
+Seconds = Annotated[float, AfterValidator(_finite)]
+
+
+class EpisodeSpec(BaseModel):
+    """How to run episodes of one agent. Immutable; share one spec across many episodes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent_root: Path | None = None
+    """Directory put first on the child's ``sys.path`` (the agent checkout)."""
+    entrypoint: str = "aweagent.lifecycle:run_agent_with_reward"
+    """``module:function`` called as ``fn(data, **kwargs, **secrets)``; sync or async."""
+    python: str = Field(default_factory=lambda: sys.executable)
+    """The child's interpreter (any Python >= 3.9); an agent virtualenv's ``bin/python``."""
+    timeout: Seconds = Field(default=1800.0, gt=0)
+    """Wall-clock seconds from spawn until the whole tree is killed and the status is timeout."""
+    kill_grace: Seconds = Field(default=5.0, ge=0)
+    """Seconds between SIGTERM and SIGKILL during teardown."""
+    cwd: Path | None = None
+    """Working directory of the child; default: the parent's."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables added to the child's environment (after ``inherit_env``)."""
+    inherit_env: tuple[str, ...] = DEFAULT_INHERIT_ENV
+    """Names (fnmatch patterns) copied from the parent's environment. Secret-looking names
+    (``*_API_KEY``, ``*_TOKEN``, ``*SECRET*``, ``*PASSWORD*``) pass only when named exactly."""
+    log_dir: Path | None = None
+    """Directory for the per-episode stderr log file; None keeps only the in-memory tail."""
+    stderr_tail_bytes: int = Field(default=64 * 1024, ge=0)
+    """How many of the last stderr bytes the outcome keeps."""
+    max_frame_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """Largest protocol frame accepted from the child, in bytes."""
+    max_info_bytes: int = Field(default=1024 * 1024, ge=0)
+    """Largest JSON ``info`` (the entrypoint's extra) kept, in bytes; larger is truncated."""
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _check_entrypoint(cls, value: str) -> str:
+        if not _ENTRYPOINT.match(value):
+            raise ValueError(f"entrypoint must look like 'package.module:function', got {value!r}")
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _check_python(cls, value: str) -> str:
+        if not value or "\x00" in value:
+            raise ValueError("python must be a path to an interpreter")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, item in value.items():
+            if not _ENV_NAME.match(name) or "\x00" in item:
+                raise ValueError(f"env: invalid variable {name!r} (no '=' or NUL allowed)")
+            if name == EPISODE_ENV:
+                raise ValueError(f"env: {EPISODE_ENV} is set by isolate itself")
+        return value
+
+    @field_validator("inherit_env")
+    @classmethod
+    def _check_inherit(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if not name or "=" in name or "\x00" in name:
+                raise ValueError(f"inherit_env: invalid name {name!r}")
+        return value

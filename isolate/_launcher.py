@@ -1,0 +1,540 @@
+"""``run_episode``: one episode in one fresh process, and the whole tree back afterwards."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets as _secrets
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from pydantic import SecretStr
+
+from . import _protocol as proto
+from ._config import EpisodeSpec
+from ._env import build_env
+from ._errors import ArgumentError
+from ._outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
+from ._redact import Redactor
+from ._tree import Episode
+
+#: How long after the shim exits its pipes may take to reach EOF (seconds). Normally at once:
+#: every writer is dead by then. Only a process that escaped everything could hold them longer.
+_DRAIN_S = 1.0
+#: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
+#: for a parent that is stopped or hung, never the normal path.
+_SHIM_DEADLINE_MARGIN_S = 2.0
+_READ_CHUNK = 256 * 1024
+#: Frames larger than this are parsed in a worker thread, not on the event loop (bytes).
+_BIG_FRAME = 256 * 1024
+
+
+def shim_path() -> Path:
+    """Path of the child-side program (``agent_shim/shim.py``) started under the agent's Python."""
+    import agent_shim
+
+    return Path(agent_shim.__file__).with_name("shim.py")
+
+
+async def run_episode(
+    spec: EpisodeSpec,
+    data: Any,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    secrets: Mapping[str, str | SecretStr] | None = None,
+    episode_id: str | None = None,
+    on_start: Callable[[int], object] | None = None,
+) -> EpisodeOutcome:
+    """Run ``spec.entrypoint(data, **kwargs, **secrets)`` in a fresh process and return what
+    happened. Every way an episode can end is an outcome, ``setup_error`` included; only
+    invalid arguments raise (:class:`ArgumentError`).
+
+    ``secrets`` travel only in the stdin handshake and are scrubbed from everything that comes
+    back. ``episode_id`` names the log file (default: the record's ``instance_id`` plus a random
+    suffix). ``on_start`` is called with the shim's pid once it is running.
+
+    **Cancellation:** if the calling task is cancelled, the episode's whole process tree is
+    torn down exactly as on timeout (SIGTERM, ``spec.kill_grace`` seconds, SIGKILL, until no
+    process is left), shielded from the cancellation, and then the cancellation propagates.
+    """
+    run = _Run(spec, data, kwargs or {}, secrets or {}, episode_id)
+    return await run.run(on_start)
+
+
+async def _run_with_shim(spec: EpisodeSpec, data: Any, shim: Path, **kw: Any) -> EpisodeOutcome:
+    """Like :func:`run_episode` with another child program; for protocol tests."""
+    run = _Run(spec, data, kw.pop("kwargs", {}), kw.pop("secrets", {}), kw.pop("episode_id", None))
+    run.shim = shim
+    return await run.run(kw.pop("on_start", None))
+
+
+def _default_episode_id(data: Any) -> str:
+    base = data.get("instance_id") if isinstance(data, Mapping) else None
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(base))[:80] if base else "episode"
+    return f"{stem}.{_secrets.token_hex(4)}"
+
+
+class _Run:
+    """The state of one episode, from arguments to outcome."""
+
+    def __init__(
+        self,
+        spec: EpisodeSpec,
+        data: Any,
+        kwargs: Mapping[str, Any],
+        secrets: Mapping[str, str | SecretStr],
+        episode_id: str | None,
+    ) -> None:
+        for name in list(kwargs) + list(secrets):
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ArgumentError(f"keyword argument names must be identifiers, got {name!r}")
+        both = sorted(set(kwargs) & set(secrets))
+        if both:
+            raise ArgumentError(f"keys in both kwargs and secrets: {', '.join(both)}")
+        self.secrets = {
+            k: v if isinstance(v, SecretStr) else SecretStr(_secret_str(k, v))
+            for k, v in secrets.items()
+        }
+        self.spec = spec
+        self.episode_id = episode_id or _default_episode_id(data)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.episode_id):
+            raise ArgumentError(f"episode_id must be 1-200 of [A-Za-z0-9_.-], got {episode_id!r}")
+        self.nonce = _secrets.token_hex(16)
+        self.public = {
+            "protocol": proto.PROTOCOL_VERSION,
+            "nonce": self.nonce,
+            "entrypoint": spec.entrypoint,
+            "agent_root": None,
+            "data": data,
+            "kwargs": dict(kwargs),
+            "deadline": spec.timeout + spec.kill_grace + _SHIM_DEADLINE_MARGIN_S,
+            "kill_grace": spec.kill_grace,
+            "max_info_bytes": spec.max_info_bytes,
+        }
+        try:
+            json.dumps(self.public, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"data and kwargs must be JSON-serialisable: {exc}") from None
+        self.redact = Redactor([s.get_secret_value() for s in self.secrets.values()])
+        self.shim = shim_path()
+
+        self.started = time.monotonic()
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.tree: Episode | None = None
+        self.pidfd: int | None = None
+        self.log: Any = None  # binary file, when spec.log_dir is set
+        self.log_path: Path | None = None
+        self.tail = bytearray()
+        self.hello: proto.Hello | None = None
+        self.final: proto.Result | proto.Error | None = None
+        self.done: proto.Done | None = None
+        self.violations: list[str] = []
+        self.noise = 0
+        self.splitter = proto.LineSplitter(spec.max_frame_bytes)
+        self.timed_out = False
+        self.swept_live = False
+        self.killed = 0
+        self.term_deadline: float | None = None
+        self.stdout_eof = anyio.Event()
+        self.stderr_eof = anyio.Event()
+
+    # --- the episode ------------------------------------------------------------------------
+
+    async def run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
+        problem = await anyio.to_thread.run_sync(self._prepare)
+        if problem is not None:
+            return self._finish("setup_error", ErrorInfo(type="SetupError", message=problem))
+        try:
+            await anyio.to_thread.run_sync(self._spawn)
+        except OSError as exc:
+            self._close()
+            message = f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
+            return self._finish("setup_error", ErrorInfo(type="SetupError", message=message))
+        try:
+            if on_start is not None:
+                assert self.popen is not None
+                on_start(self.popen.pid)
+            await self._supervise()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._abort()
+            raise
+        finally:
+            self._close()
+        return self._conclude()
+
+    def _prepare(self) -> str | None:
+        """Check what can be checked before spawning; open the log. Returns a problem or None."""
+        spec = self.spec
+        if spec.agent_root is not None:
+            root = spec.agent_root.expanduser().absolute()
+            if not root.is_dir():
+                what = "is not a directory" if root.exists() else "does not exist"
+                return f"agent root {root} {what}"
+            self.public["agent_root"] = str(root)
+        if spec.cwd is not None and not spec.cwd.is_dir():
+            return f"working directory {spec.cwd} does not exist"
+        if os.sep in spec.python:
+            python = Path(spec.python)
+            if not python.exists():
+                return f"interpreter {spec.python} does not exist"
+            if not os.access(python, os.X_OK) or python.is_dir():
+                return f"interpreter {spec.python} is not an executable file"
+        if not self.shim.is_file():
+            return f"shim {self.shim} is missing from the installation"
+        if spec.log_dir is not None:
+            try:
+                spec.log_dir.mkdir(parents=True, exist_ok=True)
+                self.log_path = (spec.log_dir / f"{self.episode_id}.log").absolute()
+                self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close
+            except OSError as exc:
+                return f"cannot open a log file in {spec.log_dir}: {exc.strerror or exc}"
+        return None
+
+    def _spawn(self) -> None:
+        # Runs in a worker thread: fork+exec of a big parent must not stall the event loop.
+        env = build_env(os.environ, self.spec.inherit_env, self.spec.env, self.episode_id)
+        self.popen = subprocess.Popen(
+            [self.spec.python, "-I", str(self.shim)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=self.spec.cwd,
+            start_new_session=True,  # never preexec_fn: unsafe with threads, and no vfork
+            close_fds=True,
+        )
+        pid = self.popen.pid
+        try:
+            shim: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            shim = None
+        self.tree = Episode(shim, pid, self.episode_id)
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(pid)
+            except OSError:
+                self.pidfd = None
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+
+    async def _supervise(self) -> None:
+        assert self.popen is not None
+        assert self.tree is not None
+        deadline = self.started + self.spec.timeout
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_handshake)
+            tg.start_soon(self._pump, self._fd("stdout"), self._on_stdout, self.stdout_eof)
+            tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, self.stderr_eof)
+            with anyio.move_on_after(deadline - time.monotonic()):
+                await self._wait_exit()
+            if self.popen.returncode is None:
+                # Deadline. A final frame that made it in time still counts.
+                self.timed_out = self.final is None
+                await self._sweep(live=True)
+                await self._wait_exit()
+            # The done frame is written before the shim exits: read stdout to EOF first.
+            with anyio.move_on_after(_DRAIN_S):
+                await self.stdout_eof.wait()
+            if not self._clean_exit():
+                await self._sweep(live=False)
+            with anyio.move_on_after(_DRAIN_S):
+                await self.stderr_eof.wait()
+            tg.cancel_scope.cancel()
+
+    def _clean_exit(self) -> bool:
+        """The shim exited after killing and reaping everything below it, as a subreaper."""
+        return (
+            self.popen is not None
+            and self.popen.returncode == 0
+            and self.hello is not None
+            and self.hello.subreaper
+            and self.done is not None
+            and self.done.why == "exited"
+        )
+
+    async def _sweep(self, *, live: bool) -> None:
+        assert self.tree is not None
+        if self.term_deadline is None:
+            self.term_deadline = time.monotonic() + self.spec.kill_grace
+        self.swept_live = self.swept_live or live
+        self.killed += await self.tree.kill(self.spec.kill_grace, self.term_deadline)
+
+    async def _abort(self) -> None:
+        """Teardown after cancellation or an unexpected error: kill the tree, reap the shim."""
+        if self.popen is None or self.tree is None:
+            return
+        await self._sweep(live=True)
+        with anyio.move_on_after(self.spec.kill_grace + 5.0):
+            await self._wait_exit()
+
+    async def _wait_exit(self) -> None:
+        assert self.popen is not None
+        if self.pidfd is not None:
+            # Readable once the process has exited; poll() then reaps it without blocking.
+            await anyio.wait_readable(self.pidfd)
+            self.popen.poll()
+            return
+        while self.popen.poll() is None:  # noqa: ASYNC110 - no pidfd on this platform
+            await anyio.sleep(0.01)
+
+    # --- pipes ------------------------------------------------------------------------------
+
+    def _fd(self, name: str) -> int:
+        pipe = getattr(self.popen, name)
+        assert pipe is not None
+        fd: int = pipe.fileno()
+        return fd
+
+    async def _write_handshake(self) -> None:
+        data = memoryview(proto.encode_handshake(self.public, self.secrets))
+        fd = self._fd("stdin")
+        try:
+            while data:
+                try:
+                    data = data[os.write(fd, data) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(fd)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child is gone; its exit says why
+        # stdin stays open: its EOF is how the shim learns that the parent died.
+
+    async def _pump(self, fd: int, sink: Callable[[bytes], Any], eof: anyio.Event) -> None:
+        try:
+            while True:
+                try:
+                    chunk = os.read(fd, _READ_CHUNK)
+                except BlockingIOError:
+                    await anyio.wait_readable(fd)
+                    continue
+                if not chunk:
+                    break
+                await sink(chunk)
+                # A child that writes without pause must not starve the event loop.
+                await anyio.lowlevel.checkpoint()
+        finally:
+            eof.set()
+
+    async def _on_stderr(self, chunk: bytes) -> None:
+        self._keep(self.redact.stream(chunk))
+
+    def _keep(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.log is not None:
+            self.log.write(data)
+        limit = self.spec.stderr_tail_bytes
+        self.tail += data
+        if len(self.tail) > 2 * limit:
+            del self.tail[: len(self.tail) - limit]
+
+    def _note(self, text: str) -> None:
+        """A line from isolate itself into the episode's log and tail."""
+        self._keep(f"[isolate] {text}\n".encode())
+
+    async def _on_stdout(self, chunk: bytes) -> None:
+        for line in self.splitter.feed(chunk):
+            await self._on_line(line)
+
+    async def _on_line(self, line: bytes | int) -> None:
+        if isinstance(line, int):
+            self._violate(f"frame of {line} bytes exceeds max_frame_bytes")
+            return
+        if len(line) > _BIG_FRAME:
+            item = await anyio.to_thread.run_sync(proto.parse_line, line, self.nonce)
+        else:
+            item = proto.parse_line(line, self.nonce)
+        if isinstance(item, proto.Noise):
+            self.noise += 1
+            shown = self.redact.scrub(item.preview).decode("utf-8", "backslashreplace")
+            self._note(f"ignored stdout line ({item.reason}): {shown!r}")
+        elif isinstance(item, proto.Violation):
+            self._violate(item.message)
+        else:
+            self._on_frame(item)
+
+    def _violate(self, message: str) -> None:
+        self.violations.append(message)
+        self._note(f"protocol violation: {message}")
+
+    def _on_frame(self, frame: proto.Frame) -> None:
+        if isinstance(frame, proto.Hello):
+            if self.hello is not None:
+                self._violate("a second hello frame")
+            self.hello = frame
+        elif self.hello is None:
+            self._violate(f"a {frame.t!r} frame before hello")
+        elif isinstance(frame, proto.Result | proto.Error):
+            if self.final is not None:
+                self._violate(f"a second final frame ({frame.t!r} after {self.final.t!r})")
+            else:
+                self.final = frame
+        elif isinstance(frame, proto.Done):
+            if self.done is not None:
+                self._violate("a second done frame")
+            self.done = frame
+
+    def _close(self) -> None:
+        if self.popen is not None:
+            for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if self.popen.returncode is None:
+                self.popen.poll()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        if self.log is not None:
+            self.log.write(self.redact.flush())
+            self.log.close()
+            self.log = None
+
+    # --- the outcome ------------------------------------------------------------------------
+
+    def _conclude(self) -> EpisodeOutcome:
+        self._keep(self.redact.flush())
+        status, error, reward, info = self._classify()
+        return self._finish(status, error, reward, info)
+
+    def _exit(self) -> tuple[int | None, str | None]:
+        """The agent's exit: the worker's, from the done frame, else the shim's own."""
+        if self.done is not None and (self.done.exit_code is not None or self.done.signal):
+            sig = signal_name(self.done.signal) if self.done.signal else None
+            return self.done.exit_code, sig
+        code = self.popen.returncode if self.popen is not None else None
+        if code is not None and code < 0:
+            return None, signal_name(-code)
+        return code, None
+
+    def _classify(
+        self,
+    ) -> tuple[Status, ErrorInfo | None, float | dict[str, float] | None, Any]:
+        final, r = self.final, self.redact
+        if self.violations:
+            return "protocol_error", _err("ProtocolError", self.violations[0]), None, None
+        if self.hello is None:
+            if self.timed_out:
+                return "timeout", self._timeout_error(), None, None
+            exit_code, sig = self._exit()
+            last = self._last_line()
+            return (
+                "setup_error",
+                _err(
+                    "SetupError",
+                    f"the shim did not start under {self.spec.python} "
+                    f"({describe_exit(exit_code, sig)}){': ' + last if last else ''}",
+                ),
+                None,
+                None,
+            )
+        if self.hello.protocol != proto.PROTOCOL_VERSION:
+            message = (
+                f"the shim speaks protocol {self.hello.protocol}, "
+                f"this isolate speaks {proto.PROTOCOL_VERSION}"
+            )
+            return "protocol_error", _err("ProtocolError", message), None, None
+        if isinstance(final, proto.Error):
+            error = ErrorInfo(
+                type=r.text(final.type),
+                message=r.text(final.message),
+                traceback=r.text(final.traceback),
+            )
+            return ("setup_error" if final.kind == "setup" else "agent_error"), error, None, None
+        if isinstance(final, proto.Result):
+            problem = _check_reward(final)
+            if problem is not None:
+                return "protocol_error", _err("ProtocolError", r.text(problem)), None, None
+            return "ok", None, final.reward, r.json(final.info)
+        if self.timed_out or (self.done is not None and self.done.why == "deadline"):
+            return "timeout", self._timeout_error(), None, None
+        exit_code, sig = self._exit()
+        if sig is None and exit_code == 0:
+            return (
+                "protocol_error",
+                _err("ProtocolError", "the agent's process exited 0 without sending a result"),
+                None,
+                None,
+            )
+        return (
+            "crashed",
+            _err("EpisodeCrashed", f"the agent's process {describe_exit(exit_code, sig)}"),
+            None,
+            None,
+        )
+
+    def _timeout_error(self) -> ErrorInfo:
+        return _err("EpisodeTimeout", f"no result within {self.spec.timeout:g} s; tree killed")
+
+    def _last_line(self) -> str:
+        lines = [ln for ln in bytes(self.tail).decode("utf-8", "replace").splitlines() if ln]
+        lines = [ln for ln in lines if not ln.startswith("[isolate]")]
+        return lines[-1][:300] if lines else ""
+
+    def _finish(
+        self,
+        status: Status,
+        error: ErrorInfo | None,
+        reward: float | dict[str, float] | None = None,
+        info: Any = None,
+    ) -> EpisodeOutcome:
+        exit_code, sig = self._exit() if self.popen is not None else (None, None)
+        killed = self.killed
+        if self.done is not None and not self.swept_live:
+            killed += self.done.killed
+        tail = (
+            bytes(self.tail[-self.spec.stderr_tail_bytes :]) if self.spec.stderr_tail_bytes else b""
+        )
+        outcome = EpisodeOutcome(
+            status=status,
+            reward=reward,
+            info=info,
+            exit_code=exit_code,
+            signal=sig,
+            pid=self.popen.pid if self.popen is not None else None,
+            duration_s=time.monotonic() - self.started,
+            stderr_tail=tail.decode("utf-8", "replace"),
+            log_path=self.log_path,
+            error=error,
+            killed=killed,
+            episode_id=self.episode_id,
+            containment="session+subreaper" if self.hello and self.hello.subreaper else "session",
+        )
+        if self.log_path is not None:
+            with open(self.log_path, "ab") as log:
+                log.write(f"[isolate] {outcome.summary()}\n".encode())
+        return outcome
+
+
+def _err(kind: str, message: str) -> ErrorInfo:
+    return ErrorInfo(type=kind, message=message)
+
+
+def _secret_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        # Say what is wrong without echoing the value.
+        raise ArgumentError(
+            f"secret {name!r} must be a str or SecretStr, not {type(value).__name__}"
+        )
+    return value
+
+
+def _check_reward(result: proto.Result) -> str | None:
+    reward = result.reward
+    if reward is None:
+        return (
+            f"the entrypoint returned a {result.reward_type} ({result.reward_repr}); expected a "
+            "number, (reward, extra) or {completion_id: reward}"
+        )
+    values = reward.values() if isinstance(reward, dict) else [reward]
+    for value in values:
+        if not math.isfinite(value):
+            return f"the reward is {value}, not a finite number"
+    return None

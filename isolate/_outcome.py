@@ -1,0 +1,115 @@
+"""What happened to an episode: :class:`EpisodeOutcome`."""
+
+from __future__ import annotations
+
+import signal as _signal
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import _errors
+
+Status = Literal["ok", "agent_error", "crashed", "timeout", "protocol_error", "setup_error"]
+
+STATUSES: tuple[Status, ...] = (
+    "ok",
+    "agent_error",
+    "crashed",
+    "timeout",
+    "protocol_error",
+    "setup_error",
+)
+
+
+def signal_name(number: int) -> str:
+    """``9`` -> ``"SIGKILL"``; unknown numbers read ``"signal 77"``."""
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def describe_exit(exit_code: int | None, signal: str | None) -> str:
+    """Read an exit like a word: ``killed by SIGKILL``, ``exited with 3``."""
+    if signal is not None:
+        return f"killed by {signal}"
+    if exit_code is not None:
+        return f"exited with {exit_code}"
+    return "exit unknown"
+
+
+class ErrorInfo(BaseModel):
+    """An error reported by the child or found by the parent."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: str
+    """Exception type name, e.g. ``ValueError``, or a short label for parent-side errors."""
+    message: str
+    """One-line description; never contains a secret."""
+    traceback: str = Field(default="", repr=False)
+    """The child's formatted traceback, when there is one."""
+
+
+class EpisodeOutcome(BaseModel):
+    """Everything known about one finished episode. Contains no secret."""
+
+    model_config = ConfigDict(frozen=True)
+
+    status: Status
+    """``ok``, ``agent_error``, ``crashed``, ``timeout``, ``protocol_error`` or ``setup_error``."""
+    reward: float | dict[str, float] | None = None
+    """The reward (``ok`` only): a float, or a mapping of completion id to reward."""
+    info: Any = None
+    """The entrypoint's extra value (JSON; non-JSON values as ``repr``; size-capped)."""
+    exit_code: int | None = None
+    """Exit code of the agent's process, when it exited normally."""
+    signal: str | None = None
+    """Name of the signal that ended the agent's process, e.g. ``"SIGSEGV"``."""
+    pid: int | None = None
+    """Pid of the episode's top process (the shim supervisor)."""
+    duration_s: float = 0.0
+    """Wall-clock seconds from the start of ``run_episode`` to the end of teardown."""
+    stderr_tail: str = Field(default="", repr=False)
+    """The last bytes of the episode's stderr (and stdout), decoded as UTF-8."""
+    log_path: Path | None = None
+    """The per-episode log file, when ``spec.log_dir`` is set."""
+    error: ErrorInfo | None = None
+    """What went wrong, for every status but ``ok``."""
+    killed: int = 0
+    """How many processes of the episode teardown had to signal (leftovers included)."""
+    episode_id: str = ""
+    """Identifier of this episode: log file name stem and the child's ISOLATE_EPISODE_ID."""
+    containment: str = "session"
+    """Containment actually used: ``session+subreaper`` on Linux, else ``session``."""
+
+    @property
+    def exit_description(self) -> str:
+        """The process exit in words: ``killed by SIGSEGV``, ``exited with 3``."""
+        return describe_exit(self.exit_code, self.signal)
+
+    def summary(self) -> str:
+        """One line for logs and exception messages."""
+        text = f"episode {self.episode_id}: {self.status}"
+        if self.status == "ok":
+            text += f", reward {self.reward}"
+        elif self.error is not None:
+            text += f": {self.error.type}: {self.error.message}"
+        text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed)"
+        return text
+
+    def raise_for_status(self) -> EpisodeOutcome:
+        """Return self if ``ok``, else raise the matching :class:`EpisodeError`."""
+        if self.status == "ok":
+            return self
+        raise _ERRORS[self.status](self)
+
+
+_ERRORS: dict[str, type[_errors.EpisodeError]] = {
+    "agent_error": _errors.AgentError,
+    "crashed": _errors.EpisodeCrashed,
+    "timeout": _errors.EpisodeTimeout,
+    "protocol_error": _errors.ProtocolError,
+    "setup_error": _errors.SetupError,
+}

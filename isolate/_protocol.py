@@ -1,0 +1,155 @@
+"""The wire protocol between parent and shim (see docs/protocol.md).
+
+One handshake line parent -> child on stdin; JSON frames child -> parent on stdout, one per
+line, each carrying the per-episode nonce. Lines without that nonce are noise, not frames.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    nonce: str
+
+
+class Hello(_Frame):
+    """First frame: the shim's protocol version and what it could set up."""
+
+    t: Literal["hello"]
+    protocol: int
+    pid: int
+    python: str
+    subreaper: bool
+
+
+class Result(_Frame):
+    """The entrypoint returned. ``reward`` is None when its type was not a reward."""
+
+    t: Literal["result"]
+    reward: float | dict[str, float] | None
+    reward_type: str | None = None
+    reward_repr: str | None = None
+    info: Any = None
+
+
+class Error(_Frame):
+    """The entrypoint raised (``agent``) or could not be loaded (``setup``)."""
+
+    t: Literal["error"]
+    kind: Literal["agent", "setup"]
+    type: str
+    message: str
+    traceback: str = ""
+
+
+class Progress(_Frame):
+    """Optional, between hello and the final frame; carries nothing the parent acts on."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    t: Literal["progress"]
+
+
+class Done(_Frame):
+    """Last frame: the worker's exit and how many leftovers the supervisor killed."""
+
+    t: Literal["done"]
+    why: Literal["exited", "deadline", "terminated"]
+    killed: int = Field(ge=0)
+    exit_code: int | None
+    signal: int | None
+
+
+Frame = Annotated[Hello | Result | Error | Progress | Done, Field(discriminator="t")]
+_FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)
+
+
+@dataclass(frozen=True)
+class Noise:
+    """A stdout line that is not a frame of this episode; logged and otherwise ignored."""
+
+    reason: str
+    preview: bytes
+
+
+@dataclass(frozen=True)
+class Violation:
+    """Something on stdout that breaks the protocol (a malformed frame with our nonce)."""
+
+    message: str
+
+
+def parse_line(line: bytes, nonce: str) -> Frame | Noise | Violation:
+    """Classify one stdout line (without its newline)."""
+    preview = line[:200]
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return Noise("not JSON", preview)
+    if not isinstance(obj, dict):
+        return Noise("not a JSON object", preview)
+    their = obj.get("nonce")
+    if not isinstance(their, str) or not hmac.compare_digest(their.encode(), nonce.encode()):
+        return Noise("no nonce of this episode", preview)
+    try:
+        return _FRAME.validate_python(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return Violation(f"malformed {obj.get('t')!r} frame: {where}: {first['msg']}")
+
+
+class LineSplitter:
+    """Split a byte stream into lines of at most ``max_bytes``; longer lines are reported."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._buf = bytearray()
+        self._oversize = 0  # bytes of the current over-long line seen so far; 0 when none
+
+    def feed(self, chunk: bytes) -> list[bytes | int]:
+        """Return complete lines, and for each over-long line its size in bytes (an int)."""
+        out: list[bytes | int] = []
+        start = 0
+        while True:
+            newline = chunk.find(b"\n", start)
+            piece = chunk[start:] if newline < 0 else chunk[start:newline]
+            if self._oversize:
+                self._oversize += len(piece)
+            elif len(self._buf) + len(piece) > self._max:
+                self._oversize = len(self._buf) + len(piece)
+                self._buf.clear()
+            else:
+                self._buf += piece
+            if newline < 0:
+                return out
+            if self._oversize:
+                out.append(self._oversize)
+                self._oversize = 0
+            else:
+                out.append(bytes(self._buf))
+                self._buf.clear()
+            start = newline + 1
+
+    def rest(self) -> bytes | int | None:
+        """What is left after EOF: an unterminated line, its size if over-long, or None."""
+        if self._oversize:
+            return self._oversize
+        return bytes(self._buf) if self._buf else None
+
+
+def encode_handshake(public: Mapping[str, Any], secrets: Mapping[str, SecretStr]) -> bytes:
+    """The handshake line. ``public`` must already be known to be JSON-serialisable."""
+    head = json.dumps(dict(public), allow_nan=False, separators=(",", ":"))
+    values = {name: value.get_secret_value() for name, value in secrets.items()}
+    tail = json.dumps(values, separators=(",", ":"))
+    return f'{head[:-1]},"secrets":{tail}}}\n'.encode()

@@ -1,0 +1,164 @@
+"""Finding and killing every process of an episode, on the parent side.
+
+An episode's processes are found three ways, because each alone can miss some: the shim's
+descendants (complete while the subreaper shim lives), members of the shim's session (which
+outlive it), and, on Linux, processes whose environment carries the episode tag (which catch
+a process that left both, after the shim died). Processes are identified by pid *and*
+creation time, so a recycled pid is never signalled; a zombie counts as gone.
+
+These scans read /proc and are run in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+import anyio
+import psutil
+
+from ._config import EPISODE_ENV
+
+_Key = tuple[int, float]
+
+
+def _key(proc: psutil.Process) -> _Key:
+    return proc.pid, proc.create_time()
+
+
+def is_alive(proc: psutil.Process) -> bool:
+    """True unless the process is gone, a zombie, or its pid now belongs to another process."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _session_members(sid: int) -> list[int]:
+    found: list[int] = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _tagged(episode_id: str) -> list[int]:
+    """Pids whose initial environment carries this episode's tag (Linux only)."""
+    needle = f"{EPISODE_ENV}={episode_id}\0".encode()
+    found: list[int] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if environ.startswith(needle) or b"\0" + needle in environ:
+            found.append(int(name))
+    return found
+
+
+class Episode:
+    """The processes of one episode, and how to kill them."""
+
+    def __init__(self, shim: psutil.Process | None, sid: int, episode_id: str) -> None:
+        self.shim = shim
+        self.sid = sid
+        self.episode_id = episode_id
+        self._signalled: set[_Key] = set()
+
+    def live(self) -> list[psutil.Process]:
+        """Every live process of the episode, the shim last. Blocking: run in a thread."""
+        found: dict[_Key, psutil.Process] = {}
+
+        def add(procs: Iterable[psutil.Process]) -> None:
+            for proc in procs:
+                try:
+                    found.setdefault(_key(proc), proc)
+                except psutil.Error:
+                    continue
+
+        if self.shim is not None and is_alive(self.shim):
+            try:
+                add(self.shim.children(recursive=True))
+            except psutil.Error:
+                pass
+        add(_procs(_session_members(self.sid)))
+        add(_procs(_tagged(self.episode_id)))
+        live = [p for p in found.values() if is_alive(p)]
+        shim_pid = self.shim.pid if self.shim is not None else -1
+        # The shim last: its descendants die first, rather than being orphaned to an init
+        # that may reap them late.
+        live.sort(key=lambda p: p.pid == shim_pid)
+        return live
+
+    def count(self) -> int:
+        """How many live processes the episode has, the shim included."""
+        return len(self.live())
+
+    def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:
+        """Send ``sig`` (preceded by SIGCONT, so stopped processes act on it); return how many
+        processes other than the shim were signalled for the first time."""
+        new = 0
+        for proc in procs:
+            try:
+                if sig != signal.SIGKILL:
+                    proc.send_signal(signal.SIGCONT)
+                proc.send_signal(sig)
+                key = _key(proc)
+            except psutil.Error:
+                continue
+            if key not in self._signalled:
+                self._signalled.add(key)
+                if self.shim is None or proc.pid != self.shim.pid:
+                    new += 1
+        return new
+
+    async def kill(self, grace: float, term_deadline: float | None = None) -> int:
+        """SIGTERM everything, SIGKILL what is left after ``grace`` seconds, until nothing is
+        left. ``term_deadline`` (monotonic) continues an earlier, interrupted teardown.
+        Returns how many processes other than the shim had to be signalled."""
+        if term_deadline is None:
+            term_deadline = time.monotonic() + grace
+        give_up = term_deadline + 10.0
+        killed = 0
+        delay = 0.002
+        while True:
+            live = await anyio.to_thread.run_sync(self.live)
+            if not live or time.monotonic() > give_up:
+                return killed
+            sig = signal.SIGTERM if time.monotonic() < term_deadline else signal.SIGKILL
+            if sig == signal.SIGTERM:
+                fresh = [p for p in live if _safe_key(p) not in self._signalled]
+                killed += await anyio.to_thread.run_sync(self.signal, fresh, sig)
+            else:
+                killed += await anyio.to_thread.run_sync(self.signal, live, sig)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+def _safe_key(proc: psutil.Process) -> _Key | None:
+    try:
+        return _key(proc)
+    except psutil.Error:
+        return None
+
+
+def _procs(pids: Iterable[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return out
