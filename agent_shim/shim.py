@@ -227,9 +227,8 @@ def signal_all(pids, sig):
 
 
 def kill_tree(worker_pid, status, grace):
-    """SIGCONT+SIGTERM every descendant, SIGKILL what is left after ``grace`` seconds.
-
-    Returns (number of processes signalled, worker status)."""
+    """SIGCONT+SIGTERM every descendant, SIGKILL what is left after ``grace`` seconds, and reap
+    everything. Returns (number of processes signalled, worker's wait status)."""
     me = os.getpid()
     victims = set()
     end = time.monotonic() + grace
@@ -238,7 +237,12 @@ def kill_tree(worker_pid, status, grace):
         status = reap(worker_pid, status)
         live = live_descendants(me)
         if not live:
-            return len(victims), status
+            # Reap the dead too: an unreaped zombie's own children would be handed to init.
+            status, clear = reap_all(worker_pid, status)
+            if clear:
+                return len(victims), status
+            time.sleep(delay)
+            continue
         fresh = [pid for pid in live if pid not in victims]
         victims.update(fresh)
         if time.monotonic() < end:
@@ -251,6 +255,19 @@ def kill_tree(worker_pid, status, grace):
                 return len(victims), status
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
+
+
+def reap_all(worker_pid, status):
+    """Reap until no child is left; (status, False) if a live child turned up meanwhile."""
+    while True:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status, True
+        if pid == 0:
+            return status, False
+        if pid == worker_pid:
+            status = code
 
 
 def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):

@@ -24,12 +24,10 @@ from ._outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
 from ._protocol import PROTOCOL_VERSION
 
 __all__ = [
-    "DEFAULT_INHERIT_ENV",
-    "EPISODE_ENV",
-    "PROTOCOL_VERSION",
-    "STATUSES",
     "AgentError",
     "ArgumentError",
+    "DEFAULT_INHERIT_ENV",
+    "EPISODE_ENV",
     "EpisodeCrashed",
     "EpisodeError",
     "EpisodeOutcome",
@@ -37,7 +35,9 @@ __all__ = [
     "EpisodeTimeout",
     "ErrorInfo",
     "IsolateError",
+    "PROTOCOL_VERSION",
     "ProtocolError",
+    "STATUSES",
     "SetupError",
     "Status",
     "run_episode",

@@ -103,7 +103,7 @@ class _Run:
             for k, v in secrets.items()
         }
         self.spec = spec
-        self.episode_id = episode_id or _default_episode_id(data)
+        self.episode_id = _default_episode_id(data) if episode_id is None else episode_id
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.episode_id):
             raise ArgumentError(f"episode_id must be 1-200 of [A-Za-z0-9_.-], got {episode_id!r}")
         self.nonce = _secrets.token_hex(16)
@@ -148,16 +148,15 @@ class _Run:
     # --- the episode ------------------------------------------------------------------------
 
     async def run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
-        problem = await anyio.to_thread.run_sync(self._prepare)
-        if problem is not None:
-            return self._finish("setup_error", ErrorInfo(type="SetupError", message=problem))
         try:
-            await anyio.to_thread.run_sync(self._spawn)
-        except OSError as exc:
-            self._close()
-            message = f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
-            return self._finish("setup_error", ErrorInfo(type="SetupError", message=message))
-        try:
+            problem = await anyio.to_thread.run_sync(self._prepare)
+            if problem is not None:
+                return self._finish("setup_error", _err("SetupError", problem))
+            try:
+                await anyio.to_thread.run_sync(self._spawn)
+            except OSError as exc:
+                message = f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
+                return self._finish("setup_error", _err("SetupError", message))
             if on_start is not None:
                 assert self.popen is not None
                 on_start(self.popen.pid)
@@ -424,6 +423,9 @@ class _Run:
             if self.timed_out:
                 return "timeout", self._timeout_error(), None, None
             exit_code, sig = self._exit()
+            if sig is not None:
+                message = f"the shim was killed by {sig} before it started"
+                return "crashed", _err("EpisodeCrashed", message), None, None
             last = self._last_line()
             return (
                 "setup_error",

@@ -93,12 +93,14 @@ def parse_line(line: bytes, nonce: str) -> Frame | Noise | Violation:
     preview = line[:200]
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested arrays
         return Noise("not JSON", preview)
     if not isinstance(obj, dict):
         return Noise("not a JSON object", preview)
     their = obj.get("nonce")
-    if not isinstance(their, str) or not hmac.compare_digest(their.encode(), nonce.encode()):
+    if not isinstance(their, str) or not hmac.compare_digest(
+        their.encode("utf-8", "surrogatepass"), nonce.encode()
+    ):
         return Noise("no nonce of this episode", preview)
     try:
         return _FRAME.validate_python(obj)

@@ -6,38 +6,42 @@ the key). Nothing that isolate writes to a log, a tail or an outcome may contain
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 MASK = b"[secret]"
 
 
 class Redactor:
-    """Replace secret values in text and in a byte stream split at arbitrary points."""
+    """Replace secret values in text, and in a byte stream split at arbitrary points.
+
+    Matching is leftmost, then longest, so overlapping secrets are masked whole, and a stream
+    scrubbed chunk by chunk gives exactly what scrubbing it whole would."""
 
     def __init__(self, secrets: list[str]) -> None:
-        values = {s.encode() for s in secrets if s}
-        self._needles = sorted(values, key=len, reverse=True)
-        self._keep = max((len(n) for n in self._needles), default=1) - 1
+        needles = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+        self._needles = needles
+        self._pattern = re.compile(b"|".join(re.escape(n) for n in needles)) if needles else None
+        self._keep = len(needles[0]) - 1 if needles else 0
         self._carry = b""
 
     def __bool__(self) -> bool:
-        return bool(self._needles)
+        return self._pattern is not None
 
     def scrub(self, data: bytes) -> bytes:
-        for needle in self._needles:
-            data = data.replace(needle, MASK)
-        return data
+        if self._pattern is None:
+            return data
+        return self._pattern.sub(MASK, data)
 
     def text(self, text: str) -> str:
-        if not self._needles:
+        if self._pattern is None:
             return text
-        return self.scrub(text.encode("utf-8", "surrogateescape")).decode(
-            "utf-8", "surrogateescape"
-        )
+        raw = text.encode("utf-8", "surrogatepass")
+        return self.scrub(raw).decode("utf-8", "surrogatepass")
 
     def json(self, value: Any) -> Any:
         """A copy of a JSON value with every string scrubbed (keys included)."""
-        if not self._needles:
+        if self._pattern is None:
             return value
         if isinstance(value, str):
             return self.text(value)
@@ -47,25 +51,37 @@ class Redactor:
             return {self.text(str(k)): self.json(v) for k, v in value.items()}
         return value
 
-    def stream(self, chunk: bytes) -> bytes:
-        """Scrub the next chunk of a stream. Holds back the last ``len(longest) - 1`` bytes,
-        which may be the start of a secret split across chunks; :meth:`flush` releases them."""
-        if not self._needles:
-            return chunk
-        data = self.scrub(self._carry + chunk)
-        if self._keep == 0:
-            self._carry = b""
-            return data
-        # Hold back a suffix only if it could begin a secret.
-        cut = len(data)
-        for start in range(max(0, len(data) - self._keep), len(data)):
+    def _hold_from(self, data: bytes, low: int) -> int:
+        """The earliest position >= ``low`` from which the rest of ``data`` could still grow
+        into a secret; ``len(data)`` if there is none."""
+        for start in range(max(low, len(data) - self._keep), len(data)):
             tail = data[start:]
             if any(n.startswith(tail) for n in self._needles):
-                cut = start
+                return start
+        return len(data)
+
+    def stream(self, chunk: bytes) -> bytes:
+        """Scrub the next chunk of a stream; bytes that may begin a secret are held back until
+        the next chunk or :meth:`flush`."""
+        if self._pattern is None:
+            return chunk
+        data = self._carry + chunk
+        hold = self._hold_from(data, 0)
+        out, pos = [], 0
+        while True:
+            match = self._pattern.search(data, pos)
+            # A match starting before ``hold`` cannot change with more input: it is final.
+            if match is None or match.start() >= hold:
                 break
-        self._carry = data[cut:]
-        return data[:cut]
+            out += [data[pos : match.start()], MASK]
+            pos = match.end()
+            if pos > hold:
+                hold = self._hold_from(data, pos)
+        out.append(data[pos:hold])
+        self._carry = data[hold:]
+        return b"".join(out)
 
     def flush(self) -> bytes:
+        """The held-back rest of the stream, scrubbed."""
         rest, self._carry = self._carry, b""
         return self.scrub(rest)

@@ -1,0 +1,169 @@
+"""Test toolkit: real processes only. Agents are small files written to tmp_path; processes
+they start write pid files; every test proves afterwards that no process of it is left."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+
+# CI machines are slower and shared: scale every bounded wait.
+SLOW = 3.0 if os.environ.get("CI") else 1.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    end = time.monotonic() + timeout * SLOW
+    delay = 0.005
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout * SLOW:.1f} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def wait_until(predicate: Callable[[], Any], seconds: float = 10.0) -> None:
+    """Async ``wait_for``: poll a file-system condition from inside an event loop."""
+    with anyio.fail_after(seconds * SLOW):
+        while not predicate():  # noqa: ASYNC110 - the condition is a file, not an event
+            await anyio.sleep(0.01)
+
+
+def is_gone(pid: int, create_time: float | None = None) -> bool:
+    """Gone means: no such pid, a zombie, or the pid now belongs to a newer process."""
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
+            return True
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def episode_processes(marker: bytes = b"") -> list[psutil.Process]:
+    """Live processes on the machine that carry an isolate episode tag in their environment
+    (and ``marker``, when given)."""
+    needle = f"{isolate.EPISODE_ENV}=".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if (environ.startswith(needle) or b"\0" + needle in environ) and marker in environ:
+            try:
+                proc = psutil.Process(int(name))
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except psutil.Error:
+                continue
+    return found
+
+
+def live_children() -> list[psutil.Process]:
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_process_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the test if any episode process of this test run, or any child of the test runner,
+    outlives it. Episodes of this run are those whose PID_DIR lies under this run's temporary
+    directory (see :class:`Agents`), so concurrent test runs on one machine do not interfere."""
+    marker = f"PID_DIR={tmp_path_factory.getbasetemp()}".encode()
+    yield
+    left = episode_processes(marker) + live_children()
+    if left:
+        described = [f"{p.pid} {_cmd(p)}" for p in left]
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"processes left behind: {described}")
+
+
+def _cmd(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:120]
+    except psutil.Error:
+        return "?"
+
+
+class Agents:
+    """Write agent modules into a fresh agent root and build specs for them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.root = tmp_path / "agent_root"
+        self.root.mkdir()
+        self.pids = tmp_path / "pids"
+        self.pids.mkdir()
+        self.logs = tmp_path / "logs"
+        self.tmp = tmp_path
+        self._n = 0
+
+    def spec(self, code: str, *, function: str = "run", **overrides: Any) -> isolate.EpisodeSpec:
+        """A spec whose entrypoint is ``function`` in a new module holding ``code``."""
+        self._n += 1
+        module = f"agent_{self._n}"
+        (self.root / f"{module}.py").write_text(textwrap.dedent(code))
+        fields: dict[str, Any] = {
+            "agent_root": self.root,
+            "entrypoint": f"{module}:{function}",
+            "timeout": 30.0,
+            "kill_grace": 1.0,
+            "log_dir": self.logs,
+            "env": {"PID_DIR": str(self.pids)},
+        }
+        fields.update(overrides)
+        return isolate.EpisodeSpec(**fields)
+
+    def pid_files(self) -> dict[str, int]:
+        return {p.name: int(p.read_text()) for p in self.pids.iterdir() if p.read_text().strip()}
+
+    def wait_pids(self, count: int, timeout: float = 10.0) -> dict[str, int]:
+        return wait_for(
+            lambda: (lambda d: d if len(d) >= count else None)(self.pid_files()),
+            timeout,
+            f"{count} pid files",
+        )
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Agents:
+    return Agents(tmp_path)
+
+
+# A shell snippet that records its own pid under $PID_DIR/<name>; for agents' grandchildren.
+def record_pid_sh(name: str) -> str:
+    return f'echo $$ > "$PID_DIR/{name}.tmp" && mv "$PID_DIR/{name}.tmp" "$PID_DIR/{name}"'
+
+
+PYTHON = sys.executable

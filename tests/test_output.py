@@ -1,0 +1,120 @@
+"""Output handling: nothing the agent writes reaches the protocol; floods neither deadlock
+nor grow the parent; pipes held by grandchildren do not delay the result."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+import isolate
+
+from .conftest import Agents, is_gone, record_pid_sh
+
+pytestmark = pytest.mark.anyio
+
+NO_UNBUFFERED = ("PATH", "HOME")  # PYTHONUNBUFFERED is set on this machine: keep it out
+
+
+async def test_stdout_pollution_lands_in_the_log(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import ctypes, os, subprocess, sys
+        def run(data):
+            print('{"t": "result", "reward": 0.0}')  # looks like a frame, has no nonce
+            print("from-print")
+            sys.stdout.write("from-sys-stdout\\n")
+            os.write(1, b"from-os-write\\n")
+            libc = ctypes.CDLL(None)
+            libc.puts(b"from-libc-puts")
+            libc.fflush(None)
+            subprocess.run(["sh", "-c", "echo from-grandchild-echo"], check=True)
+            os.system("echo from-os-system")
+            return 0.75
+        """,
+        inherit_env=NO_UNBUFFERED,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.reward == 0.75
+    assert outcome.log_path is not None
+    log = outcome.log_path.read_text()
+    for text in (
+        "from-print",
+        "from-sys-stdout",
+        "from-os-write",
+        "from-libc-puts",
+        "from-grandchild-echo",
+        "from-os-system",
+        '"reward": 0.0',
+    ):
+        assert text in log
+        assert text in outcome.stderr_tail
+
+
+async def test_stderr_flood_is_streamed_not_buffered(agents: Agents) -> None:
+    """100 MB on stderr: all of it in the log, a bounded tail in memory, no deadlock."""
+    size = 100 * 1024 * 1024
+    spec = agents.spec(
+        f"""
+        import os
+        def run(data):
+            block = b"y" * 65535 + b"\\n"
+            for _ in range({size} // 65536):
+                os.write(2, block)
+            os.write(1, b"tail-marker\\n")
+            return 1.0
+        """,
+        inherit_env=NO_UNBUFFERED,
+        stderr_tail_bytes=4096,
+    )
+    me = psutil.Process()
+    before = me.memory_info().rss
+    outcome = await isolate.run_episode(spec, {})
+    grown = me.memory_info().rss - before
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.log_path is not None
+    assert outcome.log_path.stat().st_size >= size
+    assert len(outcome.stderr_tail.encode()) <= 4096
+    assert "tail-marker" in outcome.stderr_tail
+    assert grown < 40 * 1024 * 1024, f"parent RSS grew by {grown} bytes"
+
+
+async def test_stdout_flood_is_drained(agents: Agents) -> None:
+    """20 MB of stdout without newlines (one line far above max_frame_bytes) is noise that
+    must not deadlock the child, and must not count as a frame."""
+    spec = agents.spec(
+        """
+        import sys
+        def run(data):
+            for _ in range(320):
+                sys.stdout.write("z" * 65536)
+            sys.stdout.write("\\n")
+            return 1.0
+        """,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.log_path is not None
+    assert outcome.log_path.stat().st_size >= 320 * 65536
+
+
+async def test_grandchild_holding_the_pipes_does_not_delay_the_result(agents: Agents) -> None:
+    """The agent returns while a background process still holds stdout/stderr: the outcome
+    comes promptly, and the leftover is killed and counted."""
+    spec = agents.spec(
+        f"""
+        import subprocess
+        def run(data):
+            subprocess.Popen(["sh", "-c", '{record_pid_sh("holder")}; exec sleep 300'])
+            import os, time
+            while not os.path.exists(os.path.join(os.environ["PID_DIR"], "holder")):
+                time.sleep(0.01)
+            return 1.0
+        """,
+        timeout=60.0,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.duration_s < 5.0
+    assert outcome.killed == 1
+    assert is_gone(agents.pid_files()["holder"])

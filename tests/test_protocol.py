@@ -1,0 +1,658 @@
+"""The wire protocol: fake shims that break it end to end, the real shim's side of the
+version check, and properties of the parent-side parser, line splitter and redactor."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import agent_shim.shim
+import isolate
+from isolate import _launcher
+from isolate._protocol import (
+    Done,
+    Error,
+    Hello,
+    LineSplitter,
+    Noise,
+    Progress,
+    Result,
+    Violation,
+    parse_line,
+)
+from isolate._redact import MASK, Redactor
+
+from .conftest import SLOW, Agents
+
+V = isolate.PROTOCOL_VERSION
+
+# --- fake shims, end to end -------------------------------------------------------------------
+
+# Every fake starts like the real shim: read the handshake line, learn the nonce. Helpers write
+# whole frames; a body decides what to send and how.
+PRELUDE = """\
+import json, os, resource, signal, sys, time
+hs = json.loads(sys.stdin.buffer.readline())
+N = hs["nonce"]
+
+def frame(t, **fields):
+    return (json.dumps(dict(fields, t=t, nonce=N)) + "\\n").encode()
+
+def raw(data):
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+def send(t, **fields):
+    raw(frame(t, **fields))
+
+def hello(protocol=1):
+    send("hello", protocol=protocol, pid=os.getpid(), python="3.11", subreaper=False)
+
+def result(reward=1.0, **fields):
+    fields.setdefault("info", None)
+    send("result", reward=reward, **fields)
+
+def done(exit_code=0):
+    send("done", why="exited", killed=0, exit_code=exit_code, signal=None)
+"""
+
+
+@dataclass(frozen=True)
+class Fake:
+    """One fake shim and what the parent must make of it."""
+
+    body: str
+    status: str
+    says: tuple[str, ...] = ()  # regexes the error message must match (status != ok)
+    spec: dict[str, Any] = field(default_factory=dict)
+    log_says: tuple[str, ...] = ()  # regexes the episode log must match
+    signal: str | None = None
+    prelude: bool = True
+    reward: float = 1.0  # when status is ok
+
+
+FAKES = {
+    "well-behaved": Fake("hello(); result(0.75); done()", "ok", reward=0.75),
+    "nan reward": Fake(
+        "hello(); result(float('nan')); done()",
+        "protocol_error",
+        (r"\bnan\b", r"finite"),
+    ),
+    "inf reward": Fake(
+        "hello(); result(float('inf')); done()",
+        "protocol_error",
+        (r"\binf\b", r"finite"),
+    ),
+    "nan in a reward mapping": Fake(
+        "hello(); result({'c1': 1.0, 'c2': float('-inf')}); done()",
+        "protocol_error",
+        (r"-inf\b", r"finite"),
+    ),
+    "reward of a wrong type": Fake(
+        "hello(); result(None, reward_type='str', reward_repr=\"'x'\"); done()",
+        "protocol_error",
+        (r"\bstr\b", r"'x'"),
+    ),
+    "two results": Fake(
+        "hello(); result(1.0); result(0.0); done()",
+        "protocol_error",
+        (r"second", r"result"),
+    ),
+    "result then error": Fake(
+        "hello(); result(1.0); "
+        "send('error', kind='agent', type='X', message='m', traceback=''); done()",
+        "protocol_error",
+        (r"second", r"'error'", r"'result'"),
+    ),
+    "result without reward": Fake(
+        "hello(); send('result', info=None); done()",
+        "protocol_error",
+        (r"malformed", r"result", r"reward"),
+    ),
+    "error of a weird kind": Fake(
+        "hello(); send('error', kind='weird', type='X', message='m', traceback=''); done()",
+        "protocol_error",
+        (r"malformed", r"'error'", r"kind"),
+    ),
+    "result before hello": Fake(
+        "result(1.0); hello(); done()",
+        "protocol_error",
+        (r"'result'", r"before hello"),
+    ),
+    "frame over max_frame_bytes": Fake(
+        # A result line of exactly 10240 bytes, nonce and all, against a cap of 2048.
+        """
+        hello()
+        base = len(frame("result", reward=1.0, info="")) - 1
+        raw(frame("result", reward=1.0, info="x" * (10240 - base)))
+        done()
+        """,
+        "protocol_error",
+        (r"\b10240\b", r"max_frame_bytes"),
+        spec={"max_frame_bytes": 2048},
+    ),
+    "noise before the result": Fake(
+        """
+        hello()
+        raw(b"garbage line one\\n")
+        raw(b"\\xff\\xfe not even utf-8\\n")
+        raw(b"[1, 2, 3]\\n")
+        raw(json.dumps({"t": "result", "nonce": "not-" + N, "reward": 0.0}).encode() + b"\\n")
+        raw(json.dumps({"t": "result", "nonce": N.upper(), "reward": "bad"}).encode() + b"\\n")
+        raw(json.dumps({"t": "result", "reward": 0.0}).encode() + b"\\n")
+        result(1.0)
+        done()
+        """,
+        "ok",
+        log_says=(
+            r"ignored stdout line \(not JSON\).*garbage line one",
+            r"ignored stdout line \(not a JSON object\)",
+            r"ignored stdout line \(no nonce of this episode\).*not-",
+        ),
+    ),
+    "deeply nested JSON noise": Fake(
+        # Noise like any other line: it must not take the parent down with a RecursionError.
+        "hello(); raw(b'[' * 5000 + b'\\n'); result(1.0); done()",
+        "ok",
+        log_says=(r"ignored stdout line",),
+    ),
+    "a nonce that is a lone surrogate": Fake(
+        # Valid JSON; its nonce cannot be encoded as UTF-8. Still just noise.
+        'hello(); raw(b\'{"t": "result", "nonce": "\\\\ud800"}\\n\'); result(1.0); done()',
+        "ok",
+        log_says=(r"ignored stdout line",),
+    ),
+    "protocol 2": Fake(
+        "hello(protocol=2); sys.exit(2)",
+        "protocol_error",
+        (r"protocol 2\b", rf"\b{V}\b"),
+    ),
+    "no hello, exit 0": Fake(
+        "sys.stderr.write('fake shim: refusing to start\\n')",
+        "setup_error",
+        (r"did not start", r"exited with 0", r"fake shim: refusing to start"),
+    ),
+    "hello, then exit 0": Fake(
+        "hello()",
+        "protocol_error",
+        (r"exited 0", r"without .*result"),
+    ),
+    "hello, then SIGSEGV": Fake(
+        # No core file: this is a test, not a post-mortem.
+        "hello(); resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); "
+        "os.kill(os.getpid(), signal.SIGSEGV)",
+        "crashed",
+        (r"killed by SIGSEGV",),
+        signal="SIGSEGV",
+    ),
+    "hangs after hello": Fake(
+        "hello(); time.sleep(60)",
+        "timeout",
+        (r"no result within 1 s",),
+        spec={"timeout": 1.0},
+    ),
+    "never reads stdin": Fake(
+        "import time; time.sleep(60)",
+        "timeout",
+        (r"no result within 1 s",),
+        spec={"timeout": 1.0},
+        prelude=False,
+    ),
+    "frames byte by byte": Fake(
+        # Every frame split across many reads of the parent.
+        """
+        data = (
+            frame("hello", protocol=1, pid=os.getpid(), python="3.11", subreaper=False)
+            + frame("result", reward=0.5, info={"k": [1, 2]})
+            + frame("done", why="exited", killed=0, exit_code=0, signal=None)
+        )
+        for i in range(len(data)):
+            raw(data[i : i + 1])
+            time.sleep(0.0005)
+        """,
+        "ok",
+        reward=0.5,
+    ),
+    "result in small os.write chunks": Fake(
+        """
+        hello()
+        sys.stdout.flush()
+        data = frame("result", reward=0.25, info={"text": "x" * 500})
+        for i in range(0, len(data), 3):
+            os.write(1, data[i : i + 3])
+        done()
+        """,
+        "ok",
+        reward=0.25,
+    ),
+}
+
+
+def fake_spec(tmp_path: Path, **overrides: Any) -> isolate.EpisodeSpec:
+    fields: dict[str, Any] = {
+        "entrypoint": "fake:run",  # never imported: the fake shim ignores it
+        "timeout": 20.0,
+        "kill_grace": 0.5,
+        "log_dir": tmp_path / "logs",
+    }
+    fields.update(overrides)
+    return isolate.EpisodeSpec(**fields)
+
+
+def write_fake(tmp_path: Path, fake: Fake) -> Path:
+    path = tmp_path / "fake_shim.py"
+    body = textwrap.dedent(fake.body).strip() + "\n"
+    path.write_text((PRELUDE + body) if fake.prelude else body)
+    return path
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", list(FAKES))
+async def test_fake_shim(tmp_path: Path, name: str) -> None:
+    fake = FAKES[name]
+    spec = fake_spec(tmp_path, **fake.spec)
+    started = time.monotonic()
+    outcome = await _launcher._run_with_shim(spec, {"instance_id": "p"}, write_fake(tmp_path, fake))
+    elapsed = time.monotonic() - started
+
+    assert outcome.status == fake.status, outcome.summary()
+    if fake.status == "ok":
+        assert outcome.error is None
+        assert outcome.reward == fake.reward
+    else:
+        assert outcome.error is not None
+        assert outcome.reward is None
+        for pattern in fake.says:
+            assert re.search(pattern, outcome.error.message), (pattern, outcome.error.message)
+    if fake.signal is not None:
+        assert outcome.signal == fake.signal
+        assert outcome.exit_code is None
+    assert outcome.log_path is not None
+    log = outcome.log_path.read_text(errors="replace")
+    for pattern in fake.log_says:
+        assert re.search(pattern, log), (pattern, log)
+    if fake.status == "timeout":
+        # Killed at the deadline, not when the fake's sleep ran out.
+        assert elapsed < (spec.timeout + spec.kill_grace + 5.0) * SLOW
+    if fake.status == "ok":
+        assert "protocol violation" not in log
+
+
+@pytest.mark.anyio
+async def test_fake_secret_is_scrubbed_from_protocol_errors(tmp_path: Path) -> None:
+    # The child knows the secret and may quote it in a frame that breaks the protocol.
+    secret = "sk-proto-SECRET-987"
+    fake = Fake(
+        "hello(); result(None, reward_type='str', reward_repr=repr(hs['secrets']['key'])); done()",
+        "protocol_error",
+    )
+    spec = fake_spec(tmp_path)
+    outcome = await _launcher._run_with_shim(
+        spec, {}, write_fake(tmp_path, fake), secrets={"key": secret}
+    )
+    assert outcome.status == "protocol_error"
+    assert outcome.error is not None
+    assert MASK.decode() in outcome.error.message
+    assert secret not in outcome.model_dump_json()
+
+
+# --- the real shim, directly ------------------------------------------------------------------
+
+
+def run_real_shim(tmp_path: Path, handshake: bytes | None) -> subprocess.CompletedProcess[bytes]:
+    """Run the real shim; its stdin is a pipe we keep open, so only the handshake can end it."""
+    read_end, write_end = os.pipe()
+    try:
+        if handshake is not None:
+            os.write(write_end, handshake)
+        else:
+            os.close(write_end)
+            write_end = -1
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(isolate.shim_path())],
+            stdin=read_end,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=tmp_path,
+        )
+        os.close(read_end)
+        read_end = -1
+        try:
+            out, err = proc.communicate(timeout=10 * SLOW)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        assert proc.returncode is not None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+
+
+def marker_agent(agents: Agents) -> tuple[dict[str, Any], Path]:
+    """A handshake for an agent that leaves a marker file when imported or called."""
+    marker = agents.tmp / "marker"
+    (agents.root / "marker_agent.py").write_text(
+        textwrap.dedent(
+            f"""
+            open({str(marker)!r}, "a").write("imported\\n")
+
+            def run(data):
+                open({str(marker)!r}, "a").write("called\\n")
+                return 1.0
+            """
+        )
+    )
+    hs = {
+        "protocol": V,
+        "nonce": "n0nce-for-the-real-shim",
+        "entrypoint": "marker_agent:run",
+        "agent_root": str(agents.root),
+        "data": {},
+        "kwargs": {},
+        "deadline": 10.0,
+        "kill_grace": 1.0,
+        "max_info_bytes": 1000,
+        "secrets": {},
+    }
+    return hs, marker
+
+
+def frames_of(out: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_real_shim_runs_a_matching_handshake(agents: Agents, tmp_path: Path) -> None:
+    # The control for the test below: the marker does show when the agent runs.
+    hs, marker = marker_agent(agents)
+    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n")
+    assert done.returncode == 0, done.stderr
+    frames = frames_of(done.stdout)
+    assert [f["t"] for f in frames] == ["hello", "result", "done"]
+    assert {f["nonce"] for f in frames} == {hs["nonce"]}
+    assert frames[1]["reward"] == 1.0
+    assert marker.read_text() == "imported\ncalled\n"
+
+
+def test_real_shim_answers_a_version_mismatch_and_stops(agents: Agents, tmp_path: Path) -> None:
+    hs, marker = marker_agent(agents)
+    hs["protocol"] = 999
+    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n")
+    assert done.returncode == 2
+    frames = frames_of(done.stdout)
+    assert len(frames) == 1, done.stdout
+    (hello,) = frames
+    assert hello["t"] == "hello"
+    assert hello["protocol"] == isolate.PROTOCOL_VERSION
+    assert hello["nonce"] == hs["nonce"]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "handshake",
+    [None, b"not json\n", b'{"protocol": 1}\n'],
+    ids=["stdin closed", "not JSON", "no nonce"],
+)
+def test_real_shim_without_a_handshake(tmp_path: Path, handshake: bytes | None) -> None:
+    done = run_real_shim(tmp_path, handshake)
+    assert done.returncode == 2
+    assert done.stdout == b""
+    assert b"handshake" in done.stderr
+
+
+def test_shim_protocol_version_matches() -> None:
+    assert agent_shim.shim.PROTOCOL_VERSION == isolate.PROTOCOL_VERSION
+
+
+def test_importing_the_shim_module_has_no_side_effect(tmp_path: Path) -> None:
+    # In a fresh interpreter: the shim touches fds and signals when it runs, never on import.
+    repo = Path(isolate.__file__).resolve().parents[1]
+    code = textwrap.dedent(
+        f"""
+        import json, os, signal, sys, threading
+        sys.path.insert(0, {str(repo)!r})
+
+        def state():
+            fds = {{}}
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    fds[fd] = os.readlink("/proc/self/fd/" + fd)
+                except OSError:
+                    pass  # the fd listdir itself used, closed by now
+            sigs = {{s.name: repr(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGCHLD,
+                    signal.SIGHUP, signal.SIGINT)}}
+            return {{"fds": sorted(fds.values()), "sigs": sigs,
+                    "stdout": sys.stdout.fileno(), "threads": threading.active_count()}}
+
+        before = state()
+        import agent_shim.shim
+        after = state()
+        sys.stderr.write(json.dumps([before, after]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code],
+        stdin=subprocess.PIPE,  # open, never written: a read on import would hang
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=10 * SLOW,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == b""
+    before, after = json.loads(done.stderr)
+    assert before == after
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- properties of the parent-side parser -----------------------------------------------------
+
+QUICK = settings(max_examples=200, deadline=None)
+NONCE = "0123456789abcdef0123456789abcdef"
+FRAME_TYPES = (Hello, Result, Error, Progress, Done)
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+other_nonces = st.one_of(
+    st.sampled_from(
+        [NONCE[:-1], NONCE + "0", NONCE.upper(), " " + NONCE, NONCE + "\n", "", "\u0000"]
+    ),
+    st.text(max_size=40).filter(lambda s: s != NONCE),
+    st.integers(),
+    st.none(),
+    st.lists(st.just(NONCE), max_size=1),
+)
+frame_fields = st.fixed_dictionaries(
+    {"t": st.sampled_from(["hello", "result", "error", "progress", "done", "other", 7])},
+    optional={
+        "protocol": st.integers(-2, 3) | json_values,
+        "pid": st.integers(0, 2**22) | json_values,
+        "python": st.just("3.11") | json_values,
+        "subreaper": st.booleans() | json_values,
+        "reward": st.floats() | st.dictionaries(st.text(max_size=3), st.floats()) | json_values,
+        "reward_type": st.text(max_size=5),
+        "reward_repr": st.text(max_size=5),
+        "info": json_values,
+        "kind": st.sampled_from(["agent", "setup", "weird"]),
+        "type": st.text(max_size=5) | json_values,
+        "message": st.text(max_size=5) | json_values,
+        "traceback": st.text(max_size=5),
+        "why": st.sampled_from(["exited", "deadline", "terminated", "bored"]),
+        "killed": st.integers(-2, 5),
+        "exit_code": st.none() | st.integers(-1, 255),
+        "signal": st.none() | st.integers(1, 64) | json_values,
+    },
+)
+
+
+@QUICK
+@given(line=st.binary(max_size=300))
+@example(line=b"[" * 5000)  # nesting deeper than the JSON decoder's recursion limit
+@example(line=b'{"t": "hello", "nonce": "\\ud800"}')  # a nonce UTF-8 cannot encode
+@example(line=b'{"nonce": "0123456789abcdef0123456789abcdef"}')
+@example(line=b"\xef\xbb\xbf{}")
+@example(line=b"NaN")
+def test_parse_line_never_raises(line: bytes) -> None:
+    item = parse_line(line, NONCE)
+    assert isinstance(item, (*FRAME_TYPES, Noise, Violation))
+    if isinstance(item, Noise):
+        assert item.preview == line[:200]
+    if isinstance(item, (*FRAME_TYPES, Violation)):
+        # Only a JSON object carrying exactly this nonce is a frame, or can break the protocol.
+        obj = json.loads(line)
+        assert obj["nonce"] == NONCE
+
+
+@QUICK
+@given(fields=frame_fields, nonce=other_nonces, drop=st.booleans())
+def test_a_line_without_the_exact_nonce_is_never_a_frame(
+    fields: dict[str, Any], nonce: Any, drop: bool
+) -> None:
+    obj = dict(fields) if drop else dict(fields, nonce=nonce)
+    item = parse_line(json.dumps(obj).encode(), NONCE)
+    assert isinstance(item, Noise), item
+
+
+@QUICK
+@given(fields=frame_fields)
+def test_a_line_with_the_nonce_is_a_frame_or_a_violation(fields: dict[str, Any]) -> None:
+    item = parse_line(json.dumps(dict(fields, nonce=NONCE)).encode(), NONCE)
+    assert isinstance(item, (*FRAME_TYPES, Violation)), item
+    if isinstance(item, FRAME_TYPES):
+        assert item.nonce == NONCE
+        assert item.t == fields["t"]
+    else:
+        assert item.message
+
+
+def test_parse_line_examples() -> None:
+    # The properties above hold for a parser that calls everything noise; pin real frames too.
+    hello = b'{"t":"hello","nonce":"%s","protocol":1,"pid":5,"python":"3.9.1","subreaper":true}'
+    item = parse_line(hello % NONCE.encode(), NONCE)
+    assert item == Hello(t="hello", nonce=NONCE, protocol=1, pid=5, python="3.9.1", subreaper=True)
+    result = b'{"t":"result","nonce":"%s","reward":NaN,"info":{"a":[1]}}' % NONCE.encode()
+    item = parse_line(result, NONCE)
+    assert isinstance(item, Result)
+    assert isinstance(item.reward, float)
+    assert math.isnan(item.reward)
+    assert item.info == {"a": [1]}
+    bad = b'{"t":"done","nonce":"%s","why":"exited","killed":-1,"exit_code":0,"signal":null}'
+    item = parse_line(bad % NONCE.encode(), NONCE)
+    assert isinstance(item, Violation)
+    assert "killed" in item.message
+
+
+# --- properties of the line splitter ----------------------------------------------------------
+
+streams = st.lists(
+    st.sampled_from([b"\n", b"\n\n", b"a", b"bc", b"defgh", b"x" * 11, b"\r", b"\x00\xff"])
+    | st.binary(max_size=6),
+    max_size=40,
+).map(b"".join)
+
+
+def cut(data: bytes, points: list[int]) -> list[bytes]:
+    bounds = [0, *sorted(p % (len(data) + 1) for p in points), len(data)]
+    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@QUICK
+@given(data=streams, points=st.lists(st.integers(0, 10_000), max_size=12), limit=st.integers(0, 12))
+def test_line_splitter_matches_a_whole_split(data: bytes, points: list[int], limit: int) -> None:
+    splitter = LineSplitter(limit)
+    got: list[bytes | int] = []
+    for chunk in cut(data, points):
+        got += splitter.feed(chunk)
+        assert len(splitter._buf) <= limit
+    *complete, last = data.split(b"\n")
+    assert got == [line if len(line) <= limit else len(line) for line in complete]
+    if not last:
+        assert splitter.rest() is None
+    else:
+        assert splitter.rest() == (last if len(last) <= limit else len(last))
+
+
+# --- properties of the redactor ---------------------------------------------------------------
+
+# Secrets from an alphabet disjoint from the mask "[secret]": a secret that is part of the
+# mask would "appear" in every scrubbed text, which says nothing about leaks.
+SECRET_ALPHABET = "abk-9"
+assert not set(SECRET_ALPHABET) & set(MASK.decode())
+secret_values = st.text(alphabet=SECRET_ALPHABET, min_size=1, max_size=7)
+
+
+@st.composite
+def secret_streams(draw: st.DrawFn, max_secrets: int) -> tuple[list[str], bytes, list[int]]:
+    secrets = draw(st.lists(secret_values, min_size=1, max_size=max_secrets))
+    pieces = st.sampled_from(secrets).map(str.encode) | st.text(
+        alphabet=SECRET_ALPHABET + "\n", max_size=5
+    ).map(str.encode)
+    # Prefixes and suffixes of secrets are what a careless stream scrubber gets wrong.
+    halves = st.sampled_from(secrets).flatmap(
+        lambda s: st.integers(0, len(s)).flatmap(
+            lambda i: st.sampled_from([s[:i].encode(), s[i:].encode()])
+        )
+    )
+    data = b"".join(draw(st.lists(pieces | halves, max_size=20)))
+    points = draw(st.lists(st.integers(0, 10_000), max_size=10))
+    return secrets, data, points
+
+
+def stream_through(secrets: list[str], chunks: list[bytes]) -> bytes:
+    redactor = Redactor(secrets)
+    return b"".join(redactor.stream(chunk) for chunk in chunks) + redactor.flush()
+
+
+@QUICK
+@given(case=secret_streams(max_secrets=1))
+def test_redactor_stream_equals_scrub_one_secret(case: tuple[list[str], bytes, list[int]]) -> None:
+    secrets, data, points = case
+    streamed = stream_through(secrets, cut(data, points))
+    assert streamed == Redactor(secrets).scrub(data)
+    assert secrets[0].encode() not in streamed
+
+
+@QUICK
+@given(case=secret_streams(max_secrets=3))
+@example(case=(["sk-abc", "sk-abcdef"], b"sk-abcdef", [6]))  # one key a prefix of another
+@example(case=(["abcd", "bc"], b"abcd", [3]))  # one key inside another
+def test_redactor_stream_equals_scrub_several_secrets(
+    case: tuple[list[str], bytes, list[int]],
+) -> None:
+    secrets, data, points = case
+    streamed = stream_through(secrets, cut(data, points))
+    assert streamed == Redactor(secrets).scrub(data)
+    for secret in secrets:
+        assert secret.encode() not in streamed
+
+
+def test_redactor_holds_back_a_split_secret() -> None:
+    # The example the properties rest on: a secret cut in three still never shows.
+    redactor = Redactor(["sk-abc123"])
+    parts = [redactor.stream(b"key=sk-a"), redactor.stream(b"bc1"), redactor.stream(b"23 ok")]
+    assert b"".join(parts) + redactor.flush() == b"key=[secret] ok"
+    assert parts[0] == b"key="

@@ -1,0 +1,65 @@
+"""Many episodes in one event loop: all complete, and nothing (fd, zombie, thread) is left."""
+
+from __future__ import annotations
+
+import os
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+
+from .conftest import Agents, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def zombie_children() -> list[int]:
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+async def test_200_concurrent_episodes(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import os, subprocess, sys
+        def run(data):
+            sys.stderr.write("episode %d\\n" % data["i"] * 100)
+            if data["i"] % 10 == 0:
+                subprocess.Popen(["sleep", "300"])  # a leftover to kill
+            return data["i"] / 200
+        """,
+        timeout=120.0,
+        kill_grace=1.0,
+    )
+    fds_before = open_fds()
+    outcomes: dict[int, isolate.EpisodeOutcome] = {}
+
+    async def one(i: int) -> None:
+        outcomes[i] = await isolate.run_episode(spec, {"i": i})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+
+    assert len(outcomes) == 200
+    bad = {i: o.summary() for i, o in outcomes.items() if o.status != "ok"}
+    assert not bad
+    assert all(o.reward == i / 200 for i, o in outcomes.items())
+    assert sum(o.killed for o in outcomes.values()) == 20
+    assert len({o.episode_id for o in outcomes.values()}) == 200
+    # Threads of anyio's pool may still hold nothing; fds must be back where they were.
+    wait_for(lambda: open_fds() <= fds_before, 5.0, f"fds back to {fds_before}")
+    assert zombie_children() == []

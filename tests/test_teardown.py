@@ -1,0 +1,201 @@
+"""Containment: after an episode ends, however it ends, no process it started is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+import isolate
+
+from .conftest import SLOW, Agents, is_gone, record_pid_sh, wait_for, wait_until
+
+pytestmark = pytest.mark.anyio
+
+# An agent that builds a tree of 10 recorded processes, then hangs:
+#   3 sleeps backgrounded by a shell that has already exited (orphans),
+#   a shell with a sleeping child (2),
+#   4 Python children that ignore SIGTERM,
+#   1 daemon that double-forked, called setsid() and ignores SIGTERM.
+TREE_AGENT = r"""
+import os, signal, subprocess, sys, time
+
+REC = 'echo $$ > "$PID_DIR/$N.tmp"; mv "$PID_DIR/$N.tmp" "$PID_DIR/$N"'
+BACKGROUND = "for i in 1 2 3; do N=bg-$i sh -c '%s; exec sleep 300' & done" % REC
+CHAIN = "N=shell; %s; N=shell-child sh -c '%s; exec sleep 300'; sleep 300" % (REC, REC)
+IGNORER = (
+    "import os, signal, time, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(os.path.join(os.environ['PID_DIR'], sys.argv[1]), 'w').write(str(os.getpid())); "
+    "time.sleep(300)"
+)
+
+def record(name):
+    pid_dir = os.environ["PID_DIR"]
+    with open(os.path.join(pid_dir, name + ".tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(pid_dir, name + ".tmp"), os.path.join(pid_dir, name))
+
+def daemon():
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            record("daemon")
+            while True:
+                time.sleep(1)
+        os._exit(0)
+
+def build_tree():
+    subprocess.run(["sh", "-c", BACKGROUND], check=True)  # the shell exits at once
+    subprocess.Popen(["sh", "-c", CHAIN])
+    for i in range(4):
+        subprocess.Popen([sys.executable, "-c", IGNORER, "ignorer-%d" % i])
+    daemon()
+    record("worker")
+    while len([n for n in os.listdir(os.environ["PID_DIR"]) if not n.endswith(".tmp")]) < 11:
+        time.sleep(0.01)
+    open(os.path.join(os.environ["PID_DIR"], "ready"), "w").close()
+
+def run(data):
+    build_tree()
+    time.sleep(300)
+"""
+
+TREE_PIDS = 11  # the ten above and the worker
+
+
+def recorded(agents: Agents) -> dict[str, int]:
+    return {k: v for k, v in agents.pid_files().items() if k != "ready"}
+
+
+async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
+    spec = agents.spec(TREE_AGENT, timeout=4.0, kill_grace=1.0)
+    outcome = await isolate.run_episode(spec, {"instance_id": "tree"})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.error is not None
+    assert "4 s" in outcome.error.message
+    pids = recorded(agents)
+    assert len(pids) == TREE_PIDS, pids
+    left = {name: pid for name, pid in pids.items() if not is_gone(pid)}
+    assert not left
+    assert outcome.killed >= TREE_PIDS
+    assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
+
+
+async def test_leftovers_after_a_normal_return_are_killed_and_counted(agents: Agents) -> None:
+    spec = agents.spec(
+        TREE_AGENT.replace("time.sleep(300)\n", "return 1.0\n"), kill_grace=0.5, timeout=30.0
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    pids = recorded(agents)
+    assert len(pids) == TREE_PIDS
+    assert all(is_gone(pid) for pid in pids.values())
+    # Everything but the worker, which exited by itself.
+    assert outcome.killed == TREE_PIDS - 1
+    # SIGTERM-ignoring leftovers cost one grace period, not the episode's timeout.
+    assert outcome.duration_s < 0.5 + 3.0 * SLOW
+
+
+async def test_stopped_processes_still_die(agents: Agents) -> None:
+    spec = agents.spec(
+        f"""
+        import os, signal, subprocess, time
+        def run(data):
+            subprocess.Popen(["sh", "-c", '{record_pid_sh("stopped")}; kill -STOP $$; sleep 300'])
+            with open(os.path.join(os.environ["PID_DIR"], "worker"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        """,
+        timeout=2.0,
+        kill_grace=1.0,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout"
+    pids = agents.pid_files()
+    assert set(pids) == {"stopped", "worker"}
+    assert all(is_gone(pid) for pid in pids.values())
+    assert outcome.killed == 2
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.001, 0.01, 0.03, 0.1])
+async def test_cancel_around_spawn(agents: Agents, delay: float) -> None:
+    spec = agents.spec(TREE_AGENT)
+    with anyio.move_on_after(delay) as scope:
+        await isolate.run_episode(spec, {})
+    assert scope.cancelled_caught
+    assert all(is_gone(pid) for pid in recorded(agents).values())
+
+
+async def test_cancel_during_the_run(agents: Agents) -> None:
+    spec = agents.spec(TREE_AGENT, kill_grace=1.0)
+    started = time.monotonic()
+    cancelled_at = 0.0
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_ready() -> None:
+            nonlocal cancelled_at
+            await wait_until((agents.pids / "ready").exists)
+            cancelled_at = time.monotonic()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_ready)
+        await isolate.run_episode(spec, {})
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert tg.cancel_scope.cancelled_caught
+    pids = recorded(agents)
+    assert len(pids) == TREE_PIDS
+    assert all(is_gone(pid) for pid in pids.values())
+    # Teardown took one grace period (the tree ignores SIGTERM) and little more.
+    assert time.monotonic() - cancelled_at <= spec.kill_grace + 1.0 * SLOW
+    assert cancelled_at > started
+
+
+async def test_cancel_during_the_grace_period(agents: Agents) -> None:
+    """Cancel while teardown waits for SIGTERM-ignoring processes after a timeout: the
+    cancellation propagates, and the grace period is not restarted."""
+    spec = agents.spec(TREE_AGENT, timeout=3.0, kill_grace=3.0)
+    started = time.monotonic()
+    with anyio.move_on_after(4.0) as scope:  # timeout at 3 s, grace until 6 s
+        await isolate.run_episode(spec, {})
+    assert scope.cancelled_caught
+    pids = recorded(agents)
+    assert len(pids) == TREE_PIDS
+    assert all(is_gone(pid) for pid in pids.values())
+    assert time.monotonic() - started <= 6.0 + 1.0 * SLOW
+
+
+PARENT = """
+import anyio, isolate, sys
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+anyio.run(isolate.run_episode, spec, {})
+"""
+
+
+def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) -> None:
+    """SIGKILL the process that called run_episode: the shim sees EOF on its stdin and the
+    whole tree, SIGTERM-ignoring setsid daemon included, is gone within 2 s."""
+    spec = agents.spec(TREE_AGENT, kill_grace=5.0, timeout=120.0)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the tree to be ready")
+        pids = recorded(agents)
+        assert len(pids) == TREE_PIDS
+        os.kill(parent.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        parent.wait()
+        wait_for(lambda: all(is_gone(p) for p in pids.values()), 2.0, "the tree to die")
+        assert time.monotonic() - killed_at <= 2.0 * SLOW
+    finally:
+        parent.kill()
+        parent.wait()
