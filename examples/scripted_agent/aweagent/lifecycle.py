@@ -4,7 +4,9 @@ It does whatever ``data["behaviour"]`` says, in this order: ``print`` (str to st
 ``stderr_bytes`` (that many bytes of ``x`` lines to stderr), ``spawn`` (N background
 ``sleep 300``; their pids go to ``$PID_DIR/child-<i>`` when ``PID_DIR`` is set), ``sleep``
 (seconds), ``key_digest`` (report a digest of the api key and whether the key is in the
-environment), ``crash`` (``"segv"`` or ``"exit"``), ``raise`` (message), ``reward`` (default 1.0).
+environment), ``report`` (write the extra dict to ``<result_dir>/<instance_id>.json`` before
+going on, as a real agent writes its trace), ``crash`` (``"segv"`` or ``"exit"``), ``raise``
+(message), ``reward`` (default 1.0).
 Standard library only; Python 3.9+.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -63,11 +66,20 @@ async def run_agent_with_reward(
         extra["key_digest"] = hashlib.sha256(key.encode("utf-8")).hexdigest()
         environ = "\0".join(f"{k}={v}" for k, v in os.environ.items())
         extra["env_has_key"] = bool(key) and key in environ
+    if behaviour.get("report"):
+        extra["python"] = sys.executable
+        extra["environ"] = dict(os.environ)
+        os.makedirs(result_dir, exist_ok=True)
+        path = os.path.join(result_dir, "%s.json" % data.get("instance_id", "unknown"))
+        with open(path, "w") as f:
+            json.dump(extra, f)
     if "crash" in behaviour:
         _crash(str(behaviour["crash"]))
     if "raise" in behaviour:
         raise RuntimeError(str(behaviour["raise"]))
-    return float(behaviour.get("reward", 1.0)), extra
+    reward = behaviour.get("reward", 1.0)
+    # Strings let a record ask for what JSON cannot carry, such as "nan".
+    return (float(reward) if isinstance(reward, str) else reward), extra
 
 
 def _write_stderr(total: int) -> None:

@@ -1,0 +1,244 @@
+"""AReaL drop-in: ``SWEAgentWorkflow`` with every episode in its own process.
+
+Swap one import::
+
+    from isolate.workflow import SWEAgentWorkflow
+
+Same constructor, same ``run``, same results as AReaL's in-process workflow; the agent checkout
+is imported only in the child, under its own interpreter if ``econfig["python"]`` says so.
+
+What each outcome becomes (``econfig["on_crash"]`` picks the ``crashed`` row):
+
+========================  ====================================================
+``ok``                    ``float(reward)`` (a ``{id: reward}`` mapping as is)
+``agent_error``           ``0.0``, the child's traceback logged (as AReaL does)
+``crashed``               ``0.0`` (``on_crash="zero"``), or raises EpisodeCrashed
+``timeout``               raises :class:`~isolate.EpisodeTimeout`, a TimeoutError
+``protocol_error``        raises :class:`~isolate.ProtocolError`
+``setup_error``           raises :class:`~isolate.SetupError`
+========================  ====================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._config import DEFAULT_INHERIT_ENV, EpisodeSpec
+from ._launcher import run_episode
+from ._outcome import EpisodeOutcome
+
+__all__ = ["SWEAgentWorkflow", "resolve_agent_root"]
+
+logger = logging.getLogger("AReaL-SWEAgent")
+
+ENTRYPOINT = "aweagent.lifecycle:run_agent_with_reward"
+
+_DEFAULT_AGENT_CONFIGS = {
+    "swe": "1_0_0/min-swe-agent-train-top1",
+    "cc": "train_cc_time3600",
+    "oh": "eval_oh",
+    "opencode": "eval_opencode",
+    "codex": "eval_codex",
+}
+_ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
+_ROOT_ENV = ("AWEAGENT_ROOT", "SWE_AGENT_ROOT", "SWEAGENT_ROOT")
+_ON_CRASH = ("zero", "raise")
+
+
+def default_agent_root() -> Path:
+    """The sibling checkout: ``../AReaL-SWEAgent`` next to this project's root."""
+    project_root = Path(__file__).resolve().parent.parent
+    return project_root.parent / "AReaL-SWEAgent"
+
+
+def resolve_agent_root(econfig: dict[str, Any]) -> Path:
+    """econfig ``agent_root`` → ``aweagent_root`` → ``swe_agent_root``; else env
+    ``AWEAGENT_ROOT`` → ``SWE_AGENT_ROOT`` → ``SWEAGENT_ROOT``; else the sibling checkout."""
+    for key in _ROOT_KEYS:
+        if econfig.get(key):
+            return Path(econfig[key]).expanduser().absolute()
+    for name in _ROOT_ENV:
+        if os.environ.get(name):
+            return Path(os.environ[name]).expanduser().absolute()
+    return default_agent_root()
+
+
+def agent_type_of(econfig: dict[str, Any]) -> str:
+    agent_type = str(econfig.get("agent_type") or "swe").strip().lower()
+    if not agent_type:
+        raise ValueError("econfig.agent_type must not be empty")
+    return agent_type
+
+
+def agent_config_of(econfig: dict[str, Any], agent_type: str) -> str:
+    return str(
+        econfig.get("agent_config")
+        or econfig.get(f"{agent_type}_agent_config")
+        or econfig.get("swe_agent_config")
+        or _DEFAULT_AGENT_CONFIGS.get(agent_type)
+        or agent_type
+    )
+
+
+def _from_env(econfig: dict[str, Any], key: str, env: str) -> str | None:
+    value = econfig.get(key) or os.environ.get(env) or None
+    return None if value is None else str(value)
+
+
+def episode_kwargs(econfig: dict[str, Any], base_url: str) -> dict[str, Any]:
+    """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret)."""
+    agent_type = agent_type_of(econfig)
+    return {
+        "agent_type": agent_type,
+        "agent_config": agent_config_of(econfig, agent_type),
+        "result_dir": os.environ.get("LOG_DIR", "./logs"),
+        "override_base_url": base_url,
+        "override_llm_model": _from_env(econfig, "llm_model", "LLM_MODEL"),
+        "override_opencode_provider": _from_env(econfig, "opencode_provider", "OPENCODE_PROVIDER"),
+        "override_codex_provider": _from_env(econfig, "codex_provider", "CODEX_PROVIDER"),
+    }
+
+
+def episode_spec(
+    econfig: dict[str, Any], agent_root: Path, timeout: float, log_dir: Path | None
+) -> EpisodeSpec:
+    """The spec for one episode from the isolation keys of ``econfig``."""
+    return EpisodeSpec(
+        agent_root=agent_root,
+        entrypoint=ENTRYPOINT,
+        python=str(econfig.get("python") or sys.executable),
+        timeout=timeout,
+        kill_grace=float(econfig.get("kill_grace", 5.0)),
+        env=dict(econfig.get("env") or {}),
+        inherit_env=tuple(econfig.get("inherit_env") or DEFAULT_INHERIT_ENV),
+        log_dir=log_dir,
+    )
+
+
+class SWEAgentWorkflow:
+    """AReaL-SWEAgent workflow for AReaL proxy mode, one fresh process per episode.
+
+    Args:
+        econfig: as AReaL's (``agent_type``, ``agent_config``, ``*_agent_config``,
+            ``agent_root`` / ``aweagent_root`` / ``swe_agent_root``, ``llm_model``,
+            ``opencode_provider``, ``codex_provider``, ``timeout``), plus ``python`` (the
+            agent's interpreter), ``kill_grace`` (seconds), ``env``, ``inherit_env`` and
+            ``on_crash`` (``"zero"`` or ``"raise"``).
+        gen_args: unused, as in AReaL (token limits come from the agent's config).
+        timeout: seconds per episode; ``econfig["timeout"]`` overrides it.
+    """
+
+    def __init__(
+        self,
+        econfig: dict[str, Any] | None = None,
+        gen_args: dict[str, Any] | None = None,
+        timeout: float = 1800.0,
+    ) -> None:
+        if econfig is None:
+            econfig = {}
+        self.econfig = econfig
+        self.gen_args = gen_args or {}
+        self.timeout = float(econfig.get("timeout", timeout))
+        self.agent_root = resolve_agent_root(econfig)
+        if econfig.get("on_crash", "zero") not in _ON_CRASH:
+            raise ValueError(
+                f"econfig.on_crash must be 'zero' or 'raise', got {econfig['on_crash']!r}"
+            )
+        # Fail fast on bad isolation settings rather than on the first episode.
+        episode_spec(econfig, self.agent_root, self.timeout, None)
+        # Warn now, not mid-training, when the checkout is missing.
+        if not self.agent_root.is_dir():
+            logger.warning(
+                "AReaL-SWEAgent root does not exist: %s. Set econfig.agent_root (or "
+                "econfig.aweagent_root / econfig.swe_agent_root), the AWEAGENT_ROOT (or "
+                "SWE_AGENT_ROOT / SWEAGENT_ROOT) env var, or check out AReaL-SWEAgent at %s.",
+                self.agent_root,
+                default_agent_root(),
+            )
+
+    async def run(self, data: dict[str, Any], **extra_kwargs: Any) -> dict[str, float] | float:
+        """Run one episode in a fresh process and return its reward.
+
+        ``extra_kwargs``: ``base_url`` (required) and ``api_key`` (default: env
+        ``OPENAI_API_KEY``, else ``"dummy"``), as AReaL's proxy passes them; ``http_client``
+        is accepted and ignored (a client cannot cross a process boundary).
+
+        Raises ValueError without ``base_url``, :class:`~isolate.EpisodeTimeout` (a
+        TimeoutError) on timeout, :class:`~isolate.SetupError` / ``ProtocolError`` when the
+        agent checkout is broken, and ``EpisodeCrashed`` when ``on_crash="raise"``.
+        """
+        base_url = extra_kwargs.get("base_url")
+        if base_url is None:
+            raise ValueError("base_url is required for SWEAgentWorkflow")
+        api_key = extra_kwargs.get("api_key", os.getenv("OPENAI_API_KEY", "dummy"))
+
+        econfig = self.econfig.copy()
+        if "econfig" in data:
+            econfig.update(data["econfig"])
+        kwargs = episode_kwargs(econfig, str(base_url))
+        instance_id = str(data.get("instance_id", "unknown"))
+        log_dir = Path(kwargs["result_dir"]) / "isolate"
+        spec = episode_spec(econfig, self.agent_root, self.timeout, log_dir)
+        logger.info(
+            "Starting %s episode: instance_id=%s, config=%s",
+            kwargs["agent_type"],
+            instance_id,
+            kwargs["agent_config"],
+        )
+        outcome = await run_episode(
+            spec, data, kwargs=kwargs, secrets={"override_api_key": api_key}
+        )
+        self._log_outcome(instance_id, outcome)
+        return self._reward(instance_id, outcome, econfig.get("on_crash", "zero"))
+
+    def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
+        # One structured line per episode, for grepping a night's run.
+        record = {
+            "instance_id": instance_id,
+            "status": outcome.status,
+            "reward": outcome.reward,
+            "duration_s": round(outcome.duration_s, 3),
+            "exit": outcome.exit_description,
+            "killed": outcome.killed,
+            "log": str(outcome.log_path) if outcome.log_path else None,
+        }
+        logger.info("episode %s", json.dumps(record))
+
+    def _reward(
+        self, instance_id: str, outcome: EpisodeOutcome, on_crash: str
+    ) -> dict[str, float] | float:
+        if outcome.status == "ok":
+            assert outcome.reward is not None
+            logger.info(
+                "Finished episode: instance_id=%s, reward=%s, elapsed=%.1fs",
+                instance_id,
+                outcome.reward,
+                outcome.duration_s,
+            )
+            return outcome.reward if isinstance(outcome.reward, dict) else float(outcome.reward)
+        if outcome.status == "timeout":
+            logger.error(
+                "TIMEOUT: Instance %s exceeded %ss (elapsed: %.1fs). Discarding trajectory.",
+                instance_id,
+                self.timeout,
+                outcome.duration_s,
+            )
+        elif outcome.status == "agent_error" or (
+            outcome.status == "crashed" and on_crash == "zero"
+        ):
+            error = outcome.error
+            logger.error(
+                "[%s] Episode error: %s: %s\n%s",
+                instance_id,
+                error.type if error else outcome.status,
+                error.message if error else outcome.exit_description,
+                error.traceback if error else "",
+            )
+            return 0.0
+        outcome.raise_for_status()
+        raise AssertionError("unreachable: raise_for_status returned for a failed outcome")

@@ -1,0 +1,417 @@
+"""The AReaL drop-in matches the in-process seed row by row, and adds isolation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import isolate
+from isolate.workflow import SWEAgentWorkflow, default_agent_root
+
+from .conftest import Agents, is_gone
+
+pytestmark = pytest.mark.anyio
+
+SCRIPTED = Path(__file__).resolve().parents[1] / "examples" / "scripted_agent"
+ENV_NAMES = (
+    "AWEAGENT_ROOT",
+    "SWE_AGENT_ROOT",
+    "SWEAGENT_ROOT",
+    "LLM_MODEL",
+    "OPENCODE_PROVIDER",
+    "CODEX_PROVIDER",
+    "OPENAI_API_KEY",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Every test starts without the workflow's env variables, and with LOG_DIR in tmp_path."""
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOG_DIR", str(tmp_path / "logs"))
+    return tmp_path / "logs"
+
+
+def econfig(agents: Agents, **extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "agent_root": str(SCRIPTED),
+        "kill_grace": 0.5,
+        "env": {"PID_DIR": str(agents.pids)},
+    }
+    base.update(extra)
+    return base
+
+
+def record(instance_id: str = "repo__issue-1", **behaviour: Any) -> dict[str, Any]:
+    return {"instance_id": instance_id, "problem_statement": "fix it", "behaviour": behaviour}
+
+
+def report(logs: Path, instance_id: str = "repo__issue-1") -> dict[str, Any]:
+    """What the scripted agent received (it writes this into result_dir)."""
+    data: dict[str, Any] = json.loads((logs / f"{instance_id}.json").read_text())
+    return data
+
+
+URL = "http://127.0.0.1:9/v1"
+
+
+# --- 1. timeout -------------------------------------------------------------------------------
+
+
+def test_econfig_timeout_overrides_the_argument() -> None:
+    assert SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED)}, timeout=12).timeout == 12
+    wf = SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "timeout": 7}, timeout=12)
+    assert wf.timeout == 7
+
+
+# --- 2. agent root ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "env", "expected"),
+    [
+        (
+            {"agent_root": "a", "aweagent_root": "b", "swe_agent_root": "c"},
+            {"AWEAGENT_ROOT": "d"},
+            "a",
+        ),
+        ({"aweagent_root": "b", "swe_agent_root": "c"}, {"AWEAGENT_ROOT": "d"}, "b"),
+        ({"swe_agent_root": "c"}, {"AWEAGENT_ROOT": "d"}, "c"),
+        ({}, {"AWEAGENT_ROOT": "d", "SWE_AGENT_ROOT": "e", "SWEAGENT_ROOT": "f"}, "d"),
+        ({}, {"SWE_AGENT_ROOT": "e", "SWEAGENT_ROOT": "f"}, "e"),
+        ({}, {"SWEAGENT_ROOT": "f"}, "f"),
+    ],
+)
+def test_agent_root_resolution_order(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keys: dict[str, str],
+    env: dict[str, str],
+    expected: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    wf = SWEAgentWorkflow(econfig={k: str(tmp_path / v) for k, v in keys.items()})
+    assert wf.agent_root == tmp_path / expected
+
+
+def test_agent_root_defaults_to_the_sibling_checkout() -> None:
+    wf = SWEAgentWorkflow()
+    assert wf.agent_root == default_agent_root()
+    assert wf.agent_root.name == "AReaL-SWEAgent"
+    assert wf.agent_root.parent == Path(isolate.__file__).resolve().parent.parent.parent
+
+
+def test_missing_agent_root_warns_at_construction(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="AReaL-SWEAgent"):
+        SWEAgentWorkflow(econfig={"agent_root": str(tmp_path / "missing")})
+    text = caplog.text
+    assert str(tmp_path / "missing") in text
+    for way in ("econfig.agent_root", "AWEAGENT_ROOT", "AReaL-SWEAgent at"):
+        assert way in text
+
+
+async def test_agent_root_reaches_the_child_not_the_parent_sys_path(
+    agents: Agents, clean_env: Path
+) -> None:
+    before = list(sys.path)
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    assert await wf.run(record(report=True), base_url=URL) == 1.0
+    assert sys.path == before
+    assert "aweagent" not in sys.modules
+
+
+# --- 3, 4, 5. agent type, config, model and providers ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "agent_type", "agent_config"),
+    [
+        ({}, "swe", "1_0_0/min-swe-agent-train-top1"),
+        ({"agent_type": "  CC "}, "cc", "train_cc_time3600"),
+        ({"agent_type": "oh"}, "oh", "eval_oh"),
+        ({"agent_type": "opencode"}, "opencode", "eval_opencode"),
+        ({"agent_type": "codex"}, "codex", "eval_codex"),
+        ({"agent_type": "mine"}, "mine", "mine"),
+        ({"agent_type": "mine", "swe_agent_config": "s"}, "mine", "s"),
+        ({"agent_type": "cc", "cc_agent_config": "c", "swe_agent_config": "s"}, "cc", "c"),
+        ({"agent_type": "cc", "agent_config": "a", "cc_agent_config": "c"}, "cc", "a"),
+    ],
+)
+async def test_agent_type_and_config(
+    agents: Agents, clean_env: Path, settings: dict[str, str], agent_type: str, agent_config: str
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, **settings))
+    await wf.run(record(report=True), base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert kwargs["agent_type"] == agent_type
+    assert kwargs["agent_config"] == agent_config
+
+
+async def test_empty_agent_type_is_a_value_error(agents: Agents) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))
+    with pytest.raises(ValueError, match="agent_type must not be empty"):
+        await wf.run(record(), base_url=URL)
+
+
+async def test_model_and_providers_from_econfig_then_env(
+    agents: Agents, clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    await wf.run(record(report=True), base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert kwargs["override_llm_model"] is None
+    assert kwargs["override_opencode_provider"] is None
+    assert kwargs["override_codex_provider"] is None
+
+    monkeypatch.setenv("LLM_MODEL", "env-model")
+    monkeypatch.setenv("OPENCODE_PROVIDER", "env-oc")
+    monkeypatch.setenv("CODEX_PROVIDER", "env-codex")
+    await wf.run(record(report=True), base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert (kwargs["override_llm_model"], kwargs["override_opencode_provider"]) == (
+        "env-model",
+        "env-oc",
+    )
+    assert kwargs["override_codex_provider"] == "env-codex"
+
+    wf = SWEAgentWorkflow(
+        econfig=econfig(agents, llm_model="m", opencode_provider="oc", codex_provider="cx")
+    )
+    await wf.run(record(report=True), base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert (kwargs["override_llm_model"], kwargs["override_opencode_provider"]) == ("m", "oc")
+    assert kwargs["override_codex_provider"] == "cx"
+
+
+# --- 6. per-record econfig --------------------------------------------------------------------
+
+
+async def test_record_econfig_overrides_for_that_record_only(
+    agents: Agents, clean_env: Path
+) -> None:
+    config = econfig(agents, agent_type="cc")
+    frozen = json.dumps(config, sort_keys=True)
+    wf = SWEAgentWorkflow(econfig=config)
+    data = record(report=True)
+    data["econfig"] = {"agent_type": "oh", "llm_model": "per-record"}
+    await wf.run(data, base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert (kwargs["agent_type"], kwargs["override_llm_model"]) == ("oh", "per-record")
+    assert json.dumps(wf.econfig, sort_keys=True) == frozen
+    await wf.run(record(report=True), base_url=URL)
+    assert report(clean_env)["kwargs"]["agent_type"] == "cc"
+
+
+# --- 7, 8. base_url, api_key, the call ------------------------------------------------------
+
+
+async def test_base_url_is_required(agents: Agents) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with pytest.raises(ValueError, match="base_url is required"):
+        await wf.run(record(), api_key="k")
+
+
+@pytest.mark.parametrize("source", ["kwarg", "env", "default"])
+async def test_api_key_sources(
+    agents: Agents, clean_env: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    extra: dict[str, Any] = {"base_url": URL, "http_client": object()}
+    if source == "kwarg":
+        extra["api_key"] = "sk-from-kwarg"
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+        expected = "sk-from-kwarg"
+    elif source == "env":
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+        expected = "sk-from-env"
+    else:
+        expected = "dummy"
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    assert await wf.run(record(report=True, key_digest=True), **extra) == 1.0
+    got = report(clean_env)
+    assert got["key_digest"] == hashlib.sha256(expected.encode()).hexdigest()
+    assert got["env_has_key"] is False
+
+
+async def test_the_child_gets_every_keyword(agents: Agents, clean_env: Path) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, llm_model="m"))
+    await wf.run(record(report=True), base_url=URL, api_key="k")
+    assert report(clean_env)["kwargs"] == {
+        "agent_type": "swe",
+        "agent_config": "1_0_0/min-swe-agent-train-top1",
+        "result_dir": str(clean_env),
+        "override_base_url": URL,
+        "override_llm_model": "m",
+        "override_opencode_provider": None,
+        "override_codex_provider": None,
+    }
+
+
+async def test_result_dir_defaults_to_dot_logs(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("LOG_DIR")
+    monkeypatch.chdir(tmp_path)
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    await wf.run(record(report=True), base_url=URL)
+    assert report(tmp_path / "logs")["kwargs"]["result_dir"] == "./logs"
+
+
+# --- 9, 10, 11. outcomes ----------------------------------------------------------------------
+
+
+async def test_timeout_kills_the_tree_and_raises_timeout_error(
+    agents: Agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, timeout=1.5))
+    with (
+        caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"),
+        pytest.raises(TimeoutError) as info,
+    ):
+        await wf.run(record("slow-1", spawn=3, sleep=60), base_url=URL)
+    assert isinstance(info.value, isolate.EpisodeTimeout)
+    assert info.value.outcome.killed >= 4
+    pids = agents.pid_files()
+    assert len(pids) == 3
+    assert all(is_gone(pid) for pid in pids.values())
+    assert "TIMEOUT: Instance slow-1 exceeded 1.5s (elapsed: " in caplog.text
+    assert "Discarding trajectory" in caplog.text
+
+
+async def test_agent_error_is_zero_with_the_traceback_logged(
+    agents: Agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with caplog.at_level(logging.ERROR, logger="AReaL-SWEAgent"):
+        reward = await wf.run(record("bad-1", **{"raise": "agent blew up"}), base_url=URL)
+    assert reward == 0.0
+    assert "[bad-1] Episode error: RuntimeError: agent blew up" in caplog.text
+    assert "Traceback (most recent call last)" in caplog.text
+    assert "lifecycle.py" in caplog.text
+
+
+@pytest.mark.parametrize("value", [1, 0.25, True])
+async def test_returns_a_float(agents: Agents, value: object) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    reward = await wf.run(record(reward=value), base_url=URL)
+    assert type(reward) is float
+    assert reward == float(value)  # type: ignore[arg-type]
+
+
+# --- what isolation adds ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("on_crash", "crash"), [("zero", "segv"), ("zero", "exit"), ("raise", "segv")]
+)
+async def test_on_crash(agents: Agents, on_crash: str, crash: str) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, on_crash=on_crash))
+    if on_crash == "zero":
+        assert await wf.run(record(crash=crash), base_url=URL) == 0.0
+    else:
+        with pytest.raises(isolate.EpisodeCrashed, match="killed by SIGSEGV"):
+            await wf.run(record(crash=crash), base_url=URL)
+
+
+def test_on_crash_is_validated() -> None:
+    with pytest.raises(ValueError, match="on_crash"):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "on_crash": "ignore"})
+
+
+async def test_setup_error_always_raises(tmp_path: Path) -> None:
+    wf = SWEAgentWorkflow(econfig={"agent_root": str(tmp_path)})  # no aweagent package in it
+    with pytest.raises(isolate.SetupError, match="aweagent"):
+        await wf.run(record(), base_url=URL)
+
+
+async def test_protocol_error_always_raises(agents: Agents) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with pytest.raises(isolate.ProtocolError, match="nan"):
+        await wf.run(record(reward="nan"), base_url=URL)
+
+
+async def test_agent_interpreter_from_econfig(
+    agents: Agents, clean_env: Path, tmp_path: Path
+) -> None:
+    """The conflicting-dependencies case: the agent runs under its own interpreter, a venv
+    without pydantic or isolate."""
+    import subprocess
+
+    venv = tmp_path / "agent-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    wf = SWEAgentWorkflow(econfig=econfig(agents, python=str(venv / "bin" / "python")))
+    await wf.run(record(report=True), base_url=URL)
+    assert report(clean_env)["python"] == str(venv / "bin" / "python")
+
+
+async def test_env_and_inherit_env(
+    agents: Agents, clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FROM_PARENT", "p")
+    monkeypatch.setenv("NOT_LISTED", "n")
+    cfg = econfig(agents, inherit_env=["PATH", "FROM_*"])
+    cfg["env"]["EXTRA"] = "e"
+    wf = SWEAgentWorkflow(econfig=cfg)
+    await wf.run(record(report=True), base_url=URL)
+    env = report(clean_env)["environ"]
+    assert (env.get("FROM_PARENT"), env.get("EXTRA"), env.get("NOT_LISTED")) == ("p", "e", None)
+
+
+async def test_logs_per_episode_and_one_structured_line(
+    agents: Agents, clean_env: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"):
+        await wf.run(record("django__django-1", print="hello from the agent"), base_url=URL)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
+    assert len(lines) == 1
+    fields = json.loads(lines[0].removeprefix("episode "))
+    assert fields["instance_id"] == "django__django-1"
+    assert fields["status"] == "ok"
+    assert fields["reward"] == 1.0
+    assert fields["exit"] == "exited with 0"
+    assert fields["killed"] == 0
+    log = Path(fields["log"])
+    assert log.parent == clean_env / "isolate"
+    assert log.name.startswith("django__django-1.")
+    assert "hello from the agent" in log.read_text()
+
+
+@pytest.mark.slow
+async def test_32_concurrent_rollouts_each_get_their_own_key(
+    agents: Agents, clean_env: Path
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    keys = {
+        f"inst-{i}": f"sk-rollout-{i}-{hashlib.md5(str(i).encode()).hexdigest()}" for i in range(32)
+    }
+    rewards: dict[str, float] = {}
+
+    async def one(instance_id: str) -> None:
+        reward = await wf.run(
+            record(instance_id, report=True, key_digest=True, sleep=0.3),
+            base_url=URL,
+            api_key=keys[instance_id],
+        )
+        assert isinstance(reward, float)
+        rewards[instance_id] = reward
+
+    async with anyio.create_task_group() as tg:
+        for instance_id in keys:
+            tg.start_soon(one, instance_id)
+    assert rewards == {i: 1.0 for i in keys}
+    for instance_id, key in keys.items():
+        got = report(clean_env, instance_id)
+        assert got["key_digest"] == hashlib.sha256(key.encode()).hexdigest()
+        assert got["env_has_key"] is False
+        assert not any(k in json.dumps(got["environ"]) for k in keys.values())
