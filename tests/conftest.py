@@ -4,6 +4,7 @@ they start write pid files; every test proves afterwards that no process of it i
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -154,6 +155,15 @@ class Agents:
             timeout,
             f"{count} pid files",
         )
+
+
+@pytest.fixture(scope="session")
+def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter of a fresh virtualenv with nothing installed: no isolate, no pydantic,
+    no pip."""
+    path = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    return path / "bin" / "python"
 
 
 @pytest.fixture

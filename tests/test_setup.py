@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -97,14 +95,6 @@ async def test_cwd_is_used(agents: Agents, tmp_path: Path) -> None:
     spec = agents.spec("import os\ndef run(d):\n    return 1.0, os.getcwd()\n", cwd=tmp_path)
     outcome = await isolate.run_episode(spec, {})
     assert outcome.info == str(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh virtualenv with nothing installed: no isolate, no pydantic, no pip."""
-    path = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    return path / "bin" / "python"
 
 
 async def test_agent_interpreter_without_isolate_or_pydantic(

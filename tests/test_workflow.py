@@ -341,17 +341,13 @@ async def test_protocol_error_always_raises(agents: Agents) -> None:
 
 
 async def test_agent_interpreter_from_econfig(
-    agents: Agents, clean_env: Path, tmp_path: Path
+    agents: Agents, clean_env: Path, bare_venv: Path
 ) -> None:
     """The conflicting-dependencies case: the agent runs under its own interpreter, a venv
     without pydantic or isolate."""
-    import subprocess
-
-    venv = tmp_path / "agent-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    wf = SWEAgentWorkflow(econfig=econfig(agents, python=str(venv / "bin" / "python")))
+    wf = SWEAgentWorkflow(econfig=econfig(agents, python=str(bare_venv)))
     await wf.run(record(report=True), base_url=URL)
-    assert report(clean_env)["python"] == str(venv / "bin" / "python")
+    assert report(clean_env)["python"] == str(bare_venv)
 
 
 async def test_env_and_inherit_env(
@@ -384,7 +380,7 @@ async def test_logs_per_episode_and_one_structured_line(
     log = Path(fields["log"])
     assert log.parent == clean_env / "isolate"
     assert log.name.startswith("django__django-1.")
-    assert "hello from the agent" in log.read_text()
+    assert "hello from the agent" in await anyio.Path(log).read_text()
 
 
 @pytest.mark.slow

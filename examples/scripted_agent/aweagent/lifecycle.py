@@ -67,12 +67,7 @@ async def run_agent_with_reward(
         environ = "\0".join(f"{k}={v}" for k, v in os.environ.items())
         extra["env_has_key"] = bool(key) and key in environ
     if behaviour.get("report"):
-        extra["python"] = sys.executable
-        extra["environ"] = dict(os.environ)
-        os.makedirs(result_dir, exist_ok=True)
-        path = os.path.join(result_dir, "%s.json" % data.get("instance_id", "unknown"))
-        with open(path, "w") as f:
-            json.dump(extra, f)
+        _report(data, result_dir, extra)
     if "crash" in behaviour:
         _crash(str(behaviour["crash"]))
     if "raise" in behaviour:
@@ -80,6 +75,15 @@ async def run_agent_with_reward(
     reward = behaviour.get("reward", 1.0)
     # Strings let a record ask for what JSON cannot carry, such as "nan".
     return (float(reward) if isinstance(reward, str) else reward), extra
+
+
+def _report(data: dict[str, Any], result_dir: str, extra: dict[str, Any]) -> None:
+    extra["python"] = sys.executable
+    extra["environ"] = dict(os.environ)
+    os.makedirs(result_dir, exist_ok=True)
+    path = os.path.join(result_dir, "%s.json" % data.get("instance_id", "unknown"))
+    with open(path, "w") as f:
+        json.dump(extra, f)
 
 
 def _write_stderr(total: int) -> None:
