@@ -1,0 +1,99 @@
+"""``isolate demo``: three real episodes against a scripted LLM on 127.0.0.1.
+
+1. ``demo__calc-1``: the example agent asks the LLM, runs bash, applies a patch, passes the
+   eval script: ``ok``, reward 1.0. The server accepts only this episode's key, so the reward
+   proves the key went through the handshake.
+2. ``demo__hang-1``: the LLM tells the agent to start a background tree and hang: ``timeout``,
+   and nothing of the tree is left.
+3. ``demo__calc-1`` with a key the server was never given: ``agent_error`` (HTTP 401).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import anyio
+from pydantic import SecretStr
+
+from ._launcher import run_episode
+from ._outcome import EpisodeOutcome
+from ._scripted_llm import ScriptedLLM, demo_script
+from ._tree import _tagged, is_alive
+from .workflow import episode_kwargs, episode_spec
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _setup() -> tuple[dict[str, dict[str, Any]], Path]:
+    """The demo records by instance id, and the log directory."""
+    lines = (EXAMPLES / "records" / "demo.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    log_dir = Path(os.environ.get("LOG_DIR", "./logs")).absolute() / "demo"
+    return {r["instance_id"]: r for r in records}, log_dir
+
+
+def _left_behind(outcome: EpisodeOutcome) -> int:
+    import psutil
+
+    procs = []
+    for pid in _tagged(outcome.episode_id):
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return sum(is_alive(p) for p in procs)
+
+
+async def demo() -> int:
+    root = EXAMPLES / "agent_root"
+    if not root.is_dir():
+        print(f"isolate demo: {root} not found; run the demo from a clone of the repository")
+        return 1
+    records, log_dir = await anyio.to_thread.run_sync(_setup)
+    runs = [
+        ("demo__calc-1", 120.0, True, "ok", "a real agent loop: LLM, bash, git apply, eval"),
+        ("demo__hang-1", 3.0, True, "timeout", "the agent hangs with a background tree"),
+        ("demo__calc-1", 120.0, False, "agent_error", "a key the LLM server was never given"),
+    ]
+    rows = []
+    expected_all = True
+    with ScriptedLLM() as llm:
+        print(f"isolate demo: scripted LLM at {llm.base_url}, logs in {log_dir}\n")
+        for instance_id, timeout, register, expected, what in runs:
+            key = SecretStr("sk-demo-" + secrets.token_urlsafe(18))
+            if register:
+                llm.add_session(key, demo_script(instance_id))
+            kwargs = episode_kwargs({"agent_type": "swe"}, llm.base_url)
+            kwargs["result_dir"] = str(log_dir)
+            spec = episode_spec({"kill_grace": 1.0}, root, timeout, log_dir)
+            print(f"  {instance_id}: {what} ...", flush=True)
+            outcome = await run_episode(
+                spec, records[instance_id], kwargs=kwargs, secrets={"override_api_key": key}
+            )
+            left = await anyio.to_thread.run_sync(_left_behind, outcome)
+            served = llm.served(key) if register else 0
+            ok = outcome.status == expected and left == 0
+            expected_all = expected_all and ok
+            detail = outcome.error.message if outcome.error else f"info {outcome.info}"
+            rows.append((instance_id, outcome, served, left, ok, detail))
+            print(f"    -> {outcome.summary()}", flush=True)
+        rejected = llm.rejected
+
+    print()
+    header = f"{'episode':<14} {'status':<12} {'reward':>6} {'seconds':>8} {'killed':>6} "
+    header += f"{'left':>4} {'LLM replies':>11}  as expected"
+    print(header)
+    print("-" * len(header))
+    for instance_id, outcome, served, left, ok, _ in rows:
+        reward = "-" if outcome.reward is None else f"{outcome.reward:g}"
+        print(
+            f"{instance_id:<14} {outcome.status:<12} {reward:>6} {outcome.duration_s:>8.2f} "
+            f"{outcome.killed:>6} {left:>4} {served:>11}  {'yes' if ok else 'NO'}"
+        )
+    print(f"\nrequests the LLM server rejected for a wrong key: {rejected}")
+    print("isolate demo: " + ("all as expected" if expected_all else "UNEXPECTED RESULTS"))
+    return 0 if expected_all else 1

@@ -1,0 +1,156 @@
+"""``isolate doctor``: check an agent checkout and interpreter without running an episode."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from ._config import EpisodeSpec
+from ._launcher import run_episode
+from ._protocol import PROTOCOL_VERSION
+from .workflow import ENTRYPOINT, resolve_agent_root
+
+#: The keyword arguments SWEAgentWorkflow passes; the entrypoint must accept them.
+WORKFLOW_KWARGS = (
+    "agent_type",
+    "agent_config",
+    "result_dir",
+    "override_api_key",
+    "override_base_url",
+    "override_llm_model",
+    "override_opencode_provider",
+    "override_codex_provider",
+)
+PACKAGES = ("pydantic", "openai", "litellm")
+PROBE_TIMEOUT_S = 60.0
+
+# Runs under the agent's interpreter (stdlib only, 3.9+): imports the entrypoint without
+# calling it, and answers in one JSON line on a private copy of stdout.
+_PROBE = r"""
+import importlib, importlib.metadata, inspect, json, os, sys
+answer = os.dup(1)
+os.dup2(2, 1)  # whatever the agent's modules print at import goes to stderr
+root, entry, kwargs, packages = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
+report = {"version": list(sys.version_info[:3])}
+if root:
+    sys.path.insert(0, root)
+module, _, attr = entry.partition(":")
+try:
+    target = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    report["import"] = None
+    try:
+        sig = inspect.signature(target)
+        report["signature"] = str(sig)
+        report["async"] = inspect.iscoroutinefunction(target)
+        try:
+            sig.bind({}, **{k: None for k in kwargs})
+            report["binds"] = None
+        except TypeError as exc:
+            report["binds"] = str(exc)
+    except (TypeError, ValueError) as exc:
+        report["signature"] = None
+        report["binds"] = "no signature: %s" % exc
+except BaseException as exc:
+    report["import"] = "%s: %s" % (type(exc).__name__, exc)
+versions = {}
+for name in packages.split(","):
+    try:
+        versions[name] = importlib.metadata.version(name)
+    except Exception:
+        versions[name] = None
+report["packages"] = versions
+os.write(answer, (json.dumps(report) + "\n").encode())
+"""
+
+
+class _Report:
+    def __init__(self) -> None:
+        self.failed = False
+
+    def line(self, verdict: str, text: str) -> None:
+        if verdict == "FAIL":
+            self.failed = True
+        print(f"  {verdict:<5} {text}")
+
+
+def _probe(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
+    """Import the entrypoint under ``python``; the report, or what went wrong."""
+    argv = [python, "-I", "-c", _PROBE, str(root), entrypoint, ",".join(WORKFLOW_KWARGS)]
+    argv.append(",".join(PACKAGES))
+    try:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
+    except OSError as exc:
+        return f"cannot start {python}: {exc.strerror or exc}"
+    try:
+        out, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"importing {entrypoint} took longer than {PROBE_TIMEOUT_S:g} s"
+    lines = out.decode("utf-8", "replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
+        return f"the probe exited with {proc.returncode}: {tail[0]}"
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report
+
+
+def doctor(agent_root: Path | None, python: str | None, entrypoint: str | None) -> int:
+    """Print one verdict per check; return 0 when every check passed, else 1."""
+    python = python or sys.executable
+    entrypoint = entrypoint or ENTRYPOINT
+    root = resolve_agent_root({"agent_root": str(agent_root) if agent_root else None})
+    report = _Report()
+    print(f"isolate doctor: {entrypoint} in {root} under {python}")
+
+    if root.is_dir():
+        report.line("ok", f"agent root {root} exists")
+    else:
+        report.line("FAIL", f"agent root {root} does not exist (--agent-root, AWEAGENT_ROOT)")
+
+    probe = _probe(python, root, entrypoint)
+    if isinstance(probe, str):
+        report.line("FAIL", f"interpreter: {probe}")
+        return 1
+    version = ".".join(map(str, probe["version"]))
+    if tuple(probe["version"]) >= (3, 9):
+        report.line("ok", f"interpreter {python} starts: Python {version}")
+    else:
+        report.line("FAIL", f"interpreter {python} is Python {version}; the shim needs 3.9+")
+
+    spec = EpisodeSpec(python=python, entrypoint="builtins:float", timeout=60.0, kill_grace=1.0)
+    shim = anyio.run(run_episode, spec, 1.0)
+    if shim.status == "ok":
+        report.line(
+            "ok",
+            f"shim speaks protocol {PROTOCOL_VERSION} ({shim.duration_s:.2f} s round trip, "
+            f"containment {shim.containment})",
+        )
+    else:
+        report.line("FAIL", f"shim: {shim.summary()}")
+
+    if probe["import"] is not None:
+        report.line("FAIL", f"{entrypoint} does not import: {probe['import']}")
+    else:
+        kind = "async" if probe.get("async") else "sync"
+        report.line("ok", f"{entrypoint} imports ({kind} {probe.get('signature')})")
+        if probe.get("binds") is None:
+            report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
+        else:
+            report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
+
+    versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
+    report.line("info", f"packages seen by the agent: {versions}")
+    print("isolate doctor: " + ("problems found" if report.failed else "all checks passed"))
+    return 1 if report.failed else 0

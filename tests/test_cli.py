@@ -1,0 +1,339 @@
+"""The real command line, driven in subprocesses (and a pseudo-terminal)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import SLOW, Agents, is_gone, wait_for
+
+SCRIPTED = Path(__file__).resolve().parents[1] / "examples" / "scripted_agent"
+URL = "http://127.0.0.1:9/v1"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "LOG_DIR")}
+    env.update(extra)
+    return env
+
+
+def write_record(agents: Agents, instance_id: str = "cli-1", **behaviour: Any) -> Path:
+    path = agents.tmp / f"{instance_id}.json"
+    record = {
+        "instance_id": instance_id,
+        "problem_statement": "x",
+        "behaviour": behaviour,
+        # The record's econfig plays the workflow's part: PID_DIR marks this test's processes.
+        "econfig": {"env": {"PID_DIR": str(agents.pids)}},
+    }
+    path.write_text(json.dumps(record))
+    return path
+
+
+def isolate_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "isolate", *args],
+        capture_output=True,
+        text=True,
+        env=env or cli_env(),
+        timeout=timeout * SLOW,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def run_args(agents: Agents, record: Path, *extra: str) -> list[str]:
+    return [
+        "run",
+        str(record),
+        "--agent-root",
+        str(SCRIPTED),
+        "--base-url",
+        URL,
+        "--log-dir",
+        str(agents.logs),
+        "--kill-grace",
+        "0.5",
+        *extra,
+    ]
+
+
+def bundles(agents: Agents) -> list[Path]:
+    return sorted(p for p in agents.logs.iterdir() if p.is_dir())
+
+
+def test_run_ok_prints_the_outcome_and_leaves_a_bundle(agents: Agents, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-cli-file-key\n")
+    record = write_record(agents, report=True, key_digest=True, print="agent says hi")
+    proc = isolate_cli(*run_args(agents, record, "--api-key-file", str(key_file)))
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert outcome["status"] == "ok"
+    assert outcome["reward"] == 1.0
+    assert "isolate: episode cli-1." in proc.stderr
+    assert "ok, reward 1.0" in proc.stderr
+    [bundle] = bundles(agents)
+    names = {p.name for p in bundle.iterdir()}
+    assert {"record.json", "spec.json", "kwargs.json", "outcome.json"} <= names
+    assert any(n.endswith(".log") for n in names)
+    assert json.loads((bundle / "record.json").read_text())["instance_id"] == "cli-1"
+    assert json.loads((bundle / "kwargs.json").read_text())["override_base_url"] == URL
+    report = json.loads((agents.logs / "cli-1.json").read_text())
+    assert report["key_digest"] == hashlib.sha256(b"sk-cli-file-key").hexdigest()
+    for path in bundle.iterdir():
+        assert b"sk-cli-file-key" not in path.read_bytes()
+    assert "sk-cli-file-key" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "extra", "status", "code"),
+    [
+        ({"raise": "boom"}, [], "agent_error", 10),
+        ({"crash": "segv"}, [], "crashed", 11),
+        ({"sleep": 60}, ["--timeout", "1"], "timeout", 12),
+        ({"reward": "nan"}, [], "protocol_error", 13),
+        ({}, ["--entrypoint", "nowhere.lifecycle:run"], "setup_error", 14),
+    ],
+)
+def test_exit_status_per_outcome(
+    agents: Agents, behaviour: dict[str, Any], extra: list[str], status: str, code: int
+) -> None:
+    record = write_record(agents, **behaviour)
+    proc = isolate_cli(*run_args(agents, record, *extra))
+    assert proc.returncode == code, proc.stderr
+    assert json.loads(proc.stdout)["status"] == status
+    assert status in proc.stderr
+
+
+def test_api_key_from_env_name(agents: Agents) -> None:
+    record = write_record(agents, report=True, key_digest=True)
+    env = cli_env(MY_KEY="sk-from-my-env")
+    proc = isolate_cli(*run_args(agents, record, "--api-key-env", "MY_KEY"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((agents.logs / "cli-1.json").read_text())
+    assert report["key_digest"] == hashlib.sha256(b"sk-from-my-env").hexdigest()
+    assert report["env_has_key"] is False
+
+
+def test_there_is_no_api_key_option(agents: Agents) -> None:
+    record = write_record(agents)
+    proc = isolate_cli(*run_args(agents, record, "--api-key", "sk-never-on-argv"))
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --api-key" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run"], "give RECORD.json or --replay DIR"),
+        (["run", "/nonexistent/record.json", "--base-url", URL], "cannot read"),
+        (["run", "{record}"], "--base-url is required"),
+        (["run", "{record}", "--base-url", URL, "--timeout", "-1"], "timeout"),
+        (["run", "{record}", "--base-url", URL, "--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+        (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
+        (["run", "--replay", "{tmp}"], "not a replay bundle"),
+    ],
+)
+def test_usage_errors(agents: Agents, args: list[str], message: str) -> None:
+    record = write_record(agents)
+    args = [a.format(record=record, tmp=agents.tmp) for a in args]
+    proc = isolate_cli(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_invalid_json_record(agents: Agents) -> None:
+    bad = agents.tmp / "bad.json"
+    bad.write_text("{not json")
+    proc = isolate_cli("run", str(bad), "--base-url", URL)
+    assert proc.returncode == 2
+    assert "is not valid JSON" in proc.stderr
+
+
+def test_replay_reruns_the_bundle_with_a_new_key(agents: Agents) -> None:
+    record = write_record(agents, report=True, key_digest=True, reward=0.5)
+    first = isolate_cli(
+        *run_args(agents, record, "--agent-type", "cc", "--api-key-env", "K"),
+        env=cli_env(K="sk-first"),
+    )
+    assert first.returncode == 0, first.stderr
+    [bundle] = bundles(agents)
+    replay = isolate_cli(
+        "run",
+        "--replay",
+        str(bundle),
+        "--log-dir",
+        str(agents.logs),
+        "--api-key-env",
+        "K",
+        env=cli_env(K="sk-second"),
+    )
+    assert replay.returncode == 0, replay.stderr
+    assert json.loads(replay.stdout)["reward"] == 0.5
+    assert len(bundles(agents)) == 2
+    report = json.loads((agents.logs / "cli-1.json").read_text())
+    assert report["kwargs"]["agent_type"] == "cc"
+    assert report["key_digest"] == hashlib.sha256(b"sk-second").hexdigest()
+
+
+def test_plain_status_lines_when_not_a_terminal(agents: Agents) -> None:
+    record = write_record(agents, sleep=1.5, spawn=2)
+    proc = isolate_cli(*run_args(agents, record, "--status-interval", "0.2"))
+    assert proc.returncode == 0, proc.stderr
+    status = [ln for ln in proc.stderr.splitlines() if " procs | " in ln]
+    assert status, proc.stderr
+    assert any(" 4 procs | " in ln for ln in status)  # shim, worker, two sleeps
+    assert "\r" not in proc.stderr
+
+
+def _read_until(fd: int, needle: bytes, timeout: float) -> bytes:
+    out = b""
+    end = time.monotonic() + timeout * SLOW
+    while needle not in out:
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no {needle!r} in {out!r}")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_key_prompt_on_a_terminal_does_not_echo(agents: Agents) -> None:
+    record = write_record(agents, report=True, key_digest=True, sleep=1.2)
+    main, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolate", *run_args(agents, record)],
+        stdin=secondary,
+        stdout=subprocess.PIPE,
+        stderr=secondary,
+        env=cli_env(),
+        start_new_session=True,
+    )
+    os.close(secondary)
+    try:
+        seen = _read_until(main, b"API key (not echoed): ", 20.0)
+        os.write(main, b"sk-typed-at-the-prompt\n")
+        seen += _read_until(main, b"isolate: replay with", 30.0)
+        assert proc.wait(timeout=30 * SLOW) == 0
+        assert proc.stdout is not None
+        outcome = json.loads(proc.stdout.read())
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        os.close(main)
+    assert b"sk-typed-at-the-prompt" not in seen
+    assert outcome["status"] == "ok"
+    assert b" procs | " in seen  # the live status line, redrawn in place
+    assert b"\r\x1b[2K" in seen
+    report = json.loads((agents.logs / "cli-1.json").read_text())
+    assert report["key_digest"] == hashlib.sha256(b"sk-typed-at-the-prompt").hexdigest()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_tears_the_episode_down(agents: Agents, sig: signal.Signals) -> None:
+    record = write_record(agents, spawn=3, sleep=120)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolate", *run_args(agents, record)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    try:
+        pids = agents.wait_pids(3, timeout=20.0)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20 * SLOW)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert b"interrupted" in err
+    assert out == b""
+    wait_for(lambda: all(is_gone(p) for p in pids.values()), 2.0, "children gone")
+
+
+def test_doctor_on_a_good_checkout() -> None:
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout
+    assert "shim speaks protocol 1" in proc.stdout
+    assert "aweagent.lifecycle:run_agent_with_reward imports (async" in proc.stdout
+    assert "accepts (data, **the workflow's keyword arguments)" in proc.stdout
+    assert "pydantic 2." in proc.stdout  # this interpreter has pydantic
+
+
+def test_doctor_under_a_bare_interpreter(bare_venv: Path) -> None:
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--python", str(bare_venv))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pydantic not installed, openai not installed, litellm not installed" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--agent-root", "/nonexistent/root"], "agent root /nonexistent/root does not exist"),
+        (
+            ["--agent-root", str(SCRIPTED), "--entrypoint", "aweagent.lifecycle:nope"],
+            "does not import",
+        ),
+        (["--agent-root", str(SCRIPTED), "--entrypoint", "os.path:join"], "does not accept"),
+        (["--agent-root", str(SCRIPTED), "--python", "/nonexistent/python"], "cannot start"),
+    ],
+)
+def test_doctor_failures(args: list[str], message: str) -> None:
+    proc = isolate_cli("doctor", *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout
+    assert message in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    proc = isolate_cli("demo", env=cli_env(LOG_DIR=str(tmp_path / "logs")), timeout=120.0)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all as expected" in proc.stdout
+    lines = {
+        ln.split()[0] + ln.split()[1]: ln
+        for ln in proc.stdout.splitlines()
+        if ln.startswith("demo__")
+    }
+    assert "demo__calc-1ok" in lines
+    assert "demo__hang-1timeout" in lines
+    assert "demo__calc-1agent_error" in lines
+    assert "rejected for a wrong key: 1" in proc.stdout
+
+
+def test_console_script_help() -> None:
+    proc = isolate_cli("run", "--help")
+    assert proc.returncode == 0
+    for code in (
+        "10 agent_error",
+        "11 crashed",
+        "12 timeout",
+        "13 protocol_error",
+        "14 setup_error",
+    ):
+        assert code in proc.stdout.replace("\n", " ").replace("  ", " ")
