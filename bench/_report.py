@@ -52,8 +52,9 @@ def machine_line(m: dict[str, Any]) -> str:
 def _launch(res: dict[str, Any], large: dict[str, Any] | None) -> list[str]:
     head = ["contender", "ms/episode: median (min–max)", "× floor: median (min–max)"]
     if large:
-        gib = large["ballast_mib"] / 1024
-        head += [f"{gib:g} GiB parent: ms/episode", "× floor", f"{gib:g} GiB / small parent"]
+        mib = large["ballast_mib"]
+        size = f"{mib / 1024:g} GiB" if mib >= 1024 else f"{mib} MiB"
+        head += [f"{size} parent: ms/episode", "× floor", f"{size} / small parent"]
     rows = []
     for name, row in res["rows"].items():
         line = [LABELS.get(name, name), _range(row, 1000, 2), _ratio(row["ratio"])]
@@ -171,7 +172,8 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
             add(f"launch faster than {other}", value, 1.0, f"{value:.2f}× of it", le=False)
     if "vs_small" in sections.get("large", {}):
         s = sections["large"]["vs_small"]["isolate"]
-        add("launch from 4 GiB parent ≤ 1.10 × small parent", s["median"], 1.10, _ratio(s))
+        mib = sections["large"]["ballast_mib"]
+        add(f"launch from a {mib} MiB parent ≤ 1.10 × small parent", s["median"], 1.10, _ratio(s))
     if "rows" in sections.get("teardown", {}):
         td = sections["teardown"]
         for mode, limit in (("term", 0.1), ("ignore", td["kill_grace"] + 0.1)):
