@@ -133,3 +133,22 @@ async def test_unwritable_log_dir(agents: Agents, tmp_path: Path) -> None:
     assert outcome.status == "setup_error"
     assert outcome.error is not None
     assert "log file" in outcome.error.message
+
+
+async def test_agent_with_its_own_conflicting_pydantic(agents: Agents, bare_venv: Path) -> None:
+    """The agent ships a 'pydantic 1.x' of its own; the shim imports no pydantic, so the agent
+    gets exactly its own, under an interpreter where isolate is not installed."""
+    package = agents.root / "pydantic"
+    package.mkdir()
+    (package / "__init__.py").write_text("VERSION = '1.10.13'\nclass BaseModel:\n    pass\n")
+    spec = agents.spec(
+        """
+        import pydantic
+        def run(data):
+            return 1.0, {"version": pydantic.VERSION, "from": pydantic.__file__}
+        """,
+        python=str(bare_venv),
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == {"version": "1.10.13", "from": str(package / "__init__.py")}
