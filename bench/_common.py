@@ -6,6 +6,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -37,7 +38,7 @@ def summary(samples: Sequence[float]) -> dict[str, Any]:
 def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> dict[str, Any]:
     """Summary of per-round ratios ``values[i] / baseline[i]``: rounds ran side by side, so a
     noisy moment on the shared machine hits both sides of a ratio."""
-    ratios = [v / b for v, b in zip(values, baseline, strict=False) if b]
+    ratios = [v / b for v, b in zip(values, baseline, strict=False) if v > 0 and b > 0]
     return summary(ratios)
 
 
@@ -74,7 +75,23 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "executable": sys.executable,
         "loadavg_at_start": [round(x, 2) for x in load],
+        "code": code_state(),
     }
+
+
+def code_state() -> dict[str, Any]:
+    """The commit measured, and whether the launcher's files differ from it."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "isolate", "agent_shim").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD") or None, "uncommitted": dirty}
 
 
 # --- this process -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -22,7 +23,8 @@ from typing import Any
 from . import footprint, launch, scale, teardown, throughput
 from ._common import MARK_ENV, REPO, live_children, machine_info, sweep_marked
 from ._context import Context
-from ._report import render, targets
+from ._report import render
+from ._targets import targets
 
 SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "footprint")
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -59,8 +61,14 @@ def _section(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return result if name == "launch" else {name: result}
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    # SIGTERM unwinds like Ctrl-C, so every finally (and isolate's own teardown) runs.
+    signal.signal(signal.SIGTERM, _interrupt)
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="isolate-bench-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)

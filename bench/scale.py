@@ -1,12 +1,18 @@
 """Item 4: many concurrent episodes that each sleep while writing to stderr.
 
 A ticker task in the parent sleeps 5 ms at a time and records how late it wakes (event-loop
-lag), from the first spawn to the last outcome; it also samples RSS and open fds. Afterwards:
-fds and zombie children left over.
+lag), from the first spawn to the last outcome; it also samples RSS and open fds. The event
+loop thread's own CPU time and run-queue wait (``/proc/thread-self/schedstat``) tell a loop
+that was *blocked* (CPU busy) from one that was *starved* (runnable, but the CPUs were taken).
+
+Side by side, in alternating runs: isolate (stderr logged to a file) and the same body as bare
+``python -I`` children through ``anyio.open_process`` (stderr drained and dropped).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -17,6 +23,7 @@ import isolate
 from ._common import (
     MARK_ENV,
     open_fds,
+    paired_ratio,
     percentile,
     rss_bytes,
     summary,
@@ -27,24 +34,32 @@ from ._context import Context
 AGENT = """
 import os, time
 
-def run(data, **kwargs):
-    chunks = data["bytes"] // 65536
+def work(seconds, size):
+    chunks = max(1, size // 65536)
     line = b"x" * 65535 + b"\\n"
-    pause = data["seconds"] / chunks
     for _ in range(chunks):
         os.write(2, line)
-        time.sleep(pause)
+        time.sleep(seconds / chunks)
+
+def run(data, **kwargs):
+    work(data["seconds"], data["bytes"])
     return 1.0
 """
+BARE = "import sys; sys.path.insert(0, sys.argv[1]); import scale_agent as a; a.work({}, {})"
 TICK_S = 0.005
+CONTENDERS = ("isolate", "bare")
 
 
-async def _one_run(
-    spec: isolate.EpisodeSpec, episodes: int, data: dict, tag: str
-) -> dict[str, Any]:
+def _loop_thread_sched() -> tuple[float, float]:
+    """(CPU seconds, seconds runnable but waiting for a CPU) of the calling thread."""
+    with open("/proc/thread-self/schedstat") as f:
+        on_cpu, waiting = f.read().split()[:2]
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+async def _one_run(episodes: int, one: Any) -> dict[str, Any]:
     lags: list[float] = []
     peak = {"rss": 0, "fds": 0}
-    outcomes: list[isolate.EpisodeOutcome] = []
     done = anyio.Event()
 
     async def ticker() -> None:
@@ -58,45 +73,35 @@ async def _one_run(
                 peak["rss"] = max(peak["rss"], rss_bytes())
                 peak["fds"] = max(peak["fds"], open_fds())
 
-    async def one(i: int) -> None:
-        outcomes.append(await isolate.run_episode(spec, data, episode_id=f"scale-{tag}-{i}"))
-
     fds0, rss0 = open_fds(), rss_bytes()
-    t0 = time.perf_counter()
+    sched0, cpu0, t0 = _loop_thread_sched(), time.process_time(), time.perf_counter()
     async with anyio.create_task_group() as outer:
         outer.start_soon(ticker)
         async with anyio.create_task_group() as tg:
             for i in range(episodes):
                 tg.start_soon(one, i)
         done.set()
-    wall = time.perf_counter() - t0
+    wall, cpu, sched1 = time.perf_counter() - t0, time.process_time() - cpu0, _loop_thread_sched()
     peak["rss"] = max(peak["rss"], rss_bytes())
-    # fds are closed when run_episode returns; give stragglers (thread pool) a moment.
+    # fds are closed when an episode returns; give stragglers (thread pool) a moment.
     end = time.monotonic() + 5.0
     while open_fds() > fds0 and time.monotonic() < end:  # noqa: ASYNC110 - polling a count
         await anyio.sleep(0.05)
-    statuses: dict[str, int] = {}
-    for o in outcomes:
-        statuses[o.status] = statuses.get(o.status, 0) + 1
-    result = {
+    return {
         "wall_s": wall,
         "lag_p50_ms": 1000 * (percentile(lags, 50) or 0.0),
         "lag_p99_ms": 1000 * (percentile(lags, 99) or 0.0),
         "lag_max_ms": 1000 * max(lags, default=0.0),
         "ticks": len(lags),
+        "loop_thread_cpu_s": sched1[0] - sched0[0],
+        "loop_thread_runqueue_wait_s": sched1[1] - sched0[1],
+        "parent_cpu_ms_per_episode": 1000 * cpu / episodes,
         "rss_peak_growth_kib_per_episode": (peak["rss"] - rss0) / 1024 / episodes,
         "rss_after_growth_kib_per_episode": (rss_bytes() - rss0) / 1024 / episodes,
-        "fds_before": fds0,
         "fds_peak": peak["fds"],
         "fds_left": open_fds() - fds0,
         "zombies_left": len(zombie_children()),
-        "statuses": statuses,
-        "log_bytes": sum(o.log_path.stat().st_size for o in outcomes if o.log_path),
     }
-    for o in outcomes:  # 1 MiB each: do not fill the disk over several runs
-        if o.log_path is not None:
-            o.log_path.unlink(missing_ok=True)
-    return result
 
 
 async def _main(ctx: Context) -> dict[str, Any]:
@@ -107,24 +112,69 @@ async def _main(ctx: Context) -> dict[str, Any]:
     agent_root = ctx.workdir / "scale_agent"
     agent_root.mkdir(exist_ok=True)
     (agent_root / "scale_agent.py").write_text(AGENT)
+    log_dir = ctx.workdir / "scale_logs"
     spec = isolate.EpisodeSpec(
         agent_root=agent_root,
         entrypoint="scale_agent:run",
         timeout=300.0,
         kill_grace=1.0,
-        log_dir=ctx.workdir / "scale_logs",
+        log_dir=log_dir,
         env={MARK_ENV: ctx.run_id},
     )
     data = {"seconds": seconds, "bytes": size}
+    problems: list[str] = []
+    logged = {"bytes": 0}
+    levels: set[str] = set()
+
+    async def one_isolate(i: int) -> None:
+        outcome = await isolate.run_episode(spec, data, episode_id=f"scale-{i}")
+        if outcome.status != "ok":
+            problems.append(outcome.summary())
+        levels.add(str(outcome.containment))
+        if outcome.log_path is not None:  # 1 MiB each: do not fill the disk over the runs
+            logged["bytes"] += outcome.log_path.stat().st_size
+            outcome.log_path.unlink()
+
+    cmd = [sys.executable, "-I", "-c", BARE.format(seconds, size), str(agent_root)]
+
+    async def one_bare(i: int) -> None:
+        null = subprocess.DEVNULL
+        async with await anyio.open_process(cmd, stdin=null, stdout=null) as proc:
+            assert proc.stderr is not None
+            async for _ in proc.stderr:
+                pass
+            if await proc.wait() != 0:
+                problems.append(f"bare child exited {proc.returncode}")
+
+    ones = {"isolate": one_isolate, "bare": one_bare}
     # Warm-up: imports, anyio's thread pool, the allocator's arenas.
-    await _one_run(spec, min(episodes, 8), {"seconds": 0.1, "bytes": 65536}, "warm")
-    runs = [await _one_run(spec, episodes, data, str(r)) for r in range(reps)]
-    keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+    for name in CONTENDERS:
+        await _one_run(min(episodes, 8), ones[name])
+    logged["bytes"] = 0
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONTENDERS}
+    for r in range(reps):
+        for name in CONTENDERS if r % 2 == 0 else tuple(reversed(CONTENDERS)):
+            runs[name].append(await _one_run(episodes, ones[name]))
+    keys = list(runs["isolate"][0])
+    rows = {
+        key: {name: summary([run[key] for run in runs[name]]) for name in CONTENDERS}
+        | {
+            "ratio": paired_ratio(
+                [run[key] for run in runs["isolate"]], [run[key] for run in runs["bare"]]
+            )
+        }
+        for key in keys
+    }
     return {
         "episodes": episodes,
         "sleep_s": seconds,
         "stderr_bytes": size,
-        "rows": {k: summary([r[k] for r in runs]) for k in keys},
+        "reps": reps,
+        "containment": sorted(levels),
+        "logged_bytes_per_episode": logged["bytes"] / (episodes * reps),
+        "problems": problems[:5],
+        "statuses_ok": not problems,
+        "rows": rows,
         "runs": runs,
     }
 

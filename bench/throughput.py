@@ -51,11 +51,13 @@ async def _main(ctx: Context) -> dict[str, Any]:
         env={MARK_ENV: ctx.run_id},
     )
     failures: list[str] = []
+    seen: set[str] = set()
 
     async def one_isolate() -> None:
         outcome = await isolate.run_episode(spec, {"instance_id": "noop"})
         if outcome.status != "ok":
             failures.append(outcome.summary())
+        seen.add(str(outcome.containment))
 
     async def one_bare() -> None:
         null = subprocess.DEVNULL
@@ -92,7 +94,13 @@ async def _main(ctx: Context) -> dict[str, Any]:
                 "eps_ratio": paired_ratio(eps[concurrency][name], eps[concurrency]["bare"]),
                 "cpu_ratio": paired_ratio(cpu[concurrency][name], cpu[concurrency]["bare"]),
             }
-    return {"baseline": "bare", "reps": reps, "rows": rows, "failures": failures[:5]}
+    return {
+        "baseline": "bare",
+        "reps": reps,
+        "containment": sorted(seen),
+        "rows": rows,
+        "failures": failures[:5],
+    }
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -1,0 +1,153 @@
+"""The measuring parent of the launch benchmark (items 1 and 2b), run as its own process:
+``python -c "from bench._launch_worker import worker_main; worker_main()" MIB ROOT RUN_ID``.
+
+``-c`` keeps ``multiprocessing``'s spawn children from re-importing a heavy ``__main__``. The
+process holds MIB of touched ballast, then answers one JSON command line per round on stdin
+with one JSON line on the original stdout: per-episode seconds of every contender, each
+running ``k`` sequential no-op episodes, in an order that rotates per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import isolate
+
+from . import _noop
+from ._common import MARK_ENV, rss_bytes
+
+CONTENDERS = ("isolate", "bare", "mp_spawn", "ppe_fresh", "pool_shared", "inprocess")
+
+
+class _Parent:
+    def __init__(self, agent_root: Path, run_id: str) -> None:
+        self.spec = isolate.EpisodeSpec(
+            agent_root=agent_root,
+            entrypoint="noop_agent:run",
+            timeout=60.0,
+            kill_grace=1.0,
+            env={MARK_ENV: run_id},
+        )
+        self.spawn = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(max_workers=2)  # AReaL subproc: default (fork) context
+        self.pool_env = {"OPENAI_API_KEY": "sk-bench", "OPENAI_BASE_URL": "http://127.0.0.1:1"}
+        self.containment: set[str] = set()
+
+    async def isolate(self, k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            outcome = await isolate.run_episode(self.spec, {"instance_id": "noop"})
+            if outcome.status != "ok":
+                raise RuntimeError(f"no-op episode failed: {outcome.summary()}")
+            self.containment.add(str(outcome.containment))
+        return time.perf_counter() - t0
+
+    async def bare(self, k: int) -> float:
+        cmd = [sys.executable, "-I", "-c", "pass"]
+        t0 = time.perf_counter()
+        for _ in range(k):
+            null = subprocess.DEVNULL
+            async with await anyio.open_process(cmd, stdin=null, stdout=null, stderr=null) as p:
+                if await p.wait() != 0:
+                    raise RuntimeError("bare interpreter failed")
+        return time.perf_counter() - t0
+
+    def _mp_one(self) -> None:
+        reader, writer = self.spawn.Pipe(duplex=False)
+        proc = self.spawn.Process(target=_noop.mp_episode, args=(writer,))
+        proc.start()
+        writer.close()
+        try:
+            if reader.recv() != 1.0:
+                raise RuntimeError("multiprocessing episode returned a wrong value")
+        finally:
+            reader.close()
+            proc.join()
+
+    async def mp_spawn(self, k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await anyio.to_thread.run_sync(self._mp_one)
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _ppe_batch(k: int) -> float:
+        # A fresh executor per sample: a replacement worker spawned in the background while
+        # other contenders run would otherwise hide the spawn cost.
+        t0 = time.perf_counter()
+        with ProcessPoolExecutor(max_workers=1, max_tasks_per_child=1) as ex:
+            for _ in range(k):
+                if ex.submit(_noop.run, {}).result() != 1.0:
+                    raise RuntimeError("pool episode returned a wrong value")
+            elapsed = time.perf_counter() - t0  # excludes the final shutdown
+        return elapsed
+
+    async def ppe_fresh(self, k: int) -> float:
+        return await anyio.to_thread.run_sync(self._ppe_batch, k)
+
+    async def pool_shared(self, k: int) -> float:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await loop.run_in_executor(self.pool, _noop.areal_task, self.pool_env, {})
+        return time.perf_counter() - t0
+
+    async def inprocess(self, k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await asyncio.wait_for(_noop.coroutine({}), 60.0)  # the seed's mode
+        return time.perf_counter() - t0
+
+    async def round(self, k: int, index: int) -> dict[str, float]:
+        order = CONTENDERS[index % len(CONTENDERS) :] + CONTENDERS[: index % len(CONTENDERS)]
+        out = {}
+        for name in order:
+            out[name] = await getattr(self, name)(k) / k
+        return out
+
+
+def _ballast(mib: int) -> bytearray:
+    buf = bytearray(mib << 20)
+    pages = len(range(0, len(buf), 4096))
+    buf[::4096] = b"\x01" * pages  # touch every page: resident, not just reserved
+    return buf
+
+
+async def _serve(agent_root: Path, run_id: str, out: Any) -> None:
+    parent = _Parent(agent_root, run_id)
+    try:
+        await parent.round(1, 0)  # warm-up: imports, page cache, pool workers, resource tracker
+        out.write(json.dumps({"ready": True, "rss": rss_bytes()}) + "\n")
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            if cmd.get("quit"):
+                return
+            result = await parent.round(cmd["k"], cmd["index"])
+            reply = {"times": result, "rss": rss_bytes(), "containment": sorted(parent.containment)}
+            out.write(json.dumps(reply) + "\n")
+    finally:
+        parent.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def worker_main() -> None:
+    """Entry point of a measuring parent: ``python -c ... <ballast MiB> <agent root> <run id>``."""
+    mib, agent_root, run_id = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # nothing any child prints can reach the command channel
+    ballast = _ballast(mib)
+    anyio.run(_serve, agent_root, run_id, out)
+    del ballast

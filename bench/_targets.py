@@ -1,0 +1,49 @@
+"""The issue's performance targets, judged from a results dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._report import _range, _ratio
+
+
+def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, value: float | None, limit: float, shown: str, le: bool = True) -> None:
+        met = value is not None and (value <= limit if le else value < limit)
+        out.append({"target": what, "value": value, "limit": limit, "shown": shown, "met": met})
+
+    if "rows" in sections.get("launch", {}):
+        rows = sections["launch"]["rows"]
+        add("launch ≤ 1.25 × floor", rows["isolate"]["ratio"]["median"], 1.25,
+            _ratio(rows["isolate"]["ratio"]))  # fmt: skip
+        for other in ("mp_spawn", "ppe_fresh"):
+            value = rows["isolate"]["median"] / rows[other]["median"]
+            add(f"launch faster than {other}", value, 1.0, f"{value:.2f}× of it", le=False)
+    if "vs_small" in sections.get("large", {}):
+        s = sections["large"]["vs_small"]["isolate"]
+        mib = sections["large"]["ballast_mib"]
+        add(f"launch from a {mib} MiB parent ≤ 1.10 × small parent", s["median"], 1.10, _ratio(s))
+    if "rows" in sections.get("teardown", {}):
+        td = sections["teardown"]
+        for mode, limit in (("term", 0.1), ("ignore", td["kill_grace"] + 0.1)):
+            r = td["rows"].get(f"isolate/{mode}")
+            if r is None:
+                continue
+            worst = None if r["never_gone"] else r["gone"]["max"]
+            add(f"teardown, tree {mode}: ≤ {limit * 1000:.0f} ms (worst run)", worst, limit,
+                _range(r["gone"], 1000) + " ms")  # fmt: skip
+            add(f"teardown, tree {mode}: zero survivors", r["survivors"]["max"], 0,
+                f"max {r['survivors']['max']}")  # fmt: skip
+    if "rows" in sections.get("scale", {}):
+        r = {k: v["isolate"] for k, v in sections["scale"]["rows"].items()}
+        add("scale: loop lag p99 ≤ 20 ms (median run)", r["lag_p99_ms"]["median"], 20.0,
+            _range(r["lag_p99_ms"], 1, 2) + " ms")  # fmt: skip
+        rss = r["rss_peak_growth_kib_per_episode"]
+        add("scale: RSS ≤ 200 KiB per episode (median run)", rss["median"], 200,
+            _range(rss) + " KiB")  # fmt: skip
+        left = max(r["fds_left"]["max"], 0) + r["zombies_left"]["max"]
+        add("scale: no fd or zombie left (any run)", left, 0, f"fds {r['fds_left']['max']:+.0f}, "
+            f"zombies {r['zombies_left']['max']:.0f}")  # fmt: skip
+    return out

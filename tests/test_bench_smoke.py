@@ -1,0 +1,129 @@
+"""The benchmark suite in --quick mode, so it cannot rot: every section runs (a few episodes,
+a 64 MiB "large" parent, 10 episodes at scale), writes sane JSON and leaves nothing behind.
+Only the shape and sanity of the figures are checked here, never the performance targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import SLOW
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "footprint")
+
+
+def _positive(summary: dict[str, Any]) -> bool:
+    return summary["n"] > 0 and summary["min"] > 0 and summary["median"] > 0
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "results.json"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--json", str(out), "--workdir", str(tmp)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90 * SLOW,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert str(out) in proc.stdout
+    assert "| isolate (`run_episode`) |" in proc.stdout
+    assert out.with_suffix(".md").read_text().startswith("# isolate benchmarks")
+    data: dict[str, Any] = json.loads(out.read_text())
+    data["_elapsed"] = elapsed
+    return data
+
+
+def test_every_section_ran(results: dict[str, Any]) -> None:
+    assert results["quick"] is True
+    for name in SECTIONS:
+        assert name in results["sections"], name
+        assert "error" not in results["sections"][name], results["sections"][name]
+    assert results["leftovers"] == []
+    assert results["live_children_at_end"] == []
+    # About 12 s on 2 idle cores; the margin is for a machine shared with other work.
+    assert results["_elapsed"] < 45 * SLOW
+    for name in ("launch", "throughput", "teardown", "scale", "footprint"):
+        assert results["sections"][name]["containment"], name  # the level isolate used
+    machine = results["machine"]
+    assert machine["cores"] >= 1
+    assert machine["python"].count(".") == 2
+
+
+def test_launch_figures(results: dict[str, Any]) -> None:
+    for parent in ("launch", "large"):
+        rows = results["sections"][parent]["rows"]
+        for name, row in rows.items():
+            assert _positive(row), (parent, name)
+            assert _positive(row["ratio"]), (parent, name)
+        assert rows["bare"]["ratio"]["median"] == pytest.approx(1.0)
+        assert rows["isolate"]["median"] > rows["inprocess"]["median"]
+    large = results["sections"]["large"]
+    assert large["parent_rss_mib"] > results["sections"]["launch"]["parent_rss_mib"] + 48
+    assert _positive(large["vs_small"]["isolate"])
+
+
+def test_throughput_figures(results: dict[str, Any]) -> None:
+    section = results["sections"]["throughput"]
+    assert section["failures"] == []
+    assert {r["contender"] for r in section["rows"].values()} == {"isolate", "bare"}
+    for row in section["rows"].values():
+        assert _positive(row["eps"])
+        assert _positive(row["cpu_s"])
+
+
+def test_teardown_figures(results: dict[str, Any]) -> None:
+    rows = results["sections"]["teardown"]["rows"]
+    for mode in ("term", "ignore"):
+        row = rows[f"isolate/{mode}"]
+        assert row["survivors"]["max"] == 0
+        for run in row["runs"]:
+            assert run["status"] == "timeout"
+            assert run["survivors"] == 0
+            assert run["return_s"] > 0
+    # The baselines leave grandchildren behind: that is the point of the comparison.
+    # (pebble is in the optional "bench" group; without it its rows are skipped, not failed.)
+    for baseline in ("pebble/term", "anyio/term"):
+        if baseline in rows:
+            assert rows[baseline]["survivors"]["median"] > 0
+    assert "anyio/term" in rows
+
+
+def test_scale_figures(results: dict[str, Any]) -> None:
+    section = results["sections"]["scale"]
+    assert section["statuses_ok"], section["problems"]
+    assert section["logged_bytes_per_episode"] >= section["stderr_bytes"]
+    for name in ("isolate", "bare"):
+        for run in section["runs"][name]:
+            assert run["zombies_left"] == 0
+            assert run["fds_left"] <= 0
+            assert run["ticks"] > 0
+            assert run["wall_s"] >= section["sleep_s"]
+
+
+def test_footprint_figures(results: dict[str, Any]) -> None:
+    rows = results["sections"]["footprint"]["rows"]
+    for who in ("bare", "shim", "descendants", "total"):
+        for field in ("rss", "uss", "pss"):
+            assert _positive(rows[who][field]), (who, field)
+    assert rows["total"]["rss"]["median"] > rows["shim"]["rss"]["median"]
+
+
+def test_targets_listed(results: dict[str, Any]) -> None:
+    names = [t["target"] for t in results["targets"]]
+    assert any(n.startswith("launch ≤") for n in names)
+    assert any(n.startswith("teardown") for n in names)
+    assert any(n.startswith("scale") for n in names)
