@@ -10,9 +10,13 @@ so it runs in an agent virtualenv that has neither isolate nor pydantic. Lifecyc
 3. Answer ``hello`` with our protocol version; stop on a mismatch.
 4. Become a child subreaper (Linux), so processes that double-fork or ``setsid()`` away from the
    agent are re-parented here and stay inside the episode.
-5. Fork the worker, which imports and calls the entrypoint and writes a ``result`` or ``error``
-   frame. The supervisor (this process) reaps orphans, enforces its own deadline, watches the
-   parent pipe, and when the worker is gone kills every survivor and sends ``done``.
+5. Check the rest of the handshake, then contain: join the episode's cgroups before creating
+   any process; for ``pidns``, fork PID 1 of a new PID namespace (with a private /proc), which
+   carries on as the supervisor while this process only relays SIGTERM and its exit.
+6. Fork the worker, which sets the episode's rlimits, imports and calls the entrypoint and
+   writes a ``result`` or ``error`` frame. The supervisor reaps orphans, enforces its own
+   deadline, watches the parent pipe, and when the worker is gone kills every survivor and
+   sends ``done``.
 
 Frames are single JSON lines carrying the handshake's nonce. See docs/protocol.md.
 """
@@ -21,8 +25,11 @@ import asyncio
 import ctypes
 import inspect
 import json
+import math
 import numbers
 import os
+import re
+import resource
 import select
 import signal
 import sys
@@ -31,7 +38,11 @@ import traceback
 
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
-PR_SET_CHILD_SUBREAPER = 36
+LEVELS = ("cgroup", "pidns", "session")
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+ENTRYPOINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
 # the parent promises its tree is gone within 2 s of its own death.
 PARENT_GONE_GRACE = 1.0
@@ -70,21 +81,173 @@ def read_handshake(fd):
             return None
 
 
+def libc():
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
+    return lib
+
+
 def set_subreaper():
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def is_number(value):
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check_handshake(hs):
+    """What is wrong with a handshake of our protocol version, or None."""
+    checks = [
+        ("entrypoint", lambda v: isinstance(v, str) and ENTRYPOINT.match(v)),
+        ("data", lambda v: True),
+        ("agent_root", lambda v: v is None or isinstance(v, str)),
+        ("kwargs", lambda v: isinstance(v, dict)),
+        ("secrets", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+        ("deadline", lambda v: is_number(v) and v > 0),
+        ("kill_grace", lambda v: is_number(v) and v >= 0),
+        ("max_info_bytes", lambda v: type(v) is int and v >= 0),
+        ("containment", lambda v: v in LEVELS),
+        ("userns", lambda v: isinstance(v, bool)),
+        ("cgroups", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        ("rlimits", lambda v: isinstance(v, dict) and all(is_rlimit(*x) for x in v.items())),
+    ]
+    for name, ok in checks:
+        if name in hs or name in ("entrypoint", "data"):
+            if name not in hs or not ok(hs[name]):
+                return "invalid handshake: field %r is missing or has a wrong type" % name
+    return None
+
+
+def is_rlimit(name, value):
+    return (
+        name.startswith("RLIMIT_")
+        and hasattr(resource, name)
+        and isinstance(value, list)
+        and len(value) == 2
+        and all(type(x) is int and x >= 0 for x in value)
+    )
+
+
+# --- containment ------------------------------------------------------------------------------
+
+
+def contain(hs):
+    """Join the episode's cgroups; for pidns, fork PID 1 of a new PID namespace, and turn this
+    process into a relay. Returns a problem, or None in the process that carries on."""
+    me = str(os.getpid())
+    for path in hs.get("cgroups", ()):
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                if me in f.read().split():
+                    continue  # the parent moved us in already
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(me)
+        except OSError as exc:
+            return "cannot join cgroup %s: %s" % (path, exc.strerror or exc)
+    if hs.get("containment") != "pidns":
+        return None
+    problem = unshare_pidns(hs.get("userns", False))
+    if problem is not None:
+        return problem
+    pid = os.fork()
+    if pid:
+        relay(pid)  # exits
+    return become_init()
+
+
+def unshare_pidns(userns):
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWPID | CLONE_NEWNS | (CLONE_NEWUSER if userns else 0)
+    if libc().unshare(flags) != 0:
+        return "unshare(%s): %s" % (
+            "user+pid+mount" if userns else "pid+mount",
+            os.strerror(ctypes.get_errno()),
+        )
+    if userns:
+        # Map our own ids to themselves: files the agent writes keep the caller's ownership.
+        try:
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", "%d %d 1" % (uid, uid)),
+                ("gid_map", "%d %d 1" % (gid, gid)),
+            ):
+                with open("/proc/self/" + name, "w") as f:
+                    f.write(text)
+        except OSError as exc:
+            return "cannot map ids in the user namespace: %s" % (exc.strerror or exc)
+    return None
+
+
+def become_init():
+    """In PID 1 of the new namespace: die with the relay; mount a /proc that shows only the
+    namespace, or the supervisor's scan of /proc would see the whole machine."""
+    lib = libc()
+    lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if (
+        lib.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0
+        or lib.mount(b"proc", b"/proc", b"proc", flags, None) != 0
+    ):
+        return "cannot mount a private /proc: %s" % os.strerror(ctypes.get_errno())
+    return None
+
+
+def relay(child):
+    """The outer half of a PID namespace: pass SIGTERM on to PID 1, exit as it exits."""
+    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
+
+    def forward(*_):
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            else:
+                os.kill(child, signal.SIGTERM)
+        except OSError:
+            pass  # PID 1 is gone already
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _, status = os.waitpid(child, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if os.WIFSIGNALED(status):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def probe_pidns(userns):
+    """``shim.py --probe-pidns [userns]``: can this machine give an episode a PID namespace?"""
+    problem = unshare_pidns(userns)
+    if problem is None:
+        pid = os.fork()
+        if pid == 0:
+            problem = become_init() or (None if os.getpid() == 1 else "not PID 1")
+            sys.stderr.write(problem + "\n" if problem else "")
+            os._exit(1 if problem else 0)
+        return 0 if os.waitpid(pid, 0)[1] == 0 else 1
+    sys.stderr.write(problem + "\n")
+    return 1
 
 
 # --- the worker -------------------------------------------------------------------------------
 
 
 def worker(hs, channel):
-    """Import and call the entrypoint; exit code 0 after a result, else the error's code."""
+    """Set the rlimits, import and call the entrypoint; exit code 0 after a result, else the
+    error's code."""
+    for name, (soft, hard) in sorted(hs.get("rlimits", {}).items()):
+        try:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        except (OSError, ValueError) as exc:
+            message = "cannot set %s to %s: %s" % (name, (soft, hard), exc)
+            channel.send("error", kind="setup", type="LimitError", message=message)
+            return 1
     module_name, _, attr = hs["entrypoint"].partition(":")
     extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # -I ignores PYTHONPATH; honour the one the spec set, after the agent root.
@@ -206,16 +369,17 @@ def live_descendants(root):
 
 
 def reap(worker_pid, status):
-    """Reap every exited child; return the worker's wait status once it is known."""
+    """Reap every exited child. Returns the worker's (wait status, CPU seconds) once known, and
+    whether no child at all is left."""
     while True:
         try:
-            pid, code = os.waitpid(-1, os.WNOHANG)
+            pid, code, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
-            return status
+            return status, True
         if pid == 0:
-            return status
+            return status, False
         if pid == worker_pid:
-            status = code
+            status = (code, usage.ru_utime + usage.ru_stime)
 
 
 def signal_all(pids, sig):
@@ -227,18 +391,18 @@ def signal_all(pids, sig):
 
 
 def kill_tree(worker_pid, status, grace):
-    """SIGCONT+SIGTERM every descendant, SIGKILL what is left after ``grace`` seconds, and reap
+    """SIGTERM+SIGCONT every descendant, SIGKILL what is left after ``grace`` seconds, and reap
     everything. Returns (number of processes signalled, worker's wait status)."""
     me = os.getpid()
     victims = set()
     end = time.monotonic() + grace
     delay = 0.002
     while True:
-        status = reap(worker_pid, status)
+        status, _ = reap(worker_pid, status)
         live = live_descendants(me)
         if not live:
             # Reap the dead too: an unreaped zombie's own children would be handed to init.
-            status, clear = reap_all(worker_pid, status)
+            status, clear = reap(worker_pid, status)
             if clear:
                 return len(victims), status
             time.sleep(delay)
@@ -246,8 +410,8 @@ def kill_tree(worker_pid, status, grace):
         fresh = [pid for pid in live if pid not in victims]
         victims.update(fresh)
         if time.monotonic() < end:
-            signal_all(fresh, signal.SIGCONT)
             signal_all(fresh, signal.SIGTERM)
+            signal_all(fresh, signal.SIGCONT)  # after: a stopped process meets SIGTERM pending
         else:
             signal_all(live, signal.SIGKILL)
             if time.monotonic() > end + 5.0:
@@ -255,19 +419,6 @@ def kill_tree(worker_pid, status, grace):
                 return len(victims), status
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
-
-
-def reap_all(worker_pid, status):
-    """Reap until no child is left; (status, False) if a live child turned up meanwhile."""
-    while True:
-        try:
-            pid, code = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return status, True
-        if pid == 0:
-            return status, False
-        if pid == worker_pid:
-            status = code
 
 
 def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):
@@ -278,7 +429,7 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):
     poller.register(wake_fd, select.POLLIN)
     status, why = None, "exited"
     while True:
-        status = reap(worker_pid, status)
+        status, _ = reap(worker_pid, status)
         if status is not None:
             break
         if flags.get("terminated"):
@@ -303,12 +454,13 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):
     killed, status = kill_tree(worker_pid, status, grace)
     done = {"why": why, "killed": killed, "exit_code": None, "signal": None}
     if status is not None:
+        status, done["cpu_s"] = status
         if os.WIFSIGNALED(status):
             done["signal"] = os.WTERMSIG(status)
         else:
             done["exit_code"] = os.WEXITSTATUS(status)
     if why == "parent gone":
-        return 0
+        os._exit(0)  # nobody to report to; skip the interpreter shutdown
     try:
         channel.send("done", **done)
     except OSError:
@@ -317,6 +469,8 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags):
 
 
 def main():
+    if sys.argv[1:2] == ["--probe-pidns"]:
+        return probe_pidns(sys.argv[2:] == ["userns"])
     frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
     os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
     for stream in (sys.stdout, sys.stderr):
@@ -333,20 +487,31 @@ def main():
     try:
         hs = json.loads(raw)
         nonce = hs["nonce"]
-    except (ValueError, KeyError, TypeError) as exc:
+        if not isinstance(nonce, str):
+            raise TypeError("nonce")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         sys.stderr.write("isolate shim: unreadable handshake (%s)\n" % type(exc).__name__)
         return 2
     del raw
     channel = Channel(frames_fd, nonce)
     subreaper = set_subreaper()
+    level = hs.get("containment", "session")
     channel.send(
         "hello",
         protocol=PROTOCOL_VERSION,
         pid=os.getpid(),
         python=".".join(map(str, sys.version_info[:3])),
         subreaper=subreaper,
+        containment=level if level in LEVELS else None,
     )
-    if hs.get("protocol") != PROTOCOL_VERSION:
+    if type(hs.get("protocol")) is not int or hs["protocol"] != PROTOCOL_VERSION:
+        return 2
+    problem, kind = check_handshake(hs), "HandshakeError"
+    if problem is None:
+        problem, kind = contain(hs), "ContainmentError"
+    if problem is not None:
+        sys.stderr.write("isolate shim: %s\n" % problem)
+        channel.send("error", kind="setup", type=kind, message=problem)
         return 2
 
     wake_r, wake_w = os.pipe()

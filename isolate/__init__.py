@@ -8,7 +8,7 @@
 See README.md for the failure taxonomy and docs/protocol.md for the wire protocol.
 """
 
-from ._config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec
+from ._config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec, Limits
 from ._errors import (
     AgentError,
     ArgumentError,
@@ -35,6 +35,7 @@ __all__ = [
     "EpisodeTimeout",
     "ErrorInfo",
     "IsolateError",
+    "Limits",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "STATUSES",

@@ -6,9 +6,9 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Environment names a child inherits from the parent by default. Patterns use fnmatch syntax.
 DEFAULT_INHERIT_ENV: tuple[str, ...] = (
@@ -38,6 +38,30 @@ def _finite(value: float) -> float:
 
 
 Seconds = Annotated[float, AfterValidator(_finite)]
+
+Containment = Literal["auto", "cgroup", "pidns", "session"]
+
+
+class Limits(BaseModel):
+    """Resource limits of one episode. None means no limit. Each is enforced by the strongest
+    mechanism the episode's containment level offers (see README, "Resource limits")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    memory_bytes: int | None = Field(default=None, ge=1024 * 1024)
+    """Memory of the whole tree (cgroup), else of each process (``RLIMIT_DATA``), in bytes."""
+    max_processes: int | None = Field(default=None, ge=1)
+    """Processes and threads the agent may have at once (``pids.max``, or ``RLIMIT_NPROC``
+    inside an unprivileged user namespace)."""
+    cpu_seconds: int | None = Field(default=None, ge=1)
+    """CPU seconds each process may use (``RLIMIT_CPU``: SIGXCPU, then SIGKILL 1 s later)."""
+    open_files: int | None = Field(default=None, ge=8)
+    """Open file descriptors per process (``RLIMIT_NOFILE``)."""
+    core_dumps: bool = True
+    """False sets ``RLIMIT_CORE`` to 0: a crashing agent leaves no core file."""
+    log_bytes: int | None = Field(default=None, ge=0)
+    """Bytes of the episode's log kept on disk; past it the log is cut (noted once) while the
+    in-memory tail keeps updating."""
 
 
 class EpisodeSpec(BaseModel):
@@ -70,6 +94,26 @@ class EpisodeSpec(BaseModel):
     """Largest protocol frame accepted from the child, in bytes."""
     max_info_bytes: int = Field(default=1024 * 1024, ge=0)
     """Largest JSON ``info`` (the entrypoint's extra) kept, in bytes; larger is truncated."""
+    containment: Containment = "auto"
+    """``cgroup``, ``pidns`` or ``session`` (see README); ``auto`` picks the strongest this
+    machine allows. An explicit level the machine cannot provide is a ``setup_error``."""
+    limits: Limits | None = None
+    """Resource limits; an episode that hits one ends ``crashed`` with a ``reason``."""
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> EpisodeSpec:
+        if (
+            self.containment == "session"
+            and self.limits is not None
+            and self.limits.max_processes is not None
+        ):
+            # RLIMIT_NPROC counts every process of the user (and root ignores it): no
+            # per-episode process limit exists without a pids cgroup or a user namespace.
+            raise ValueError(
+                "limits.max_processes needs containment 'cgroup' or 'pidns', "
+                "not containment='session'"
+            )
+        return self
 
     @field_validator("entrypoint")
     @classmethod

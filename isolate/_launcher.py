@@ -17,6 +17,7 @@ import anyio
 import psutil
 from pydantic import SecretStr
 
+from . import _containment
 from . import _protocol as proto
 from ._config import EpisodeSpec
 from ._env import build_env
@@ -126,6 +127,11 @@ class _Run:
         self.shim = shim_path()
 
         self.started = time.monotonic()
+        self.level: _containment.Level = "session"
+        self.leaves: _containment.Leaves | None = None
+        self.oom_kills: int | None = None
+        self.pids_limit_hits = 0
+        self.log_written = 0
         self.popen: subprocess.Popen[bytes] | None = None
         self.tree: Episode | None = None
         self.pidfd: int | None = None
@@ -153,10 +159,12 @@ class _Run:
             if problem is not None:
                 return self._finish("setup_error", _err("SetupError", problem))
             try:
-                await anyio.to_thread.run_sync(self._spawn)
+                problem = await anyio.to_thread.run_sync(self._spawn)
             except OSError as exc:
                 message = f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
                 return self._finish("setup_error", _err("SetupError", message))
+            if problem is not None:
+                return self._finish("setup_error", _err("SetupError", problem))
             if on_start is not None:
                 assert self.popen is not None
                 on_start(self.popen.pid)
@@ -167,6 +175,9 @@ class _Run:
             raise
         finally:
             self._close()
+            if self.leaves is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._remove_leaves()
         return self._conclude()
 
     def _prepare(self) -> str | None:
@@ -188,6 +199,9 @@ class _Run:
                 return f"interpreter {spec.python} is not an executable file"
         if not self.shim.is_file():
             return f"shim {self.shim} is missing from the installation"
+        problem = self._contain()
+        if problem is not None:
+            return problem
         if spec.log_dir is not None:
             try:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +211,33 @@ class _Run:
                 return f"cannot open a log file in {spec.log_dir}: {exc.strerror or exc}"
         return None
 
-    def _spawn(self) -> None:
+    def _contain(self) -> str | None:
+        """Pick the containment level, make the cgroup leaves, put both into the handshake."""
+        found = _containment.resolve(self.spec.containment, self.spec.limits)
+        if isinstance(found, str):
+            return found
+        self.level, how = found
+        self.public["containment"] = self.level
+        if how.rlimits:
+            self.public["rlimits"] = {name: list(pair) for name, pair in how.rlimits.items()}
+        if self.level == "pidns":
+            self.public["userns"] = _containment.needs_userns()
+        elif self.level == "cgroup":
+            self.leaves = _containment.Leaves(_containment.cgroups(), self.episode_id, how)
+            problem = self.leaves.create()
+            if problem is not None:
+                return problem
+            self.public["cgroups"] = self.leaves.join()
+        return None
+
+    async def _remove_leaves(self) -> None:
+        assert self.leaves is not None
+        problem = await anyio.to_thread.run_sync(self.leaves.remove)
+        if problem is not None:
+            self._note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
+
+    def _spawn(self) -> str | None:
+        """Start the shim (and put it into its cgroup leaves); a problem, or None."""
         # Runs in a worker thread: fork+exec of a big parent must not stall the event loop.
         env = build_env(os.environ, self.spec.inherit_env, self.spec.env, self.episode_id)
         self.popen = subprocess.Popen(
@@ -215,7 +255,7 @@ class _Run:
             shim: psutil.Process | None = psutil.Process(pid)
         except psutil.Error:
             shim = None
-        self.tree = Episode(shim, pid, self.episode_id)
+        self.tree = Episode(shim, pid, self.episode_id, self.leaves)
         if hasattr(os, "pidfd_open"):
             try:
                 self.pidfd = os.pidfd_open(pid)
@@ -224,6 +264,16 @@ class _Run:
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             assert pipe is not None
             os.set_blocking(pipe.fileno(), False)
+        if self.leaves is not None:
+            # Moving a process costs the kernel a few ms (an RCU grace period): done here, it
+            # overlaps the interpreter's start-up. The shim reads its handshake, written only
+            # after this, before it creates any process; it checks and joins by itself too.
+            problem = self.leaves.move(pid)
+            if problem is not None:
+                self.popen.kill()
+                self.popen.wait()
+                return problem
+        return None
 
     async def _supervise(self) -> None:
         assert self.popen is not None
@@ -243,8 +293,13 @@ class _Run:
             # The done frame is written before the shim exits: read stdout to EOF first.
             with anyio.move_on_after(_DRAIN_S):
                 await self.stdout_eof.wait()
-            if not self._clean_exit():
+            if not self._clean_exit() or await self._leaf_populated():
                 await self._sweep(live=False)
+            if self.leaves is not None:
+                leaves = self.leaves
+                self.oom_kills, self.pids_limit_hits = await anyio.to_thread.run_sync(
+                    lambda: (leaves.oom_kills(), leaves.pids_limit_hits())
+                )
             with anyio.move_on_after(_DRAIN_S):
                 await self.stderr_eof.wait()
             tg.cancel_scope.cancel()
@@ -259,6 +314,12 @@ class _Run:
             and self.done is not None
             and self.done.why == "exited"
         )
+
+    async def _leaf_populated(self) -> bool:
+        """At the cgroup level: is anything left in the leaf after the shim exited?"""
+        if self.leaves is None:
+            return False
+        return await anyio.to_thread.run_sync(self.leaves.populated)
 
     async def _sweep(self, *, live: bool) -> None:
         assert self.tree is not None
@@ -329,11 +390,24 @@ class _Run:
         if not data:
             return
         if self.log is not None:
-            self.log.write(data)
+            self._log(data)
         limit = self.spec.stderr_tail_bytes
         self.tail += data
         if len(self.tail) > 2 * limit:
             del self.tail[: len(self.tail) - limit]
+
+    def _log(self, data: bytes) -> None:
+        cap = self.spec.limits.log_bytes if self.spec.limits is not None else None
+        if cap is None:
+            self.log.write(data)
+            return
+        room = cap - self.log_written
+        if room > 0:
+            self.log.write(data[:room])
+        self.log_written += len(data)
+        if room >= 0 and self.log_written > cap:
+            note = f"\n[isolate] log cut at limits.log_bytes={cap}; the outcome's tail goes on\n"
+            self.log.write(note.encode())
 
     def _note(self, text: str) -> None:
         """A line from isolate itself into the episode's log and tail."""
@@ -368,6 +442,9 @@ class _Run:
         if isinstance(frame, proto.Hello):
             if self.hello is not None:
                 self._violate("a second hello frame")
+            elif frame.containment not in (None, self.level):
+                level = f"{frame.containment!r}, not {self.level!r}"
+                self._violate(f"the shim set up containment {level}")
             self.hello = frame
         elif self.hello is None:
             self._violate(f"a {frame.t!r} frame before hello")
@@ -392,7 +469,7 @@ class _Run:
             os.close(self.pidfd)
             self.pidfd = None
         if self.log is not None:
-            self.log.write(self.redact.flush())
+            self._log(self.redact.flush())
             self.log.close()
             self.log = None
 
@@ -401,7 +478,34 @@ class _Run:
     def _conclude(self) -> EpisodeOutcome:
         self._keep(self.redact.flush())
         status, error, reward, info = self._classify()
-        return self._finish(status, error, reward, info)
+        reason = self._limit_hit() if status in ("agent_error", "crashed", "timeout") else None
+        if reason is not None:
+            # The limit ended the episode, however the agent's end looked from inside.
+            assert error is not None
+            kind = error.type if status == "agent_error" else "EpisodeCrashed"
+            message = f"{reason} hit: {error.message}"
+            error = ErrorInfo(type=kind, message=message, traceback=error.traceback)
+            status = "crashed"
+        return self._finish(status, error, reward, info, reason)
+
+    def _limit_hit(self) -> str | None:
+        """The resource limit that ended the episode, if one visibly did."""
+        limits = self.spec.limits
+        if limits is None:
+            return None
+        if limits.memory_bytes is not None and (
+            (self.oom_kills or 0) > 0
+            or (isinstance(self.final, proto.Error) and self.final.type == "MemoryError")
+        ):
+            return f"memory limit {_containment.size(limits.memory_bytes)}"
+        if limits.max_processes is not None and self.pids_limit_hits > 0:
+            return f"process limit {limits.max_processes}"
+        if limits.cpu_seconds is not None:
+            _, sig = self._exit()
+            cpu = self.done.cpu_s if self.done is not None else None
+            if sig == "SIGXCPU" or (sig == "SIGKILL" and (cpu or 0) >= limits.cpu_seconds):
+                return f"CPU limit {limits.cpu_seconds} s"
+        return None
 
     def _exit(self) -> tuple[int | None, str | None]:
         """The agent's exit: the worker's, from the done frame, else the shim's own."""
@@ -443,6 +547,9 @@ class _Run:
                 f"this isolate speaks {proto.PROTOCOL_VERSION}"
             )
             return "protocol_error", _err("ProtocolError", message), None, None
+        if self.timed_out:
+            # No final frame by the deadline: one that came during teardown does not count.
+            return "timeout", self._timeout_error(), None, None
         if isinstance(final, proto.Error):
             error = ErrorInfo(
                 type=r.text(final.type),
@@ -455,7 +562,7 @@ class _Run:
             if problem is not None:
                 return "protocol_error", _err("ProtocolError", r.text(problem)), None, None
             return "ok", None, final.reward, r.json(final.info)
-        if self.timed_out or (self.done is not None and self.done.why == "deadline"):
+        if self.done is not None and self.done.why == "deadline":
             return "timeout", self._timeout_error(), None, None
         exit_code, sig = self._exit()
         if sig is None and exit_code == 0:
@@ -486,6 +593,7 @@ class _Run:
         error: ErrorInfo | None,
         reward: float | dict[str, float] | None = None,
         info: Any = None,
+        reason: str | None = None,
     ) -> EpisodeOutcome:
         exit_code, sig = self._exit() if self.popen is not None else (None, None)
         killed = self.killed
@@ -507,7 +615,9 @@ class _Run:
             error=error,
             killed=killed,
             episode_id=self.episode_id,
-            containment="session+subreaper" if self.hello and self.hello.subreaper else "session",
+            containment=(self.hello.containment or "session") if self.hello else self.level,
+            reason=reason,
+            oom_kills=self.oom_kills,
         )
         if self.log_path is not None:
             with open(self.log_path, "ab") as log:

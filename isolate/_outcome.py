@@ -82,7 +82,11 @@ class EpisodeOutcome(BaseModel):
     episode_id: str = ""
     """Identifier of this episode: log file name stem and the child's ISOLATE_EPISODE_ID."""
     containment: str = "session"
-    """Containment actually used: ``session+subreaper`` on Linux, else ``session``."""
+    """Containment actually used: ``cgroup``, ``pidns`` or ``session``."""
+    reason: str | None = None
+    """The resource limit the episode hit, e.g. ``memory limit 512 MiB`` (status crashed)."""
+    oom_kills: int | None = None
+    """Processes of the episode the kernel OOM-killed; None where no cgroup counts them."""
 
     @property
     def exit_description(self) -> str:

@@ -30,6 +30,8 @@ class Hello(_Frame):
     pid: int
     python: str
     subreaper: bool
+    containment: str | None = None
+    """The level the shim is setting up (None: a shim that does not say)."""
 
 
 class Result(_Frame):
@@ -67,6 +69,8 @@ class Done(_Frame):
     killed: int = Field(ge=0)
     exit_code: int | None
     signal: int | None
+    cpu_s: float | None = None
+    """CPU seconds the worker used (user + system)."""
 
 
 Frame = Annotated[Hello | Result | Error | Progress | Done, Field(discriminator="t")]

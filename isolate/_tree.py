@@ -3,8 +3,10 @@
 An episode's processes are found three ways, because each alone can miss some: the shim's
 descendants (complete while the subreaper shim lives), members of the shim's session (which
 outlive it), and, on Linux, processes whose environment carries the episode tag (which catch
-a process that left both, after the shim died). Processes are identified by pid *and*
-creation time, so a recycled pid is never signalled; a zombie counts as gone.
+a process that left both, after the shim died). At the cgroup level the episode's leaves
+are a fourth, authoritative source, and SIGKILL starts with ``cgroup.kill``; the scans stay as
+a safety net. Processes are identified by pid *and* creation time, so a recycled pid is never
+signalled; a zombie counts as gone.
 
 These scans read /proc and are run in a worker thread, never on the event loop.
 """
@@ -15,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 import anyio
 import psutil
@@ -22,6 +25,14 @@ import psutil
 from ._config import EPISODE_ENV
 
 _Key = tuple[int, float]
+
+
+class Box(Protocol):
+    """Something that holds every process of an episode (its cgroup leaves)."""
+
+    def members(self) -> list[int]: ...
+
+    def kill(self) -> None: ...
 
 
 def _key(proc: psutil.Process) -> _Key:
@@ -71,10 +82,13 @@ def _tagged(episode_id: str) -> list[int]:
 class Episode:
     """The processes of one episode, and how to kill them."""
 
-    def __init__(self, shim: psutil.Process | None, sid: int, episode_id: str) -> None:
+    def __init__(
+        self, shim: psutil.Process | None, sid: int, episode_id: str, box: Box | None = None
+    ) -> None:
         self.shim = shim
         self.sid = sid
         self.episode_id = episode_id
+        self.box = box
         self._signalled: set[_Key] = set()
 
     def live(self) -> list[psutil.Process]:
@@ -93,6 +107,8 @@ class Episode:
                 add(self.shim.children(recursive=True))
             except psutil.Error:
                 pass
+        if self.box is not None:
+            add(_procs(self.box.members()))
         add(_procs(_session_members(self.sid)))
         add(_procs(_tagged(self.episode_id)))
         live = [p for p in found.values() if is_alive(p)]
@@ -107,17 +123,22 @@ class Episode:
         return len(self.live())
 
     def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:
-        """Send ``sig`` (preceded by SIGCONT, so stopped processes act on it); return how many
+        """Send ``sig`` (followed by SIGCONT, so stopped processes act on it); return how many
         processes other than the shim were signalled for the first time."""
         new = 0
         for proc in procs:
             try:
-                if sig != signal.SIGKILL:
-                    proc.send_signal(signal.SIGCONT)
-                proc.send_signal(sig)
                 key = _key(proc)
+                proc.send_signal(sig)
             except psutil.Error:
                 continue
+            if sig != signal.SIGKILL:
+                # Only now: woken first, a stopped process could run on (and, say, send a
+                # result) before the signal arrives; woken now, it meets it pending.
+                try:
+                    proc.send_signal(signal.SIGCONT)
+                except psutil.Error:
+                    pass  # the signal already took it
             if key not in self._signalled:
                 self._signalled.add(key)
                 if self.shim is None or proc.pid != self.shim.pid:
@@ -143,6 +164,9 @@ class Episode:
                 killed += await anyio.to_thread.run_sync(self.signal, fresh, sig)
             else:
                 killed += await anyio.to_thread.run_sync(self.signal, live, sig)
+                if self.box is not None:
+                    # Then all at once: whatever was forked since the scan dies too.
+                    await anyio.to_thread.run_sync(self.box.kill)
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.05)
 

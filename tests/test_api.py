@@ -34,6 +34,7 @@ EXPORTED = [
     "EpisodeTimeout",
     "ErrorInfo",
     "IsolateError",
+    "Limits",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "STATUSES",

@@ -1,0 +1,564 @@
+"""Containment levels and resource limits, on the parent side.
+
+Levels, strongest first (``auto`` picks the first this machine provides):
+
+``cgroup``
+    One cgroup v2 leaf per episode, under ``<own cgroup>/isolate/<pid>.<start>/``. The shim
+    joins it before it creates any process; teardown writes ``cgroup.kill`` and waits for
+    ``populated 0``. Memory and process limits use the v2 ``memory``/``pids`` controllers where
+    they are enabled for our subtree; on a hybrid host (v2 without them, v1 hierarchies
+    mounted) the v1 ``memory``/``pids`` hierarchies get a leaf of their own.
+``pidns``
+    The shim's supervisor is PID 1 of a new PID namespace (in a new user namespace when the
+    parent lacks CAP_SYS_ADMIN): when it dies, the kernel kills every process in it.
+``session``
+    Own session, subreaper shim, parent-side sweep (see ``_tree``).
+
+Probes run lazily, once per process, in whatever worker thread first needs them. All
+functions here block: call them through ``anyio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from ._config import Containment, Limits
+
+Level = Literal["cgroup", "pidns", "session"]
+LEVELS: tuple[Level, ...] = ("cgroup", "pidns", "session")
+
+_CAP_SYS_ADMIN = 21
+_PROBE_TIMEOUT_S = 10.0
+#: How long teardown waits for ``populated 0`` after ``cgroup.kill`` (seconds).
+_EMPTY_WAIT_S = 2.0
+_V1 = ("pids", "memory")
+
+_probe_lock = threading.Lock()
+_probed: dict[str, object] = {}
+#: Guards our per-parent directories: created by the first leaf, removed after the last.
+_dir_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Cgroups:
+    """Where this process may create episode leaves (each an ``isolate`` directory)."""
+
+    v2: Path | None
+    """``<own cgroup v2 directory>/isolate``; None when there is no cgroup level."""
+    v2_controllers: frozenset[str]
+    """Which of ``memory``/``pids`` leaves under ``v2`` get."""
+    v1: dict[str, Path]
+    """``memory``/``pids`` -> ``<own v1 cgroup directory>/isolate``, where writable."""
+    problem: str | None
+    """Why there is no cgroup level, or None."""
+
+    def controller(self, name: str) -> Literal["v2", "v1"] | None:
+        if name in self.v2_controllers:
+            return "v2"
+        return "v1" if name in self.v1 else None
+
+
+# --- probes -----------------------------------------------------------------------------------
+
+
+def _unescape(text: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(fstype, root, mount point, super options) of every mount, from /proc/self/mountinfo."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) >= 5 and len(tail) >= 3:
+                options = set(tail[2].split(","))
+                out.append((tail[0], _unescape(fields[3]), _unescape(fields[4]), options))
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Our cgroup path per hierarchy: ``""`` for v2, a controller name for each v1 one."""
+    out: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in controllers.split(",") if controllers else [""]:
+                out[name] = path
+    return out
+
+
+def _join(mount_root: str, mount_point: str, path: str) -> Path | None:
+    """The directory of cgroup ``path`` under a mount of the hierarchy rooted at ``mount_root``."""
+    if mount_root == "/":
+        return Path(mount_point + path.rstrip("/"))
+    if path == mount_root or path.startswith(mount_root.rstrip("/") + "/"):
+        return Path(mount_point + path[len(mount_root) :].rstrip("/"))
+    return None
+
+
+def _writable_root(base: Path) -> tuple[Path | None, str | None]:
+    """Create ``base/isolate`` and prove a leaf can be made and removed under it."""
+    root = base / "isolate"
+    probe = root / f"probe.{os.getpid()}.{secrets.token_hex(3)}"
+    try:
+        root.mkdir(exist_ok=True)
+        probe.mkdir()
+    except OSError as exc:
+        return None, f"cgroup tree {base} is not writable ({exc.strerror or exc})"
+    try:
+        if base.joinpath("cgroup.controllers").exists() and not (probe / "cgroup.kill").exists():
+            return None, "the kernel has no cgroup.kill (Linux 5.14 or later needed)"
+        return root, None
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+
+
+def _probe_cgroups() -> Cgroups:
+    try:
+        mounts = _mounts()
+        own = _own_cgroups()
+    except OSError as exc:
+        return Cgroups(None, frozenset(), {}, f"cannot read /proc ({exc.strerror or exc})")
+    v1: dict[str, Path] = {}
+    for name in _V1:
+        for fstype, root, point, options in mounts:
+            if fstype == "cgroup" and name in options and name in own:
+                base = _join(root, point, own[name])
+                found = _writable_root(base)[0] if base is not None else None
+                if found is not None:
+                    v1[name] = found
+                    break
+    v2_mounts = [(root, point) for fstype, root, point, _ in mounts if fstype == "cgroup2"]
+    if not v2_mounts:
+        return Cgroups(None, frozenset(), v1, "no cgroup v2 tree is mounted")
+    if "" not in own:
+        return Cgroups(None, frozenset(), v1, "this process is in no cgroup v2 group")
+    problem = "no cgroup v2 mount shows this process's group"
+    for root, point in v2_mounts:
+        base = _join(root, point, own[""])
+        if base is None:
+            continue
+        found, problem_here = _writable_root(base)
+        if found is None:
+            problem = problem_here or problem
+            continue
+        return Cgroups(found, _enable_v2_controllers(found), v1, None)
+    return Cgroups(None, frozenset(), v1, problem)
+
+
+def _enable_v2_controllers(root: Path) -> frozenset[str]:
+    """Enable memory and pids for our subtree where the tree above delegates them to us."""
+    try:
+        offered = set((root / "cgroup.controllers").read_text().split()) & set(_V1)
+    except OSError:
+        return frozenset()
+    enabled = set()
+    for name in sorted(offered):
+        try:
+            (root / "cgroup.subtree_control").write_text(f"+{name}")
+            enabled.add(name)
+        except OSError:
+            continue
+    return frozenset(enabled)
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def needs_userns() -> bool:
+    """A PID namespace without CAP_SYS_ADMIN needs a user namespace around it."""
+    return not _has_cap_sys_admin()
+
+
+def _probe_pidns() -> str | None:
+    """Run the shim's own namespace set-up once in a short-lived child; None if it works."""
+    if not sys.platform.startswith("linux"):
+        return "PID namespaces exist only on Linux"
+    from ._launcher import shim_path
+
+    argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns"]
+    if needs_userns():
+        argv.append("userns")
+    try:
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            timeout=_PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            env={},  # never the parent's environment: it may hold keys
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the namespace probe failed: {exc}"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return f"namespaces not permitted: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
+def cgroups() -> Cgroups:
+    """What this process can do with cgroups (probed once; stale leaves cleaned on the way)."""
+    with _probe_lock:
+        key = f"cgroups.{os.getpid()}"
+        found = _probed.get(key)
+        if not isinstance(found, Cgroups):
+            found = _probe_cgroups()
+            roots = [found.v2] if found.v2 is not None else []
+            clean_stale(roots + list(found.v1.values()))
+            _probed[key] = found
+        return found
+
+
+def pidns_problem() -> str | None:
+    """Why this machine gives us no PID namespace, or None (probed once)."""
+    with _probe_lock:
+        if "pidns" not in _probed:
+            _probed["pidns"] = _probe_pidns()
+        problem = _probed["pidns"]
+        return problem if isinstance(problem, str) else None
+
+
+def level_problem(level: str) -> str | None:
+    """Why ``level`` is not available here, or None."""
+    if level == "cgroup":
+        return cgroups().problem
+    if level == "pidns":
+        return pidns_problem()
+    return None
+
+
+# --- limits -----------------------------------------------------------------------------------
+
+
+def size(n: int) -> str:
+    """``536870912`` -> ``"512 MiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+@dataclass
+class Plan:
+    """How one episode's limits are enforced at one level."""
+
+    writes: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Leaf (``v2``, ``pids``, ``memory``) -> file -> value."""
+    rlimits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
+
+
+def plan(level: Level, limits: Limits | None, groups: Cgroups | None) -> Plan | str:
+    """The mechanisms for ``limits`` at ``level``, or why one limit cannot be enforced there."""
+    out = Plan()
+    if limits is None:
+        return out
+    if limits.memory_bytes is not None:
+        n = str(limits.memory_bytes)
+        where = groups.controller("memory") if groups and level == "cgroup" else None
+        if where == "v2":
+            out.writes["v2"] = {"memory.max": n, "memory.swap.max": "0", "memory.oom.group": "1"}
+        elif where == "v1":
+            out.writes["memory"] = {"memory.limit_in_bytes": n, "memory.memsw.limit_in_bytes": n}
+        else:
+            # Per process: a tree of N processes may use N times this.
+            out.rlimits["RLIMIT_DATA"] = (limits.memory_bytes, limits.memory_bytes)
+    if limits.max_processes is not None:
+        # The supervisor (and for pidns its outer half) counts too.
+        n = str(limits.max_processes + 1)
+        where = groups.controller("pids") if groups and level == "cgroup" else None
+        if where is not None:
+            out.writes.setdefault("v2" if where == "v2" else "pids", {})["pids.max"] = n
+        elif level == "pidns" and needs_userns():
+            # Counted per user namespace since Linux 5.14: it binds this episode only.
+            count = limits.max_processes + 2
+            out.rlimits["RLIMIT_NPROC"] = (count, count)
+        elif level == "cgroup":
+            return "limits.max_processes needs a pids cgroup controller, and none is writable"
+        elif level == "pidns":
+            return (
+                "limits.max_processes at containment 'pidns' needs a user namespace, which a "
+                "privileged parent does not use (RLIMIT_NPROC does not bind it): use 'cgroup'"
+            )
+        else:
+            return "limits.max_processes needs containment 'cgroup' or 'pidns'"
+    if limits.cpu_seconds is not None:
+        # SIGXCPU at the limit, SIGKILL a second later if the agent ignores it.
+        out.rlimits["RLIMIT_CPU"] = (limits.cpu_seconds, limits.cpu_seconds + 1)
+    if limits.open_files is not None:
+        out.rlimits["RLIMIT_NOFILE"] = (limits.open_files, limits.open_files)
+    if not limits.core_dumps:
+        out.rlimits["RLIMIT_CORE"] = (0, 0)
+    return out
+
+
+def resolve(requested: Containment, limits: Limits | None) -> tuple[Level, Plan] | str:
+    """The level to use and its limit plan, or why the requested level cannot be had.
+    Blocking (probes run on first use)."""
+    candidates: tuple[Level, ...] = LEVELS if requested == "auto" else (requested,)
+    first_problem = None
+    for level in candidates:
+        problem = level_problem(level)
+        if problem is not None:
+            problem = f"containment {level!r} is not available: {problem}"
+        else:
+            how = plan(level, limits, cgroups() if level == "cgroup" else None)
+            if isinstance(how, Plan):
+                return level, how
+            problem = f"containment {level!r} cannot enforce the limits: {how}"
+        first_problem = first_problem or problem
+    assert first_problem is not None
+    return first_problem
+
+
+# --- one episode's cgroup leaves --------------------------------------------------------------
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of a live (non-zombie) process, in clock ticks since boot; else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            rest = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+def _owner_name() -> str:
+    return f"{os.getpid()}.{_start_time(os.getpid())}"
+
+
+_active: dict[Path, int] = {}
+
+
+class Leaves:
+    """The cgroup leaves of one episode: created before spawn, removed after teardown."""
+
+    def __init__(self, groups: Cgroups, episode_id: str, how: Plan) -> None:
+        assert groups.v2 is not None
+        self.plan = how
+        self.name = f"{episode_id}.{secrets.token_hex(4)}"
+        roots = {"v2": groups.v2}
+        for name in ("pids", "memory"):
+            if name in how.writes:
+                roots[name] = groups.v1[name]
+        self.parents = {kind: root / _owner_name() for kind, root in roots.items()}
+        self.dirs: dict[str, Path] = {}
+
+    def create(self) -> str | None:
+        """Make the leaves and write the limits; a problem, or None."""
+        for kind, parent in self.parents.items():
+            leaf = parent / self.name
+            with _dir_lock:
+                try:
+                    parent.mkdir(exist_ok=True)
+                    if kind == "v2" and self.plan.writes.get("v2"):
+                        wanted = " ".join(f"+{c}" for c in ("memory", "pids"))
+                        _write_each(parent / "cgroup.subtree_control", wanted.split())
+                    leaf.mkdir()
+                except OSError as exc:
+                    return f"cannot create cgroup {leaf}: {exc.strerror or exc}"
+                _active[parent] = _active.get(parent, 0) + 1
+            self.dirs[kind] = leaf
+            for name, value in self.plan.writes.get(kind, {}).items():
+                path = leaf / name
+                if not path.exists() and name in ("memory.swap.max", "memory.memsw.limit_in_bytes"):
+                    continue  # no swap accounting here: nothing to cap
+                try:
+                    path.write_text(value)
+                except OSError as exc:
+                    return f"cannot write {value} to {path}: {exc.strerror or exc}"
+        return None
+
+    def join(self) -> list[str]:
+        """Directories whose ``cgroup.procs`` the shim writes itself into (unless in already)."""
+        return [str(d) for d in self.dirs.values()]
+
+    def move(self, pid: int) -> str | None:
+        """Put process ``pid`` (the shim, before it has read its handshake) into the leaves."""
+        for leaf in self.dirs.values():
+            try:
+                (leaf / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                return None  # already dead: its exit status tells why
+            except OSError as exc:
+                return f"cannot move the shim into cgroup {leaf}: {exc.strerror or exc}"
+        return None
+
+    def members(self) -> list[int]:
+        """Pids in the episode's leaves."""
+        pids: set[int] = set()
+        for leaf in self.dirs.values():
+            pids.update(_procs(leaf))
+        return sorted(pids)
+
+    def populated(self) -> bool:
+        leaf = self.dirs.get("v2")
+        return leaf is not None and _populated(leaf)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the episode at once."""
+        if "v2" in self.dirs:
+            _kill_leaf(self.dirs["v2"])  # everything in one go
+            if self.populated():
+                return
+        # Only a process that left the v2 leaf (but not a v1 one) is still around.
+        for kind, leaf in self.dirs.items():
+            if kind != "v2":
+                _kill_leaf(leaf)
+
+    def wait_empty(self, seconds: float = _EMPTY_WAIT_S) -> bool:
+        """Kill and wait until no process is left in any leaf; False if some still are."""
+        end = time.monotonic() + seconds
+        delay = 0.001
+        while self.populated() or self.members():
+            if time.monotonic() > end:
+                return False
+            self.kill()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return True
+
+    def oom_kills(self) -> int | None:
+        """OOM kills in the episode, where a memory controller counts them."""
+        if "memory" in self.dirs:
+            return _counter(self.dirs["memory"] / "memory.oom_control", "oom_kill")
+        if "v2" in self.dirs:  # present where the v2 memory controller is on for the leaf
+            return _counter(self.dirs["v2"] / "memory.events", "oom_kill")
+        return None
+
+    def pids_limit_hits(self) -> int:
+        """Forks refused by ``pids.max``."""
+        for kind in ("pids", "v2"):
+            if "pids.max" in self.plan.writes.get(kind, {}) and kind in self.dirs:
+                return _counter(self.dirs[kind] / "pids.events", "max") or 0
+        return 0
+
+    def remove(self) -> str | None:
+        """Remove the leaves (and our parent directory once it is empty); a problem or None."""
+        problem = None
+        if not self.wait_empty():
+            problem = f"processes still in {self.dirs.get('v2')}"
+        for kind, leaf in list(self.dirs.items()):
+            parent = self.parents[kind]
+            with _dir_lock:
+                try:
+                    leaf.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    problem = problem or f"cannot remove {leaf}: {exc.strerror or exc}"
+                    continue
+                del self.dirs[kind]
+                _active[parent] = _active.get(parent, 1) - 1
+                if _active[parent] <= 0:
+                    _active.pop(parent, None)
+                    try:
+                        parent.rmdir()
+                    except OSError:
+                        pass  # a leaf we did not make, or one left behind: the next start cleans
+        return problem
+
+
+def _write_each(path: Path, values: Iterable[str]) -> None:
+    for value in values:
+        try:
+            path.write_text(value)
+        except OSError:
+            continue  # not offered here: that controller's limit falls back or was refused
+
+
+def _procs(leaf: Path) -> list[int]:
+    try:
+        return [int(p) for p in (leaf / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _populated(leaf: Path) -> bool:
+    return bool(_counter(leaf / "cgroup.events", "populated"))
+
+
+def _counter(path: Path, name: str) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _kill_leaf(leaf: Path) -> None:
+    kill_file = leaf / "cgroup.kill"
+    if kill_file.exists():
+        try:
+            kill_file.write_text("1")
+            return
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return
+    # A v1 leaf: no cgroup.kill; signal each member (pids stay in cgroup.procs until they die).
+    for pid in _procs(leaf):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def clean_stale(roots: Iterable[Path]) -> int:
+    """Remove the leaves of isolate parents that are dead (pid + start time no longer alive),
+    killing what is left in them. Returns how many leaves were removed."""
+    removed = 0
+    for root in roots:
+        try:
+            owners = [p for p in root.iterdir() if re.fullmatch(r"\d+\.\d+", p.name)]
+        except OSError:
+            continue
+        for owner in owners:
+            pid, start = (int(x) for x in owner.name.split("."))
+            if _start_time(pid) == start:
+                continue
+            for leaf in [p for p in owner.iterdir() if p.is_dir()]:
+                end = time.monotonic() + _EMPTY_WAIT_S
+                while (_populated(leaf) or _procs(leaf)) and time.monotonic() < end:
+                    _kill_leaf(leaf)
+                    time.sleep(0.005)
+                try:
+                    leaf.rmdir()
+                    removed += 1
+                except OSError:
+                    continue
+            try:
+                owner.rmdir()
+            except OSError:
+                continue
+    return removed

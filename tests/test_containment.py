@@ -1,0 +1,779 @@
+"""Containment levels and resource limits: every level passes the same teardown tests, limits
+end an episode as ``crashed`` with a reason while its neighbours carry on, and the handshake
+and frame parsers survive whatever they are fed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import isolate
+from isolate import _containment, _launcher
+
+from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
+from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS
+
+pytestmark = pytest.mark.anyio
+
+LEVELS = list(_containment.LEVELS)
+
+
+def needs(name: str) -> None:
+    """Skip, with the reason, unless this machine provides containment ``name``."""
+    problem = _containment.level_problem(name)
+    if problem is not None:
+        pytest.skip(f"containment {name!r} is not available here: {problem}")
+
+
+@pytest.fixture(params=LEVELS)
+def level(request: pytest.FixtureRequest) -> str:
+    """Each containment level in turn."""
+    name: str = request.param
+    needs(name)
+    return name
+
+
+def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
+    """Live processes of this test's episodes (host view, any level) by their environment,
+    which at the pidns level is the only sure way: recorded pids are the namespace's."""
+    procs = episode_processes(f"PID_DIR={agents.pids}".encode())
+    return [p for p in procs if marker in _environ(p)]
+
+
+def _environ(proc: psutil.Process) -> str:
+    try:
+        return Path(f"/proc/{proc.pid}/environ").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def all_gone(procs: list[psutil.Process]) -> bool:
+    return all(is_gone(p.pid, p.create_time()) for p in procs)
+
+
+async def snapshot_when_ready(agents: Agents, into: list[psutil.Process]) -> None:
+    await wait_until((agents.pids / "ready").exists, 20.0)
+    into.extend(await anyio.to_thread.run_sync(tree, agents))
+
+
+# --- the same teardown tests at every level ---------------------------------------------------
+
+
+async def test_timeout_kills_the_whole_tree(agents: Agents, level: str) -> None:
+    spec = agents.spec(TREE_AGENT, timeout=3.0, kill_grace=0.5, containment=level)
+    seen: list[psutil.Process] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(snapshot_when_ready, agents, seen)
+        outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.containment == level
+    assert len(seen) > TREE_PIDS  # the tree, the shim (and for pidns its PID 1)
+    assert all_gone(seen)
+    assert outcome.killed >= TREE_PIDS
+    assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
+
+
+async def test_leftovers_after_a_normal_return_are_killed(agents: Agents, level: str) -> None:
+    code = TREE_AGENT.replace("time.sleep(300)\n", "return 1.0\n")
+    spec = agents.spec(code, kill_grace=0.5, containment=level)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.containment == level
+    assert len([n for n in agents.pid_files() if n != "ready"]) == TREE_PIDS
+    assert tree(agents) == []
+    assert outcome.killed == TREE_PIDS - 1  # all but the worker, which returned
+
+
+async def test_cancel_during_the_run(agents: Agents, level: str) -> None:
+    spec = agents.spec(TREE_AGENT, kill_grace=0.5, containment=level)
+    seen: list[psutil.Process] = []
+    cancelled_at = 0.0
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_ready() -> None:
+            nonlocal cancelled_at
+            await snapshot_when_ready(agents, seen)
+            cancelled_at = time.monotonic()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_ready)
+        await isolate.run_episode(spec, {})
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert len(seen) > TREE_PIDS
+    assert all_gone(seen)
+    # One grace period (the tree ignores SIGTERM) and little more.
+    assert time.monotonic() - cancelled_at <= spec.kill_grace + 1.0 * SLOW
+
+
+def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> None:
+    spec = agents.spec(TREE_AGENT, kill_grace=5.0, timeout=120.0, containment=level)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the tree to be ready")
+        seen = tree(agents)
+        assert len(seen) > TREE_PIDS
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all_gone(seen), 2.0, "the tree, shim included, to die")
+    finally:
+        parent.kill()
+        parent.wait()
+    if level == "cgroup":
+        # The dead parent's leaf stays until an isolate process starts and cleans it.
+        groups = _containment.cgroups()
+        roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
+        owners = [
+            p for root in roots for p in root.iterdir() if p.name.startswith(f"{parent.pid}.")
+        ]
+        assert owners, "the dead parent's cgroup leaf"
+        assert _containment.clean_stale(roots) >= 1
+        assert not any(owner.exists() for owner in owners)
+
+
+ESCAPER = """
+import os, signal, subprocess, sys, time
+
+DAEMON = '''
+import os, signal, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+fifo = open(sys.argv[1], "w")
+fifo.write("alive\\\\n")
+fifo.flush()
+time.sleep(300)
+'''
+
+def run(data):
+    # No episode tag in its environment, its own session, re-parented: invisible to every
+    # scan of the parent's sweep once the supervisor is gone.
+    subprocess.run([sys.executable, "-c", DAEMON, data["fifo"]], env={})
+    time.sleep(0.2)
+    os.kill(os.getppid(), signal.SIGKILL)  # the supervisor
+    time.sleep(0.5)
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("strong", ["cgroup", "pidns"])
+async def test_an_agent_that_kills_its_supervisor_leaves_nothing(
+    agents: Agents, tmp_path: Path, strong: str
+) -> None:
+    """Only the stronger levels hold this: at the session level the escaped daemon survives
+    (README, "What no containment here covers")."""
+    needs(strong)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        spec = agents.spec(ESCAPER, kill_grace=0.5, containment=strong)
+        outcome = await isolate.run_episode(spec, {"fifo": str(fifo)})
+        assert outcome.containment == strong
+        heard = b""
+
+        def daemon_gone() -> bool:
+            # EOF once every writer, the daemon, is dead; but first its "alive".
+            nonlocal heard
+            try:
+                chunk = os.read(reader, 100)
+            except BlockingIOError:
+                return False
+            heard += chunk
+            return not chunk and heard == b"alive\n"
+
+        await anyio.to_thread.run_sync(wait_for, daemon_gone, 5.0, "the daemon to die")
+    finally:
+        os.close(reader)
+
+
+# --- levels ------------------------------------------------------------------------------------
+
+
+async def test_auto_picks_the_strongest_level_available(agents: Agents) -> None:
+    expected = next(lv for lv in LEVELS if _containment.level_problem(lv) is None)
+    outcome = await isolate.run_episode(agents.spec("def run(d):\n    return 1.0\n"), {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.containment == expected
+
+
+async def test_the_pidns_agent_sees_only_its_namespace(agents: Agents) -> None:
+    needs("pidns")
+    spec = agents.spec(
+        """
+        import os, subprocess
+        def run(data):
+            subprocess.run(["true"])
+            return 1.0, {"pid": os.getpid(), "proc": sorted(int(p) for p in os.listdir("/proc")
+                                                           if p.isdigit())}
+        """,
+        containment="pidns",
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == {"pid": 2, "proc": [1, 2]}  # its PID 1 and itself, nothing else
+
+
+def test_a_process_limit_pidns_cannot_enforce_is_a_setup_error() -> None:
+    needs("pidns")
+    if _containment.needs_userns():
+        pytest.skip("an unprivileged parent enforces it with RLIMIT_NPROC in a user namespace")
+    spec = isolate.EpisodeSpec(containment="pidns", limits=isolate.Limits(max_processes=10))
+    outcome = anyio.run(isolate.run_episode, spec, {})
+    assert outcome.status == "setup_error"
+    assert outcome.error is not None
+    assert "max_processes" in outcome.error.message
+    assert "RLIMIT_NPROC" in outcome.error.message
+
+
+def test_session_with_a_process_limit_is_rejected_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"max_processes.*containment='session'"):
+        isolate.EpisodeSpec(containment="session", limits=isolate.Limits(max_processes=10))
+
+
+ISOLATED_PARENT = """
+import anyio, isolate, json, sys
+spec = isolate.EpisodeSpec(entrypoint="builtins:float", containment=sys.argv[1], timeout=20)
+outcome = anyio.run(isolate.run_episode, spec, 1.0)
+print(json.dumps({"status": outcome.status, "message": outcome.error and outcome.error.message}))
+"""
+
+
+def run_isolated_parent(wrapper: str, level: str) -> dict[str, Any]:
+    """Run a parent in a sandbox that ``wrapper`` (a shell command prefix) sets up."""
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        pytest.skip("needs root, unshare and setpriv to take the level away for real")
+    done = subprocess.run(
+        ["sh", "-c", f'{wrapper} "$0" -c "$1" "$2"', sys.executable, ISOLATED_PARENT, level],
+        capture_output=True,
+        timeout=60 * SLOW,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    result: dict[str, Any] = json.loads(done.stdout.decode().splitlines()[-1])
+    return result
+
+
+def test_cgroup_on_a_read_only_cgroup_tree_is_a_setup_error_that_says_why() -> None:
+    needs("cgroup")
+    mounts = " && ".join(
+        f"mount -o remount,bind,ro {point}"
+        for fstype, _, point, _ in _containment._mounts()
+        if fstype in ("cgroup", "cgroup2")
+    )
+    wrapper = f'unshare --mount --propagation private sh -c \'{mounts} && exec "$0" "$@"\''
+    result = run_isolated_parent(wrapper, "cgroup")
+    assert result["status"] == "setup_error"
+    assert "containment 'cgroup' is not available" in result["message"]
+    assert "not writable (Read-only file system)" in result["message"]
+
+
+def test_pidns_without_namespaces_is_a_setup_error_that_says_why() -> None:
+    # A user namespace of our own that allows no further user namespaces, and no
+    # CAP_SYS_ADMIN: nothing left to make a PID namespace with.
+    wrapper = (
+        "unshare --user --map-root-user sh -c 'echo 0 > /proc/sys/user/max_user_namespaces "
+        '&& exec setpriv --inh-caps=-sys_admin --bounding-set=-sys_admin "$0" "$@"\''
+    )
+    result = run_isolated_parent(wrapper, "pidns")
+    assert result["status"] == "setup_error"
+    assert "containment 'pidns' is not available" in result["message"]
+    assert "namespaces not permitted" in result["message"]
+
+
+# --- stale leaves -----------------------------------------------------------------------------
+
+
+def test_stale_leaves_of_a_dead_parent_are_removed_on_the_next_start(agents: Agents) -> None:
+    needs("cgroup")
+    groups = _containment.cgroups()
+    roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
+
+    def owner_of(proc: subprocess.Popen[bytes]) -> str:
+        return f"{proc.pid}.{_containment._start_time(proc.pid)}"
+
+    dead = subprocess.Popen(["sleep", "60"])
+    alive = subprocess.Popen(["sleep", "60"])
+    victim = subprocess.Popen(["sleep", "300"])
+    dead_name, alive_name = owner_of(dead), owner_of(alive)
+    try:
+        dead.kill()
+        dead.wait()
+        for root in roots:
+            for name in (dead_name, alive_name):
+                (root / name / "crashed-episode.1").mkdir(parents=True)
+        assert groups.v2 is not None
+        # A process still in the dead parent's leaf, as after a crash of the parent.
+        (groups.v2 / dead_name / "crashed-episode.1" / "cgroup.procs").write_text(str(victim.pid))
+
+        spec = agents.spec("def run(d):\n    return 1.0\n", containment="cgroup")
+        fresh = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()],
+            capture_output=True,
+            timeout=60 * SLOW,
+        )
+        assert fresh.returncode == 0, fresh.stderr.decode()
+        assert victim.wait(timeout=5 * SLOW) == -signal.SIGKILL
+        for root in roots:
+            assert not (root / dead_name).exists()
+            assert (root / alive_name / "crashed-episode.1").is_dir()  # its parent lives
+    finally:
+        for proc in (dead, alive, victim):
+            proc.kill()
+            proc.wait()
+        for root in roots:
+            for name in (dead_name, alive_name):
+                for leaf in [root / name / "crashed-episode.1", root / name]:
+                    if leaf.exists():
+                        leaf.rmdir()
+
+
+# --- resource limits --------------------------------------------------------------------------
+
+FORK_BOMB = """
+import os, time
+def run(data):
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            time.sleep(0.01)
+"""
+
+
+async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents) -> None:
+    needs("cgroup")
+    limits = isolate.Limits(max_processes=32)
+    spec = agents.spec(FORK_BOMB, timeout=2.0, kill_grace=0.2, containment="cgroup", limits=limits)
+    bomb_spec = spec.model_copy(update={"env": {**spec.env, "ROLE": "bomb"}})
+    sibling = agents.spec("import time\ndef run(d):\n    time.sleep(1.0)\n    return 1.0\n")
+    outcomes: dict[str, isolate.EpisodeOutcome] = {}
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while "bomb" not in outcomes:
+            count = len(await anyio.to_thread.run_sync(tree, agents, "ROLE=bomb"))
+            peak = max(peak, count)
+            await anyio.sleep(0.05)
+
+    async def one(name: str, episode_spec: isolate.EpisodeSpec) -> None:
+        outcomes[name] = await isolate.run_episode(episode_spec, {})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        tg.start_soon(one, "bomb", bomb_spec)
+        tg.start_soon(one, "sibling", sibling)
+    bomb = outcomes["bomb"]
+    assert bomb.status == "crashed", bomb.summary()
+    assert bomb.reason == "process limit 32"
+    assert bomb.error is not None
+    assert bomb.error.message.startswith("process limit 32 hit: ")
+    assert 16 < peak <= 33  # it did fork, up to the limit (+1: the supervisor), not past it
+    assert outcomes["sibling"].status == "ok", outcomes["sibling"].summary()
+    assert tree(agents) == []
+
+
+@pytest.mark.parametrize("mechanism", LEVELS)
+async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mechanism: str) -> None:
+    needs(mechanism)
+    limits = isolate.Limits(memory_bytes=128 * 1024 * 1024)
+    hog = agents.spec(
+        """
+        def run(data):
+            hoard = []
+            while True:
+                hoard.append(bytearray(1 << 20))
+        """,
+        containment=mechanism,
+        limits=limits,
+    )
+    sibling = agents.spec(
+        "import time\ndef run(d):\n    time.sleep(0.5)\n    return d['i']\n", containment=mechanism
+    )
+    outcomes: dict[int, isolate.EpisodeOutcome] = {}
+
+    async def one(i: int) -> None:
+        outcomes[i] = await isolate.run_episode(hog if i < 0 else sibling, {"i": i})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(-1, 8):
+            tg.start_soon(one, i)
+    hogged = outcomes.pop(-1)
+    assert hogged.status == "crashed", hogged.summary()
+    assert hogged.reason == "memory limit 128 MiB"
+    if mechanism == "cgroup" and _containment.cgroups().controller("memory"):
+        assert hogged.oom_kills is not None
+        assert hogged.oom_kills >= 1
+        assert hogged.signal == "SIGKILL"
+    else:
+        assert hogged.error is not None
+        assert hogged.error.type == "MemoryError"  # RLIMIT_DATA, per process
+    assert {i: o.status for i, o in outcomes.items()} == {i: "ok" for i in range(8)}
+    assert [outcomes[i].reward for i in range(8)] == [float(i) for i in range(8)]
+
+
+async def test_a_cpu_limit_ends_the_episode_with_the_reason(agents: Agents) -> None:
+    spec = agents.spec(
+        "def run(d):\n    while True:\n        pass\n",
+        limits=isolate.Limits(cpu_seconds=1, core_dumps=False),
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "crashed", outcome.summary()
+    assert outcome.reason == "CPU limit 1 s"
+    assert outcome.signal == "SIGXCPU"
+
+
+async def test_rlimits_reach_the_agent_and_its_children(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import resource, subprocess, sys
+        from resource import RLIMIT_CORE, RLIMIT_NOFILE, getrlimit
+        SHOW = "import resource as r; print(r.getrlimit(%d), r.getrlimit(%d))" % (
+            RLIMIT_NOFILE, RLIMIT_CORE)
+        def run(data):
+            child = subprocess.run([sys.executable, "-c", SHOW], capture_output=True, text=True)
+            mine = [getrlimit(RLIMIT_NOFILE), getrlimit(RLIMIT_CORE)]
+            return 1.0, {"mine": mine, "child": child.stdout.strip()}
+        """,
+        limits=isolate.Limits(open_files=64, core_dumps=False),
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == {"mine": [[64, 64], [0, 0]], "child": "(64, 64) (0, 0)"}
+
+
+async def test_the_log_is_cut_at_log_bytes_and_the_tail_goes_on(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import sys
+        def run(data):
+            for i in range(2000):
+                sys.stderr.write("line %04d %s\\n" % (i, "x" * 200))
+            return 1.0
+        """,
+        limits=isolate.Limits(log_bytes=10_000),
+        stderr_tail_bytes=4096,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.log_path is not None
+    log = outcome.log_path.read_bytes()
+    kept, _, rest = log.partition(b"\n[isolate] log cut at limits.log_bytes=10000")
+    assert len(kept) == 10_000
+    assert kept.startswith(b"line 0000 ")
+    assert rest.count(b"log cut") == 0  # noted once
+    assert len(log) < 10_000 + 1000  # the note and the closing summary line
+    assert "line 1999 " in outcome.stderr_tail
+
+
+def test_unprivileged_pidns_keeps_ownership_and_counts_processes_per_namespace() -> None:
+    """The real shim as an unprivileged user (nobody), under the system Python: PID 1 of a PID
+    namespace inside a user namespace; files keep the user's ownership and RLIMIT_NPROC counts
+    only the episode's processes, not the user's others."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(python, os.X_OK):
+        pytest.skip("needs root, setpriv and a system python3 to act as an unprivileged user")
+    nobody = 65534
+    work = Path(tempfile.mkdtemp(prefix="isolate-nobody-"))
+    others = []
+    try:
+        work.chmod(0o777)
+        (work / "agent.py").write_text(
+            textwrap.dedent(
+                """
+                import os, time
+                def run(data):
+                    open(os.path.join(data["dir"], "written"), "w").write("x")
+                    forked = []
+                    try:
+                        while len(forked) < 50:
+                            pid = os.fork()
+                            if pid == 0:
+                                time.sleep(30)
+                                os._exit(0)
+                            forked.append(pid)
+                    except OSError:
+                        pass
+                    return 1.0, {"forked": len(forked), "pid": os.getpid()}
+                """
+            )
+        )
+        as_nobody = ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
+        # Processes of the same user outside the episode must not count against its limit.
+        others = [subprocess.Popen([*as_nobody, "sleep", "60"]) for _ in range(10)]
+        handshake = {
+            "protocol": isolate.PROTOCOL_VERSION,
+            "nonce": "n" * 32,
+            "entrypoint": "agent:run",
+            "agent_root": str(work),
+            "data": {"dir": str(work)},
+            "kwargs": {},
+            "secrets": {},
+            "deadline": 30.0,
+            "kill_grace": 0.2,
+            "max_info_bytes": 10_000,
+            "containment": "pidns",
+            "userns": True,
+            "rlimits": {"RLIMIT_NPROC": [10, 10]},
+        }
+        done = run_shim(
+            [*as_nobody, python, "-I", str(isolate.shim_path())],
+            json.dumps(handshake).encode() + b"\n",
+            keep_stdin=True,
+            cwd=work,
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        frames = {f["t"]: f for f in map(json.loads, done.stdout.splitlines())}
+        assert frames["hello"]["containment"] == "pidns"
+        assert frames["result"]["info"]["pid"] == 2
+        # 10 in the namespace: the shim's two halves, the worker, and 7 children.
+        assert frames["result"]["info"]["forked"] == 7
+        assert frames["done"]["killed"] == 7
+        assert (work / "written").stat().st_uid == nobody
+    finally:
+        for proc in others:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the real shim, directly ------------------------------------------------------------------
+
+
+def run_shim(
+    argv: list[str], handshake: bytes, *, keep_stdin: bool, cwd: Path
+) -> subprocess.CompletedProcess[bytes]:
+    """Run the shim on a handshake. With ``keep_stdin`` its stdin stays open (EOF would mean
+    that the parent died); else it is closed after the handshake."""
+    if not keep_stdin:
+        return subprocess.run(
+            argv, input=handshake, capture_output=True, timeout=20 * SLOW, cwd=cwd
+        )
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, handshake)
+        proc = subprocess.Popen(
+            argv, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd
+        )
+        os.close(read_end)
+        read_end = -1
+        try:
+            out, err = proc.communicate(timeout=20 * SLOW)
+        finally:
+            proc.kill()
+            proc.wait()
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+
+
+# --- the handshake, fuzzed: the real shim ------------------------------------------------------
+
+MARKER_AGENT = """
+import os
+open(os.path.join(os.path.dirname(__file__), "imported"), "w").close()
+def run(data):
+    return 1.0
+"""
+
+WRONG = {
+    "entrypoint": [1, None, [], "no_colon", "a:b c", {}],
+    "agent_root": [1, [], {}, True],
+    "kwargs": [[], "x", 1, None],
+    "secrets": [[], {"k": 1}, {"k": None}, "x"],
+    "deadline": ["1", None, [], -1, 0, True, float("inf")],
+    "kill_grace": [-1, "1", None, True, float("nan")],
+    "max_info_bytes": [-1, 1.5, "1", True, None],
+    "containment": ["docker", 1, None, []],
+    "userns": [1, "yes", None],
+    "cgroups": ["x", [1], {}, None],
+    "rlimits": [
+        [],
+        {"RLIMIT_NOPE": [1, 1]},
+        {"RLIMIT_CPU": [1]},
+        {"RLIMIT_CPU": [-1, 1]},
+        {"RLIMIT_CPU": "1"},
+        {"CPU": [1, 1]},
+        None,
+    ],
+}
+
+
+def valid_handshake(root: Path) -> dict[str, Any]:
+    return {
+        "protocol": isolate.PROTOCOL_VERSION,
+        "nonce": "f" * 32,
+        "entrypoint": "marker:run",
+        "agent_root": str(root),
+        "data": {},
+        "kwargs": {},
+        "secrets": {},
+        "deadline": 10.0,
+        "kill_grace": 0.5,
+        "max_info_bytes": 1000,
+        "containment": "session",
+    }
+
+
+@st.composite
+def broken_handshakes(draw: st.DrawFn, root: Path) -> bytes:
+    good = valid_handshake(root)
+    line = json.dumps(good).encode()
+    kind = draw(st.sampled_from(["bytes", "cut", "huge", "nonce", "version", "type", "missing"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300)) + draw(st.sampled_from([b"\n", b""]))
+    if kind == "cut":
+        return line[: draw(st.integers(0, len(line) - 1))] + draw(st.sampled_from([b"\n", b""]))
+    if kind == "huge":
+        size = draw(st.integers(1, 4)) << 20
+        return draw(st.sampled_from([b"x", b"[", b'{"a":"'])) * size + b"\n"
+    if kind == "nonce":
+        good["nonce"] = draw(st.sampled_from([1, None, [], {}, 1.5]))
+    elif kind == "version":
+        good["protocol"] = draw(st.sampled_from([0, 2, "1", 1.0, True, None, []]))
+    elif kind == "type":
+        name = draw(st.sampled_from(sorted(WRONG)))
+        good[name] = draw(st.sampled_from(WRONG[name]))
+    else:
+        del good[draw(st.sampled_from(["nonce", "entrypoint", "data", "protocol"]))]
+    return json.dumps(good).encode() + b"\n"
+
+
+def test_the_shim_refuses_every_broken_handshake_without_running_anything() -> None:
+    root = Path(tempfile.mkdtemp(prefix="isolate-hs-"))
+    (root / "marker.py").write_text(MARKER_AGENT)
+    runs = []
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(handshake=broken_handshakes(root))
+    def check(handshake: bytes) -> None:
+        done = run_shim(
+            [sys.executable, "-I", str(isolate.shim_path())], handshake, keep_stdin=False, cwd=root
+        )
+        runs.append(handshake)
+        assert done.returncode == 2, (handshake[:200], done.stderr[-500:])
+        frames = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [f["t"] for f in frames] in ([], ["hello"], ["hello", "error"])
+        if len(frames) == 2:
+            assert frames[1]["kind"] == "setup"
+            assert "handshake" in frames[1]["message"]
+        assert not (root / "imported").exists()
+
+    try:
+        # The control: the valid handshake does run the agent.
+        line = json.dumps(valid_handshake(root)).encode() + b"\n"
+        ran = run_shim(
+            [sys.executable, "-I", str(isolate.shim_path())], line, keep_stdin=True, cwd=root
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert (root / "imported").exists()
+        (root / "imported").unlink()
+        check()
+        assert len(runs) >= 30
+        assert any(len(h) > 1 << 20 for h in runs)  # a huge line was among them
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# --- frames, fuzzed: fake shims against the real parent ---------------------------------------
+
+FAKE = """
+import sys
+hs = sys.stdin.buffer.readline()
+nonce = hs.split(b'"nonce":"', 1)[1].split(b'"', 1)[0]
+with open(sys.argv[0] + ".out", "rb") as f:
+    sys.stdout.buffer.write(f.read().replace(b"@N@", nonce))
+sys.stdout.flush()
+"""
+MAX_FRAME = 4096
+
+bad_frames = st.sampled_from(
+    [
+        b'{"t":"hello","nonce":"@N@","protocol":"1","pid":1,"python":"3","subreaper":true}',
+        b'{"t":"hello","nonce":"@N@","protocol":2,"pid":1,"python":"3","subreaper":true}',
+        b'{"t":"result","nonce":"@N@","reward":"high"}',
+        b'{"t":"result","nonce":"@N@"}',
+        b'{"t":"error","nonce":"@N@","kind":"weird","type":"X","message":"m"}',
+        b'{"t":"done","nonce":"@N@","why":"bored","killed":0,"exit_code":0,"signal":null}',
+        b'{"t":"done","nonce":"@N@","why":"exited","killed":-1,"exit_code":0,"signal":null}',
+        b'{"t":7,"nonce":"@N@"}',
+    ]
+)
+noise = st.one_of(
+    st.binary(max_size=200).map(lambda b: b.replace(b"\n", b"")),
+    st.sampled_from([b"[1,2]", b"NaN", b'{"t":"result","nonce":"other","reward":1}', b"{}"]),
+)
+oversized = st.integers(MAX_FRAME + 1, 3 << 20).map(lambda n: b"y" * n)
+
+
+HELLO = b'{"t":"hello","nonce":"@N@","protocol":1,"pid":1,"python":"3.11","subreaper":true}'
+
+
+@st.composite
+def garbage(draw: st.DrawFn) -> tuple[bytes, str]:
+    """Stdout of a broken shim, and the status it must get: ``protocol_error`` once it said
+    hello or broke the protocol, else (all noise, no hello) ``setup_error``."""
+    kinds = draw(st.lists(st.sampled_from(["noise", "bad", "big"]), max_size=6))
+    hello = draw(st.booleans())
+    out, breaks = [HELLO] if hello else [], hello
+    for kind in kinds:
+        if kind == "noise":
+            out.append(draw(noise))
+        else:
+            out.append(draw(bad_frames if kind == "bad" else oversized))
+            breaks = True
+    text = b"\n".join(out) + (b"\n" if out else b"")
+    cut = draw(st.sampled_from([b"", b'{"t":"result","nonce":"@N@","reward":1.0,"info"']))
+    return text + cut, "protocol_error" if breaks else "setup_error"
+
+
+def test_garbage_on_stdout_is_always_a_clean_outcome(tmp_path: Path) -> None:
+    spec = isolate.EpisodeSpec(
+        entrypoint="fake:run",
+        timeout=20.0,
+        kill_grace=0.2,
+        max_frame_bytes=MAX_FRAME,
+        stderr_tail_bytes=1024,
+    )
+    me = psutil.Process()
+    rss: list[int] = []
+    sent = 0
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=garbage())
+    def check(case: tuple[bytes, str]) -> None:
+        nonlocal sent
+        payload, status = case
+        fake = Path(tempfile.mkdtemp(dir=tmp_path)) / "fake_shim.py"
+        fake.write_text(FAKE)
+        Path(str(fake) + ".out").write_bytes(payload)
+        outcome = anyio.run(_launcher._run_with_shim, spec, {}, fake)
+        sent += len(payload)
+        rss.append(me.memory_info().rss)
+        assert isinstance(outcome, isolate.EpisodeOutcome)
+        assert outcome.status == status, outcome.summary()
+        assert outcome.error is not None
+
+    check()
+    assert len(rss) >= 20
+    assert sent > 0
+    assert max(rss) - rss[0] < 64 * 1024 * 1024, (rss[0], max(rss), sent)
