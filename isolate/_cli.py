@@ -1,4 +1,4 @@
-"""The ``isolate`` command line: ``run`` (and ``--replay``), ``doctor``, ``demo``.
+"""The ``isolate`` command line: ``run`` (and ``--replay``), ``batch``, ``doctor``, ``demo``.
 
 Exit status of ``isolate run``: 0 ok, 10 agent_error, 11 crashed, 12 timeout, 13 protocol_error,
 14 setup_error; 2 bad usage; 130 interrupted (Ctrl-C or SIGTERM, after the tree is torn down).
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"status refresh (default {_TTY_TICK_S:g} on a terminal, else {_PLAIN_TICK_S:g})",
     )
+
+    from ._batch import add_batch_parser  # here: _batch builds on this module's options
+
+    add_batch_parser(sub)
 
     doctor = sub.add_parser(
         "doctor", allow_abbrev=False, help="check an agent checkout without running an episode"
@@ -344,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             key = read_api_key(args, sys.stdin)
             return anyio.run(run_command, args, key)
+        if args.command == "batch":
+            from ._batch import batch_command
+
+            return batch_command(args)
         if args.command == "doctor":
             from ._doctor import doctor
 

@@ -1,0 +1,248 @@
+"""``isolate batch RECORDS.jsonl --out RESULTS.jsonl``: every record in its own contained
+episode, N at once, each result appended (fsynced) as it finishes; rerun to resume.
+
+Exit status: 0 every record has a final result; 1 some have none (a ``setup_error``, which a
+rerun tries again, or RESULTS.jsonl could not be written); 2 bad usage or bad records, before
+anything runs; 130 interrupted (Ctrl-C or SIGTERM, after the running episodes are torn down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._cli import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
+
+if TYPE_CHECKING:
+    from ._batch_io import Records
+    from ._batch_job import Plan
+    from ._batch_run import Backend
+
+#: At most this many invalid lines are listed; the rest are counted.
+_SHOWN_ERRORS = 20
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def default_concurrency() -> int:
+    """Two episodes per CPU, at most 32: agents mostly wait for the model, then run tests."""
+    return min(32, 2 * (os.cpu_count() or 1))
+
+
+def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    batch = sub.add_parser(
+        "batch",
+        allow_abbrev=False,
+        help="run every record of a JSONL file, with progress, resume and retries",
+        description="Run every record of RECORDS.jsonl in its own episode, N at once; append "
+        "one JSON line per finished attempt to RESULTS.jsonl. Rerunning the same command "
+        "resumes. Exit status: 0 every record has a final result, 1 some have none, 2 usage "
+        "or invalid records, 130 interrupted.",
+    )
+    batch.add_argument("records", type=Path, metavar="RECORDS.jsonl", help="one record a line")
+    batch.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="RESULTS.jsonl",
+        help="results, one line per finished attempt; appended to, and read back to resume",
+    )
+    run = batch.add_argument_group("batch")
+    run.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help=f"episodes at once (default: 2 per CPU, at most 32; here {default_concurrency()}; "
+        "with --backend ray: the cluster's CPUs / --ray-num-cpus)",
+    )
+    run.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="K",
+        help="extra attempts for crashed and protocol_error, never agent_error (default 0)",
+    )
+    run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
+    run.add_argument(
+        "--skip-invalid", action="store_true", help="skip invalid records instead of stopping"
+    )
+    run.add_argument(
+        "--status-interval",
+        type=float,
+        metavar="SECONDS",
+        help="progress refresh (default 0.5 on a terminal, else a plain line every 30)",
+    )
+    _agent_options(batch)
+    _key_options(batch)
+    ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
+    ray.add_argument("--backend", choices=("local", "ray"), default="local")
+    ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
+    ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
+    ray.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs per episode (1)")
+    ray.add_argument("--ray-memory", metavar="BYTES", help="memory per episode, e.g. 4GiB")
+
+
+def parse_size(text: str) -> int:
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"--ray-memory: {text!r} is not a size such as 4GiB or 512M")
+    scale = 1024 ** " kmgt".index(match.group(2).lower() or " ")
+    return int(float(match.group(1)) * scale)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if args.concurrency is not None and args.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    if args.retries < 0:
+        raise UsageError("--retries must be 0 or more")
+    if args.status_interval is not None and args.status_interval <= 0:
+        raise UsageError("--status-interval must be positive")
+    if args.backend != "ray":
+        given = [f for f in ("ray_address", "ray_local_cpus", "ray_memory") if getattr(args, f)]
+        if given or args.ray_num_cpus != 1.0:
+            flag = "--" + (given[0] if given else "ray_num_cpus").replace("_", "-")
+            raise UsageError(f"{flag} needs --backend ray")
+    args.ray_memory_bytes = parse_size(args.ray_memory) if args.ray_memory else None
+    if args.ray_address and args.ray_local_cpus:
+        raise UsageError("--ray-local-cpus is for a local instance; drop it or --ray-address")
+    if args.out.absolute() == args.records.absolute():
+        raise UsageError("--out must not be the records file")
+
+
+def _load(args: argparse.Namespace, plan: Plan) -> Records:
+    from ._batch_io import Records
+
+    try:
+        records = Records(args.records)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.records}: {exc.strerror}") from None
+    records.check(plan.check)
+    errors = records.errors
+    for error in errors[:_SHOWN_ERRORS]:
+        word = "skipping " if args.skip_invalid else ""
+        print(f"isolate: {word}{error}", file=sys.stderr)
+    if len(errors) > _SHOWN_ERRORS:
+        print(f"isolate: ... and {len(errors) - _SHOWN_ERRORS} more", file=sys.stderr)
+    if errors and not args.skip_invalid:
+        records.close()
+        raise UsageError(
+            f"{len(errors)} invalid record(s) in {args.records}; nothing was run. "
+            "Fix them, or pass --skip-invalid"
+        )
+    return records
+
+
+def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
+    from ._batch_run import LocalBackend
+
+    if args.backend == "local":
+        return LocalBackend(key), None
+    try:
+        from ._batch_ray import RayBackend
+    except ImportError as exc:
+        raise UsageError(
+            f"--backend ray needs Ray: pip install 'episode-isolate[ray]' ({exc})"
+        ) from None
+    backend = RayBackend(
+        key,
+        address=args.ray_address,
+        local_cpus=args.ray_local_cpus,
+        num_cpus=args.ray_num_cpus,
+        memory=args.ray_memory_bytes,
+    )
+    return backend, backend
+
+
+def batch_command(args: argparse.Namespace) -> int:
+    # Imported here: `isolate run` should not pay for rich, and rich is an optional extra.
+    import anyio
+
+    try:
+        from rich.console import Console
+    except ImportError:
+        print(
+            "isolate batch: the progress display needs rich: pip install 'episode-isolate[batch]'",
+            file=sys.stderr,
+        )
+        return 2
+
+    from ._batch_io import BatchError, Results
+    from ._batch_job import Plan
+    from ._batch_run import RetryPolicy, Scheduler
+    from ._batch_view import View, summary
+
+    _check_options(args)
+    policy = RetryPolicy(args.retries, args.retry_timeouts)
+    plan = Plan(args)
+    records = _load(args, plan)
+    results = Results(args.out)
+    ray_backend: Any = None
+    try:
+        try:
+            results.open()
+        except BatchError as exc:
+            raise UsageError(str(exc)) from None
+        if results.dropped:
+            print(
+                f"isolate: ignored a partial last line of {args.out} ({len(results.dropped)} "
+                "bytes): the driver was stopped while writing it; that episode runs again",
+                file=sys.stderr,
+            )
+        ids = [r.instance_id for r in records.items]
+        todo = [r for r in records.items if not policy.done(results.last.get(r.instance_id))]
+        pending = {r.instance_id for r in todo}
+        done = Counter(results.last[i]["status"] for i in ids if i not in pending)
+        if done:
+            print(
+                f"isolate: resuming: {sum(done.values())} of {len(ids)} instances already have "
+                f"a final result in {args.out}; {len(todo)} to run",
+                file=sys.stderr,
+            )
+        key = read_api_key(args, sys.stdin) if todo else None
+        backend, ray_backend = _backend(args, key)
+        concurrency = args.concurrency
+        if ray_backend is not None and todo:
+            try:
+                fit = ray_backend.start()
+            except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
+                where = args.ray_address or "a local instance"
+                print(f"isolate: error: cannot start Ray ({where}): {exc}", file=sys.stderr)
+                return 1
+            concurrency = concurrency or fit
+        concurrency = concurrency or default_concurrency()
+        view = View(len(ids), done, args.status_interval)
+        scheduler = Scheduler(records, plan, results, policy, backend, view)
+        with view:
+            if todo:
+                anyio.run(scheduler.run, todo, concurrency)
+    finally:
+        if ray_backend is not None:
+            ray_backend.stop()
+        results.close()
+        records.close()
+    final = {i: e for i, e in results.last.items() if e["final"] or policy.done(e)}
+    summary(Console(), ids, final, view)
+    return _exit_status(ids, final, scheduler.failure, scheduler.interrupted)
+
+
+def _exit_status(
+    ids: list[str], final: dict[str, dict[str, Any]], failure: str | None, interrupted: bool
+) -> int:
+    if failure:
+        print(f"isolate: error: {failure}", file=sys.stderr)
+        return 1
+    if interrupted:
+        return EXIT_INTERRUPTED
+    missing = [i for i in ids if i not in final or final[i]["status"] == "setup_error"]
+    if missing:
+        print(
+            f"isolate: {len(missing)} instance(s) without a final result (setup_error runs "
+            "again on the next run)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

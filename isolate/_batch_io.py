@@ -1,0 +1,193 @@
+"""The files of ``isolate batch``: RECORDS.jsonl, checked whole before anything runs, and
+RESULTS.jsonl, append-only, one fsynced line per finished attempt, read back to resume."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._outcome import STATUSES
+
+
+class BatchError(Exception):
+    """A problem with the batch's files; the message is shown as is."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """A valid line of RECORDS.jsonl. The record itself is read again when it is launched, so
+    tens of thousands of records cost their offsets, not their contents."""
+
+    line: int
+    offset: int
+    size: int
+    instance_id: str
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in a record")
+
+
+class Records:
+    """The valid records of a JSONL file, in file order."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.items: list[Record] = []
+        self.errors: list[str] = []
+        # Reading through the descriptor opened for the check: a file replaced meanwhile (an
+        # editor's save) cannot change what runs.
+        self._file = open(path, "rb")  # noqa: SIM115 - closed in close()
+
+    def check(self, validate: Callable[[dict[str, Any]], None]) -> None:
+        """Parse every line; keep the valid ones, describe the others with their line number.
+        ``validate`` raises ValueError for a record that cannot become an episode."""
+        seen: dict[str, int] = {}
+        offset = 0
+        for number, raw in enumerate(self._file, 1):
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            where = f"{self.path}:{number}"
+            try:
+                record = parse(raw)
+                instance_id = _instance_id(record)
+                validate(record)
+            except ValueError as exc:
+                self.errors.append(f"{where}: {exc}")
+                continue
+            if instance_id in seen:
+                first = seen[instance_id]
+                self.errors.append(
+                    f"{where}: duplicate instance_id {instance_id!r} (first on line {first})"
+                )
+                continue
+            seen[instance_id] = number
+            self.items.append(Record(number, start, len(raw), instance_id))
+
+    def read(self, record: Record) -> dict[str, Any]:
+        raw = os.pread(self._file.fileno(), record.size, record.offset)
+        value = parse(raw)
+        if _instance_id(value) != record.instance_id:
+            raise ValueError(f"{self.path}:{record.line} changed while the batch was running")
+        return value
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def parse(raw: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object but {type(value).__name__}")
+    return value
+
+
+def _instance_id(record: dict[str, Any]) -> str:
+    value = record.get("instance_id")
+    if value is None or value == "":
+        raise ValueError('no "instance_id"')
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise ValueError(f'"instance_id" must be a string, not {type(value).__name__}')
+    return str(value)
+
+
+class Results:
+    """RESULTS.jsonl. Each line is written with one ``write`` and fsynced before the next
+    episode's line, so a driver killed at any moment loses no finished attempt; at worst the
+    line being written is cut short, and a cut last line is dropped when the file is opened
+    again. An exclusive lock keeps two drivers off one file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.last: dict[str, dict[str, Any]] = {}
+        """The latest line of each instance id."""
+        self.dropped = b""
+        """The partial last line found (and removed) when the file was opened."""
+        self._fd = -1
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        existed = self.path.exists()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise BatchError(f"cannot open {self.path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise BatchError(f"another isolate batch is writing to {self.path}") from None
+        self._fd = fd
+        if not existed:
+            _fsync_dir(self.path.parent)
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            # Only a driver stopped in the middle of a write leaves this: drop it, so the next
+            # line starts on a line of its own. Its episode has no result and runs again.
+            self.dropped = data[end:]
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        for number, line in enumerate(data[:end].splitlines(), 1):
+            if line.strip():
+                self._take(_result_line(line, f"{self.path}:{number}"))
+
+    def _take(self, entry: dict[str, Any]) -> None:
+        self.last[str(entry["instance_id"])] = entry
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Write one line and fsync it. Blocking: call from a worker thread."""
+        data = (json.dumps(entry, separators=(", ", ": ")) + "\n").encode()
+        with self._lock:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+            self._take(entry)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
+
+
+def _result_line(line: bytes, where: str) -> dict[str, Any]:
+    try:
+        entry = json.loads(line)
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("instance_id"), str)
+            and isinstance(entry.get("attempt"), int)
+            and entry.get("status") in STATUSES
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise BatchError(
+            f"{where} is not a result line of isolate batch; give another --out, or remove the line"
+        )
+    result: dict[str, Any] = entry
+    return result
+
+
+def _fsync_dir(path: Path) -> None:
+    # The new file's directory entry must survive a crash as well as its contents.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

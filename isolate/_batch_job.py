@@ -1,0 +1,137 @@
+"""One attempt at one record: its spec and kwargs, built exactly as ``isolate run`` builds them,
+and the attempt itself, wherever it runs (the driver, or a Ray worker)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from pydantic import SecretStr, ValidationError
+
+from ._config import EpisodeSpec
+from ._launcher import _default_episode_id, run_episode
+from ._outcome import EpisodeOutcome
+from .workflow import episode_kwargs, episode_spec, resolve_agent_root
+
+
+@dataclass(frozen=True)
+class Job:
+    """One attempt at one record; everything but the key, which each backend holds."""
+
+    record: dict[str, Any]
+    spec: EpisodeSpec
+    kwargs: dict[str, Any]
+    episode_id: str
+    log_dir: Path
+
+
+class Plan:
+    """Builds each record's spec and kwargs exactly as ``isolate run`` does: the flags play the
+    workflow's econfig, the record's own ``econfig`` overrides them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        flags = {
+            "agent_root": args.agent_root,
+            "python": args.python,
+            "agent_type": args.agent_type,
+            "agent_config": args.agent_config,
+            "llm_model": args.llm_model,
+            "kill_grace": args.kill_grace,
+        }
+        self.econfig = {k: v for k, v in flags.items() if v is not None}
+        self.agent_root = resolve_agent_root(self.econfig)
+        self.timeout = args.timeout if args.timeout is not None else 1800.0
+        self.entrypoint: str | None = args.entrypoint
+        self.base_url: str | None = args.base_url
+        # Absolute: Ray runs the episode in a worker whose working directory is not ours.
+        self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
+
+    def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
+        """Raises ValueError, with a one-line message, for a record that cannot run."""
+        econfig = dict(self.econfig)
+        if "econfig" in record:
+            if not isinstance(record["econfig"], dict):
+                raise ValueError('"econfig" must be a JSON object')
+            econfig.update(record["econfig"])
+        base_url = self.base_url or record.get("base_url")
+        if not base_url:
+            raise ValueError('no base URL: give --base-url, or "base_url" in each record')
+        try:
+            kwargs = episode_kwargs(econfig, str(base_url))
+            spec = episode_spec(econfig, self.agent_root, self.timeout, None)
+            if self.entrypoint:
+                spec = EpisodeSpec.model_validate(
+                    {**spec.model_dump(), "entrypoint": self.entrypoint}
+                )
+        except ValidationError as exc:
+            problems = (f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ValueError("; ".join(problems)) from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"econfig: {exc}") from None
+        kwargs["result_dir"] = str(self.log_dir)
+        return spec, kwargs
+
+    def check(self, record: dict[str, Any]) -> None:
+        self.build(record)
+
+    def job(self, record: dict[str, Any]) -> Job:
+        spec, kwargs = self.build(record)
+        return Job(record, spec, kwargs, _default_episode_id(record), self.log_dir)
+
+
+async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
+    """Run one attempt where this process is (the driver, or a Ray worker). Leaves a replay
+    bundle, as ``isolate run`` does: ``isolate run --replay <log_dir>/<episode_id>``."""
+    bundle = job.log_dir / job.episode_id
+    try:
+        await anyio.to_thread.run_sync(_write_bundle, bundle, job)
+    except OSError as exc:
+        return failure("setup_error", "SetupError", f"cannot write to {bundle}: {exc.strerror}")
+    spec = job.spec.model_copy(update={"log_dir": bundle})
+    outcome = await run_episode(
+        spec,
+        job.record,
+        kwargs=job.kwargs,
+        secrets={"override_api_key": key},
+        episode_id=job.episode_id,
+    )
+    return outcome_fields(outcome)
+
+
+def _write_bundle(bundle: Path, job: Job) -> None:
+    bundle.mkdir(parents=True, exist_ok=True)
+    (bundle / "record.json").write_text(json.dumps(job.record, indent=2) + "\n")
+    (bundle / "spec.json").write_text(job.spec.model_dump_json(indent=2) + "\n")
+    (bundle / "kwargs.json").write_text(json.dumps(job.kwargs, indent=2) + "\n")
+
+
+def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
+    """What a result line says about an outcome. The outcome holds no secret; the stderr tail
+    and ``info`` stay out (they are in the log)."""
+    error = outcome.error
+    return {
+        "status": outcome.status,
+        "reward": outcome.reward,
+        "duration_s": round(outcome.duration_s, 3),
+        "exit": outcome.exit_description,
+        "exit_code": outcome.exit_code,
+        "signal": outcome.signal,
+        "killed": outcome.killed,
+        "error": {"type": error.type, "message": error.message} if error else None,
+        "log_path": str(outcome.log_path) if outcome.log_path else None,
+        "episode_id": outcome.episode_id,
+        "node": socket.gethostname(),
+    }
+
+
+def failure(status: str, kind: str, message: str) -> dict[str, Any]:
+    """Result fields for an attempt that ended before or outside ``run_episode``."""
+    fields = outcome_fields(EpisodeOutcome(status="setup_error"))
+    fields.update(status=status, exit="exit unknown", error={"type": kind, "message": message})
+    return fields

@@ -1,0 +1,146 @@
+"""The Ray backend of ``isolate batch``: every attempt is one Ray task that calls
+:func:`~isolate.run_episode` on the node Ray picks, so containment, logs and the outcome are
+those of a local run; the driver writes the results, with the local rules for resume and
+retries. Imported only when ``--backend ray`` is chosen (``pip install 'episode-isolate[ray]'``).
+
+Ray's own retries are off (``max_retries=0``): a worker or node that dies mid-episode surfaces
+as a Ray error, recorded as a ``crashed`` attempt and retried under ``--retries`` like any crash.
+The episode's shim sees its stdin close when the worker dies and kills its tree within a second.
+
+**The key** travels as a task argument of a few bytes. Ray inlines arguments under 100 KiB into
+the task specification, sent over Ray's gRPC channels (authenticated by the cluster's token;
+encrypted only if the cluster enables TLS) to the node's raylet and worker, and held in the
+driver's memory until the task ends. It is not put in the object store (which can spill to
+disk), Ray's task events, state API and dashboard carry no arguments, and it is never in an
+environment, an argv, a log or RESULTS.jsonl. A local instance started here does not inherit an
+environment variable that holds the key.
+
+**Cancellation:** Ctrl-C cancels the running tasks (``ray.cancel``: KeyboardInterrupt in the
+worker, which tears the episode down as a cancelled ``run_episode`` does) and waits up to
+``kill_grace`` + 5 s for them, then disconnects (and stops a local instance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+import anyio
+import ray
+from pydantic import SecretStr
+
+from ._batch_job import Job, failure, run_attempt
+
+#: Object store of a local instance: results and records are small, and Ray's default (30% of
+#: memory) is a lot to reserve on a workstation (bytes).
+_LOCAL_OBJECT_STORE = 256 * 1024 * 1024
+
+
+def _episode(job: Job, key: SecretStr) -> dict[str, Any]:
+    """The Ray task: one attempt, on an event loop of its own in the worker."""
+    return asyncio.run(_cancellable(job, key))
+
+
+async def _cancellable(job: Job, key: SecretStr) -> dict[str, Any]:
+    # ray.cancel() arrives as a simulated SIGINT (``_thread.interrupt_main``), which would wait
+    # for the loop to run Python code again; the loop may sleep for minutes. A loop signal
+    # handler wakes it at once, and cancelling the task tears the episode down.
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+    except (ValueError, RuntimeError):
+        previous = None  # not the main thread: Ray's own interrupt still reaches the task
+    try:
+        return await run_attempt(job, key)
+    finally:
+        if previous is not None:
+            loop.remove_signal_handler(signal.SIGINT)
+            signal.signal(signal.SIGINT, previous)
+
+
+class RayBackend:
+    """Attempts as Ray tasks on an existing cluster (``address``) or a local instance."""
+
+    def __init__(
+        self,
+        key: SecretStr,
+        *,
+        address: str | None,
+        local_cpus: int | None,
+        num_cpus: float,
+        memory: int | None,
+    ) -> None:
+        self.key = key
+        self.address = address
+        self.local_cpus = local_cpus
+        self.num_cpus = num_cpus
+        self.memory = memory
+        self._remote: Any = None
+
+    def start(self) -> int:
+        """Connect (or start a local instance); return how many tasks fit at once."""
+        common: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
+        if self.address:
+            ray.init(address=self.address, **common)
+        else:
+            secret = self.key.get_secret_value()
+            for name in [n for n, v in os.environ.items() if v == secret]:
+                del os.environ[name]  # Ray's processes inherit os.environ
+            ray.init(
+                num_cpus=self.local_cpus,
+                include_dashboard=False,
+                object_store_memory=_LOCAL_OBJECT_STORE,
+                _node_ip_address="127.0.0.1",
+                **common,
+            )
+        self._remote = ray.remote(_episode)
+        cpus = float(ray.cluster_resources().get("CPU", 1.0))  # type: ignore[no-untyped-call]
+        return max(1, int(cpus // self.num_cpus)) if self.num_cpus > 0 else max(1, int(cpus))
+
+    def stop(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+
+    async def run(self, job: Job) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "num_cpus": self.num_cpus,
+            "max_retries": 0,
+            "name": f"isolate:{job.episode_id}",
+        }
+        if self.memory:
+            options["memory"] = self.memory
+        ref = self._remote.options(**options).remote(job, self.key)
+        try:
+            return await _result(ref)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(ray.cancel, ref)
+                with anyio.move_on_after(job.spec.kill_grace + 5.0):
+                    await _result(ref)
+            raise
+
+
+async def _result(ref: Any) -> dict[str, Any]:
+    try:
+        value: dict[str, Any] = await asyncio.wrap_future(ref.future())
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, asyncio.CancelledError):
+            return failure("crashed", "TaskCancelledError", "the Ray task was cancelled")
+        # Our task raised: the node cannot run it (isolate missing there, a path unwritable).
+        return failure("setup_error", type(cause).__name__, _first_line(cause))
+    except ray.exceptions.RayError as exc:
+        # The worker or its node died, was OOM-killed, or the task was cancelled.
+        return failure("crashed", type(exc).__name__, _first_line(exc))
+    return value
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:500] if lines else type(exc).__name__

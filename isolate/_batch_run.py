@@ -1,0 +1,136 @@
+"""Running a batch: the retry rules, and the scheduler that keeps N instances going and
+writes each attempt's result as it comes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from pydantic import SecretStr
+
+from ._batch_io import Record, Records, Results
+from ._batch_job import Job, Plan, failure, run_attempt
+from ._batch_view import View
+
+#: Statuses worth another attempt: the infrastructure failed, not the agent.
+RETRYABLE = ("crashed", "protocol_error")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    retries: int
+    """Extra attempts after the first, for ``crashed`` and ``protocol_error``."""
+    retry_timeouts: bool
+    """Whether ``timeout`` is retried too."""
+
+    def again(self, status: str, attempt: int) -> bool:
+        """Whether attempt number ``attempt`` (from 1) ending in ``status`` gets another."""
+        retryable = status in RETRYABLE or (status == "timeout" and self.retry_timeouts)
+        return retryable and attempt <= self.retries
+
+    def done(self, last: dict[str, Any] | None) -> bool:
+        """Whether an instance whose latest result line is ``last`` needs no more attempts.
+        A ``setup_error`` is the run's configuration, not the instance: it runs again."""
+        if last is None or last["status"] == "setup_error":
+            return False
+        return not self.again(last["status"], last["attempt"])
+
+
+class Backend(Protocol):
+    async def run(self, job: Job) -> dict[str, Any]: ...
+
+
+class LocalBackend:
+    """Episodes as children of this process."""
+
+    def __init__(self, key: SecretStr) -> None:
+        self.key = key
+
+    async def run(self, job: Job) -> dict[str, Any]:
+        return await run_attempt(job, self.key)
+
+
+class Scheduler:
+    """Keeps ``concurrency`` instances going; each runs its attempts one after the other."""
+
+    def __init__(
+        self,
+        records: Records,
+        plan: Plan,
+        results: Results,
+        policy: RetryPolicy,
+        backend: Backend,
+        view: View,
+    ) -> None:
+        self.records, self.plan, self.results = records, plan, results
+        self.policy, self.backend, self.view = policy, backend, view
+        self.interrupted = False
+        self.failure: str | None = None
+        self._work: anyio.CancelScope | None = None
+
+    async def run(self, todo: list[Record], concurrency: int) -> None:
+        self._work = anyio.CancelScope()
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(self._watch_signals)
+            outer.start_soon(self.view.ticker)
+            with self._work:
+                slots = anyio.Semaphore(concurrency)
+                async with anyio.create_task_group() as tg:
+                    for record in todo:
+                        await slots.acquire()
+                        tg.start_soon(self._instance, record, slots)
+            outer.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                if self.interrupted:
+                    self.view.note("still tearing the running episodes down")
+                    continue
+                self.interrupted = True
+                self.view.note(
+                    f"interrupted: launching no more; tearing down {self.view.running} running "
+                    "episode(s); rerun the same command to resume"
+                )
+                self._stop()
+
+    def _stop(self) -> None:
+        assert self._work is not None
+        self._work.cancel()
+
+    async def _instance(self, record: Record, slots: anyio.Semaphore) -> None:
+        try:
+            last = self.results.last.get(record.instance_id)
+            attempt = last["attempt"] if last else 0
+            again = True
+            while again:
+                attempt += 1
+                fields = await self._attempt(record)
+                again = self.policy.again(fields["status"], attempt)
+                entry = {"instance_id": record.instance_id, "attempt": attempt, "final": not again}
+                entry.update(fields)
+                entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await anyio.to_thread.run_sync(self.results.append, entry)
+                    except OSError as exc:
+                        self.failure = f"cannot write {self.results.path}: {exc.strerror}"
+                        self._stop()
+                        return
+                self.view.finished_entry(entry)
+        finally:
+            slots.release()
+
+    async def _attempt(self, record: Record) -> dict[str, Any]:
+        try:
+            job = self.plan.job(await anyio.to_thread.run_sync(self.records.read, record))
+        except (OSError, ValueError) as exc:
+            return failure("setup_error", "SetupError", str(exc))
+        self.view.running += 1
+        try:
+            return await self.backend.run(job)
+        finally:
+            self.view.running -= 1

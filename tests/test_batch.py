@@ -1,0 +1,507 @@
+"""``isolate batch``: real drivers in subprocesses, real episodes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from isolate._batch import parse_size
+from isolate._batch_run import RetryPolicy
+
+from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for
+from .test_cli import SCRIPTED, URL, cli_env, isolate_cli
+
+# Unique per run: a scan of /proc must not find another test session's drivers.
+KEY = f"sk-batch-{secrets.token_hex(12)}"
+
+# A test agent for what the scripted one cannot do: fail the first N attempts of a record
+# (attempts are counted in a file), and hold while a file exists.
+FLAKY_AGENT = """
+import os, time
+
+def run(data, **kwargs):
+    b = data.get("behaviour") or {}
+    pids = os.environ["PID_DIR"]
+    with open(os.path.join(pids, "attempts-" + data["instance_id"]), "a") as f:
+        f.write("x")
+        count = f.tell()
+    if count <= b.get("crash_first", 0):
+        os._exit(3)
+    if b.get("hold"):
+        open(os.path.join(pids, "holding-" + data["instance_id"]), "w").close()
+        while os.path.exists(b["hold"]):
+            time.sleep(0.02)
+    return float(b.get("reward", 1.0))
+"""
+
+
+def record(agents: Agents, instance_id: str, **behaviour: Any) -> dict[str, Any]:
+    return {
+        "instance_id": instance_id,
+        "behaviour": behaviour,
+        # Marks this test's processes for the conftest sweep check.
+        "econfig": {"env": {"PID_DIR": str(agents.pids)}},
+    }
+
+
+def write_records(path: Path, lines: list[Any]) -> Path:
+    """Records as JSON lines; a str is written as is (for malformed lines)."""
+    text = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+    path.write_text(text)
+    return path
+
+
+def batch_args(agents: Agents, records: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "batch",
+        str(records),
+        "--out",
+        str(out),
+        "--agent-root",
+        str(SCRIPTED),
+        "--base-url",
+        URL,
+        "--log-dir",
+        str(agents.logs),
+        "--kill-grace",
+        "0.2",
+        "--api-key-env",
+        "BATCH_KEY",
+        *extra,
+    ]
+
+
+def flaky_args(agents: Agents, records: Path, out: Path, *extra: str) -> list[str]:
+    (agents.root / "flaky_agent.py").write_text(textwrap.dedent(FLAKY_AGENT))
+    args = batch_args(agents, records, out, "--entrypoint", "flaky_agent:run", *extra)
+    args[args.index("--agent-root") + 1] = str(agents.root)
+    return args
+
+
+def env() -> dict[str, str]:
+    return cli_env(BATCH_KEY=KEY)
+
+
+def results(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def final(path: Path) -> dict[str, dict[str, Any]]:
+    return {e["instance_id"]: e for e in results(path) if e["final"]}
+
+
+def start(args: list[str], tmp: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A driver in the background, its output in files (a pipe could fill up and block it)."""
+    with open(tmp / "driver.out", "w") as out, open(tmp / "driver.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "isolate", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=env or cli_env(BATCH_KEY=KEY),
+        )
+
+
+def line_count(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+# --- the whole command ----------------------------------------------------------------------
+
+
+def test_mixed_batch_with_exact_accounting(agents: Agents) -> None:
+    plan = (
+        [("ok", {"reward": [1.0, 0.0, 0.5][i % 3]}) for i in range(22)]
+        + [("agent_error", {"raise": "boom"})] * 8
+        + [("crashed", {"crash": ["segv", "exit"][i % 2]}) for i in range(7)]
+        + [("protocol_error", {"reward": "nan"})] * 3
+        + [("timeout", {"sleep": 60, "spawn": 1})] * 5
+    )
+    lines: list[Any] = [record(agents, f"m-{i}", **b) for i, (_, b) in enumerate(plan)]
+    malformed = {
+        '{"instance_id": "cut-short", ': "not valid JSON",
+        "[1, 2]": "not a JSON object",
+        '{"problem_statement": "no id"}': 'no "instance_id"',
+        json.dumps({"instance_id": "m-3"}): "duplicate instance_id 'm-3' (first on line 4)",
+        json.dumps({"instance_id": "bad-grace", "econfig": {"kill_grace": -1}}): "kill_grace",
+    }
+    for n, text in enumerate(malformed):
+        lines.insert(5 + 9 * n, text)
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    out = agents.tmp / "results.jsonl"
+    args = batch_args(agents, records, out, "--retries", "1", "--timeout", "3")
+    args += ["--concurrency", "8", "--status-interval", "0.5"]
+
+    refused = isolate_cli(*args, env=env())
+    assert refused.returncode == 2, refused.stderr
+    for n, expected in enumerate(malformed.values()):
+        assert f"records.jsonl:{6 + 9 * n}: " in refused.stderr
+        assert expected in refused.stderr
+    assert "5 invalid record(s)" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not out.exists()
+    assert not agents.logs.exists()
+
+    proc = isolate_cli(*args, "--skip-invalid", env=env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("isolate: skipping ") == 5
+    entries = results(out)
+    by_id = final(out)
+    assert len(by_id) == 45
+    expected_status = {f"m-{i}": status for i, (status, _) in enumerate(plan)}
+    assert {i: e["status"] for i, e in by_id.items()} == expected_status
+    assert Counter(e["status"] for e in by_id.values()) == {
+        "ok": 22,
+        "agent_error": 8,
+        "crashed": 7,
+        "protocol_error": 3,
+        "timeout": 5,
+    }
+    # One retry for crashed and protocol_error only; every attempt is a line of its own.
+    attempts = Counter(e["instance_id"] for e in entries)
+    for instance_id, status in expected_status.items():
+        assert attempts[instance_id] == (2 if status in ("crashed", "protocol_error") else 1)
+    assert len(entries) == 45 + 7 + 3
+    for i, (status, behaviour) in enumerate(plan):
+        entry = by_id[f"m-{i}"]
+        assert entry["attempt"] == attempts[f"m-{i}"]
+        if status == "ok":
+            assert entry["reward"] == behaviour["reward"]
+        assert Path(entry["log_path"]).is_file()
+    assert by_id["m-30"]["signal"] == "SIGSEGV"
+    assert by_id["m-31"]["exit_code"] == 3
+    assert all(isinstance(e["killed"], int) for e in entries)
+    assert all(
+        e["error"]["type"] == "EpisodeTimeout" for e in by_id.values() if e["status"] == "timeout"
+    )
+    # The summary, and plain progress lines (not a terminal).
+    assert " total " in proc.stdout
+    assert "45" in proc.stdout
+    assert "8/45 (17.8%)" in proc.stdout  # resolved: reward 1
+    assert "episodes/s" in proc.stderr
+    assert "\r" not in proc.stderr
+    # The key went to the agents (they ran) and nowhere else.
+    for path in [out, *agents.logs.rglob("*")]:
+        assert not path.is_file() or KEY.encode() not in path.read_bytes()
+    assert KEY not in proc.stdout + proc.stderr
+
+
+def test_driver_killed_halfway_then_resumed(agents: Agents) -> None:
+    records = write_records(
+        agents.tmp / "records.jsonl",
+        [record(agents, f"k-{i}", sleep=0.3, spawn=1) for i in range(40)],
+    )
+    out = agents.tmp / "results.jsonl"
+    driver = start(batch_args(agents, records, out, "--concurrency", "6"), agents.tmp)
+    wait_for(lambda: line_count(out) >= 20, 30, "half of the results")
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    before = out.read_bytes()
+    assert len(results(out)) < 40
+    # Each shim sees its stdin close and kills its tree (the agent and its sleep 300).
+    marker = f"PID_DIR={agents.pids}".encode()
+    wait_for(lambda: not episode_processes(marker), 3, "the episodes of the killed driver")
+
+    proc = isolate_cli(*batch_args(agents, records, out, "--concurrency", "6"), env=env())
+    assert proc.returncode == 0, proc.stderr
+    assert "isolate: resuming: " in proc.stderr
+    entries = results(out)
+    assert out.read_bytes().startswith(before)  # nothing written before was touched
+    assert sorted(e["instance_id"] for e in entries) == sorted(f"k-{i}" for i in range(40))
+    assert {(e["status"], e["attempt"], e["final"]) for e in entries} == {("ok", 1, True)}
+
+
+def test_a_partial_last_line_is_dropped_and_its_episode_runs_again(agents: Agents) -> None:
+    records = write_records(
+        agents.tmp / "records.jsonl", [record(agents, f"p-{i}") for i in range(3)]
+    )
+    out = agents.tmp / "results.jsonl"
+    assert isolate_cli(*batch_args(agents, records, out), env=env()).returncode == 0
+    kept = [line for line in out.read_text().splitlines() if '"p-1"' not in line]
+    out.write_text("\n".join(kept) + '\n{"instance_id": "p-1", "attempt": 1, "fin')
+
+    proc = isolate_cli(*batch_args(agents, records, out), env=env())
+    assert proc.returncode == 0, proc.stderr
+    assert "ignored a partial last line" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(e["instance_id"] for e in results(out)) == ["p-0", "p-1", "p-2"]
+
+    # A broken line anywhere else is not ours to guess about: stop, and say where.
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    proc = isolate_cli(*batch_args(agents, records, out), env=env())
+    assert proc.returncode == 2
+    assert "results.jsonl:2 is not a result line" in proc.stderr
+
+
+def test_retries_are_for_infrastructure_failures_and_each_attempt_is_recorded(
+    agents: Agents,
+) -> None:
+    records = write_records(
+        agents.tmp / "records.jsonl",
+        [
+            record(agents, "flaky", crash_first=1),
+            record(agents, "always", crash_first=99),
+            record(agents, "slow", hold=str(agents.tmp)),  # the directory exists: a timeout
+        ],
+    )
+    out = agents.tmp / "results.jsonl"
+    args = flaky_args(agents, records, out, "--retries", "2", "--retry-timeouts")
+    proc = isolate_cli(*args, "--timeout", "2", env=env())
+    assert proc.returncode == 0, proc.stderr
+    seen = [(e["instance_id"], e["attempt"], e["status"], e["final"]) for e in results(out)]
+    assert sorted(seen) == [
+        ("always", 1, "crashed", False),
+        ("always", 2, "crashed", False),
+        ("always", 3, "crashed", True),
+        ("flaky", 1, "crashed", False),
+        ("flaky", 2, "ok", True),
+        ("slow", 1, "timeout", False),
+        ("slow", 2, "timeout", False),
+        ("slow", 3, "timeout", True),
+    ]
+    assert all(e["exit_code"] == 3 for e in results(out) if e["status"] == "crashed")
+
+    # agent_error is the agent's answer, never retried; a rerun has nothing to do.
+    errors = write_records(agents.tmp / "errors.jsonl", [record(agents, "err", **{"raise": "x"})])
+    err_out = agents.tmp / "errors-results.jsonl"
+    batch = batch_args(agents, errors, err_out, "--retries", "3")
+    assert isolate_cli(*batch, env=env()).returncode == 0
+    assert [(e["attempt"], e["status"]) for e in results(err_out)] == [(1, "agent_error")]
+    again = isolate_cli(*batch, env=env())
+    assert "1 of 1 instances already have a final result" in again.stderr
+    assert len(results(err_out)) == 1
+
+
+def test_ctrl_c_tears_down_exits_130_and_the_next_run_resumes(agents: Agents) -> None:
+    hold = agents.tmp / "hold"
+    hold.touch()
+    lines = [record(agents, f"q-{i}") for i in range(3)]
+    lines += [record(agents, f"h-{i}", hold=str(hold)) for i in range(4)]
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    out = agents.tmp / "results.jsonl"
+    args = flaky_args(agents, records, out, "--concurrency", "4")
+    driver = start(args, agents.tmp)
+    holding = lambda: list(agents.pids.glob("holding-*"))  # noqa: E731
+    wait_for(lambda: len(holding()) == 4 and line_count(out) == 3, 30, "4 holding episodes")
+    driver.send_signal(signal.SIGINT)
+    assert driver.wait(timeout=10 * SLOW) == 130
+    stderr = (agents.tmp / "driver.err").read_text()
+    assert "interrupted: launching no more; tearing down 4 running episode(s)" in stderr
+    assert "Traceback" not in stderr
+    # Torn down before the driver exited, not later by the shims' own watchdog.
+    assert not episode_processes(f"PID_DIR={agents.pids}".encode())
+    assert sorted(e["instance_id"] for e in results(out)) == ["q-0", "q-1", "q-2"]
+
+    hold.unlink()
+    proc = isolate_cli(*args, env=env())
+    assert proc.returncode == 0, proc.stderr
+    assert "3 of 7 instances already have a final result" in proc.stderr
+    assert sorted((e["instance_id"], e["attempt"]) for e in results(out)) == sorted(
+        [(f"q-{i}", 1) for i in range(3)] + [(f"h-{i}", 1) for i in range(4)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--ray-address", "auto"], "--ray-address needs --backend ray"),
+        (["--backend", "ray", "--ray-memory", "lots"], "not a size"),
+        (["--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+    ],
+)
+def test_usage_errors(agents: Agents, extra: list[str], message: str) -> None:
+    records = write_records(agents.tmp / "records.jsonl", [record(agents, "u-1")])
+    proc = isolate_cli(*batch_args(agents, records, agents.tmp / "out.jsonl"), *extra, env=env())
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_records_file(agents: Agents) -> None:
+    args = batch_args(agents, agents.tmp / "nope.jsonl", agents.tmp / "out.jsonl")
+    proc = isolate_cli(*args, env=env())
+    assert proc.returncode == 2
+    assert "cannot read" in proc.stderr
+
+
+def test_retry_policy_and_sizes() -> None:
+    policy = RetryPolicy(retries=1, retry_timeouts=False)
+    assert policy.again("crashed", 1)
+    assert policy.again("protocol_error", 1)
+    assert not policy.again("crashed", 2)
+    assert not policy.again("agent_error", 1)
+    assert not policy.again("timeout", 1)
+    assert RetryPolicy(retries=1, retry_timeouts=True).again("timeout", 1)
+    assert policy.done({"status": "ok", "attempt": 1})
+    assert policy.done({"status": "crashed", "attempt": 2})
+    assert not policy.done({"status": "crashed", "attempt": 1})
+    assert not policy.done({"status": "setup_error", "attempt": 5})  # the run's fault: again
+    assert not policy.done(None)
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("512M") == 512 * 2**20
+    assert parse_size("1000") == 1000
+
+
+# --- Ray ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_tmp() -> Any:
+    pytest.importorskip("ray")
+    # Short: Ray's unix sockets live below it, and a socket path has at most 107 bytes.
+    path = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ray_processes(ray_tmp: Path) -> list[int]:
+    """Processes of the Ray instance whose files are under ``ray_tmp``."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(ray_tmp) in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.info["pid"])
+    return found
+
+
+def processes_holding(secret: bytes, driver: int) -> list[int]:
+    """Processes whose environment or argv holds ``secret``, except the driver (the key is in
+    its exec-time environment on purpose) and its forks that have not exec'd yet (they show
+    the driver's environment until they do)."""
+    try:
+        driver_cmdline = Path(f"/proc/{driver}/cmdline").read_bytes()
+    except OSError:
+        return []
+    holders = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == driver:
+            continue
+        try:
+            if Path(f"/proc/{name}/cmdline").read_bytes() == driver_cmdline:
+                continue
+            if any(
+                secret in Path(f"/proc/{name}/{p}").read_bytes() for p in ("environ", "cmdline")
+            ):
+                holders.append(int(name))
+        except OSError:
+            continue
+    return holders
+
+
+def run_ray_driver(args: list[str], tmp: Path, ray_tmp: Path) -> subprocess.Popen[str]:
+    """A Ray driver with the key in its own environment, as OPENAI_API_KEY: no process it
+    starts may have it."""
+    ray_env = cli_env(OPENAI_API_KEY=KEY, RAY_TMPDIR=str(ray_tmp))
+    args = [a for a in args if a not in ("--api-key-env", "BATCH_KEY")]
+    driver = start([*args, "--backend", "ray", "--ray-local-cpus", "2"], tmp, ray_env)
+    scanned = False
+    started: set[psutil.Process] = set()
+    try:
+        while driver.poll() is None:
+            if ray_processes(ray_tmp):
+                assert processes_holding(KEY.encode(), driver.pid) == []
+                scanned = True
+            try:
+                started.update(psutil.Process(driver.pid).children(recursive=True))
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+    finally:
+        if driver.poll() is None:
+            driver.send_signal(signal.SIGINT)
+            driver.wait(timeout=30)
+    assert scanned
+    # ray.shutdown() stopped the whole instance (gcs, raylet, workers) with the driver.
+    wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in started), 5, "Ray to stop")
+    assert not ray_processes(ray_tmp)
+    for path in ray_tmp.rglob("*"):
+        if path.is_file() and not path.is_socket():
+            assert KEY.encode() not in path.read_bytes(), path
+    return driver
+
+
+def test_ray_backend_writes_what_the_local_backend_writes(agents: Agents, ray_tmp: Path) -> None:
+    records = write_records(
+        agents.tmp / "records.jsonl",
+        [
+            record(agents, "r-ok", reward=1.0, sleep=1.0),  # Ray is up a while: scan it
+            record(agents, "r-half", reward=0.5),
+            record(agents, "r-raise", **{"raise": "boom"}),
+            record(agents, "r-segv", crash="segv"),
+            record(agents, "r-nan", reward="nan"),
+            record(agents, "r-timeout", sleep=60, spawn=1),
+        ],
+    )
+    local, remote = agents.tmp / "local.jsonl", agents.tmp / "ray.jsonl"
+    options = ("--retries", "1", "--timeout", "3")
+    assert isolate_cli(*batch_args(agents, records, local, *options), env=env()).returncode == 0
+
+    driver = run_ray_driver(batch_args(agents, records, remote, *options), agents.tmp, ray_tmp)
+    assert driver.returncode == 0, (agents.tmp / "driver.err").read_text()
+
+    def essence(path: Path) -> list[tuple[Any, ...]]:
+        keys = ("instance_id", "attempt", "final", "status", "reward", "signal", "exit_code")
+        for e in (entries := results(path)):
+            if e["status"] == "timeout":  # SIGTERM or SIGKILL: whether it died within the grace
+                e["signal"] = e["exit_code"] = None
+        return sorted(tuple(e[k] for k in keys) for e in entries)
+
+    assert essence(remote) == essence(local)
+    assert len(results(remote)) == 8  # two attempts each for r-segv and r-nan
+    for entry in results(remote):
+        assert Path(entry["log_path"]).is_file()
+    assert KEY.encode() not in remote.read_bytes()
+    assert "resolved" in (agents.tmp / "driver.out").read_text()
+
+
+def test_ray_worker_death_costs_a_retry_not_the_batch(agents: Agents, ray_tmp: Path) -> None:
+    hold = agents.tmp / "hold"
+    hold.touch()
+    records = write_records(
+        agents.tmp / "records.jsonl",
+        [record(agents, "w-0", hold=str(hold)), record(agents, "w-1")],
+    )
+    out = agents.tmp / "results.jsonl"
+    args = flaky_args(agents, records, out, "--retries", "1")
+    args += ["--backend", "ray", "--ray-local-cpus", "2"]
+    driver = start(args, agents.tmp, cli_env(BATCH_KEY=KEY, RAY_TMPDIR=str(ray_tmp)))
+    try:
+        started = lambda: list(agents.pids.glob("holding-w-0")) and line_count(out)  # noqa: E731
+        wait_for(started, 40, "w-0 to hold and w-1 to finish")
+        tree = episode_processes(f"PID_DIR={agents.pids}".encode())
+        pids = {p.pid for p in tree}
+        [top] = [p for p in tree if p.ppid() not in pids]
+        worker = psutil.Process(top.ppid())
+        assert "ray" in worker.name().lower() or "ray" in " ".join(worker.cmdline())
+        hold.unlink()  # the second attempt returns at once
+        worker.kill()
+        assert driver.wait(timeout=30 * SLOW) == 0, (agents.tmp / "driver.err").read_text()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    wait_for(lambda: not ray_processes(ray_tmp), 5, "the Ray instance to stop")
+    seen = sorted((e["instance_id"], e["attempt"], e["status"]) for e in results(out))
+    assert seen == [("w-0", 1, "crashed"), ("w-0", 2, "ok"), ("w-1", 1, "ok")]
+    [died] = [e for e in results(out) if e["attempt"] == 1 and e["instance_id"] == "w-0"]
+    assert died["error"]["type"] == "WorkerCrashedError"
