@@ -167,8 +167,11 @@ class Episode:
                 if self.box is not None:
                     # Then all at once: whatever was forked since the scan dies too.
                     await anyio.to_thread.run_sync(self.box.kill)
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            # Poll at most every 10 ms, and never sleep past the moment SIGKILL is due.
+            now = time.monotonic()
+            step = delay if now >= term_deadline else min(delay, term_deadline - now)
+            await anyio.sleep(max(step, 0.0))
+            delay = min(delay * 2, 0.01)
 
 
 def _safe_key(proc: psutil.Process) -> _Key | None:

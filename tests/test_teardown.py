@@ -15,7 +15,15 @@ import pytest
 
 import isolate
 
-from .conftest import SLOW, Agents, is_gone, record_pid_sh, wait_for, wait_until
+from .conftest import (
+    SLOW,
+    Agents,
+    episode_processes,
+    is_gone,
+    record_pid_sh,
+    wait_for,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -196,6 +204,23 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
         parent.wait()
         wait_for(lambda: all(is_gone(p) for p in pids.values()), 2.0, "the tree to die")
         assert time.monotonic() - killed_at <= 2.0 * SLOW
+        # The shim itself exits right after its tree: wait for it too, boundedly.
+        marker = f"PID_DIR={agents.pids}".encode()
+        wait_for(lambda: not episode_processes(marker), 2.0, "the shim to exit")
     finally:
         parent.kill()
         parent.wait()
+
+
+async def test_cancel_while_queued_for_start(agents: Agents) -> None:
+    """More episodes than the start gate admits, cancelled while most wait their turn:
+    every one is cancelled cleanly, and nothing is left."""
+    spec = agents.spec("import time\ndef run(data):\n    time.sleep(300)\n")
+    started: list[int] = []
+    with anyio.move_on_after(0.3) as scope:
+        async with anyio.create_task_group() as tg:
+            for _ in range(48):
+                tg.start_soon(lambda: isolate.run_episode(spec, {}, on_start=started.append))
+    assert scope.cancelled_caught
+    assert 0 < len(started) < 48  # some had started, some were still queued
+    assert all(is_gone(pid) for pid in started)
