@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LINTED := isolate agent_shim tests examples
+LINTED := isolate agent_shim tests examples bench
 
 .PHONY: setup demo test
 

@@ -61,7 +61,7 @@ class Plan:
             econfig.update(record["econfig"])
         base_url = self.base_url or record.get("base_url")
         if not base_url:
-            raise ValueError('no base URL: give --base-url, or "base_url" in each record')
+            raise ValueError('--base-url is required (or "base_url" in the record)')
         try:
             kwargs = episode_kwargs(econfig, str(base_url))
             spec = episode_spec(econfig, self.agent_root, self.timeout, None)

@@ -19,13 +19,12 @@ from typing import Any, TextIO
 
 import anyio
 import psutil
-from pydantic import SecretStr, ValidationError
+from pydantic import SecretStr
 
 from ._config import EpisodeSpec
 from ._errors import ArgumentError
 from ._launcher import _default_episode_id, run_episode
 from ._outcome import EpisodeOutcome
-from .workflow import episode_kwargs, episode_spec, resolve_agent_root
 
 EXIT_CODES = {
     "ok": 0,
@@ -174,34 +173,12 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"{args.record} is not valid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise UsageError(f"{args.record} must hold one JSON object (a record)")
-    # Flags play the part of the workflow's econfig; the record's econfig overrides them.
-    econfig = {
-        key: value
-        for key, value in {
-            "agent_root": args.agent_root,
-            "python": args.python,
-            "agent_type": args.agent_type,
-            "agent_config": args.agent_config,
-            "llm_model": args.llm_model,
-            "kill_grace": args.kill_grace,
-        }.items()
-        if value is not None
-    }
-    agent_root = resolve_agent_root(econfig)
-    timeout = args.timeout if args.timeout is not None else 1800.0
-    if isinstance(record.get("econfig"), dict):
-        econfig.update(record["econfig"])
-    base_url = args.base_url or record.get("base_url")
-    if not base_url:
-        raise UsageError("--base-url is required (the endpoint the agent calls)")
+    from ._batch_job import Plan  # one way to turn flags and a record into an episode
+
     try:
-        kwargs = episode_kwargs(econfig, str(base_url))
-        spec = episode_spec(econfig, agent_root, timeout, None)
-        if args.entrypoint:
-            spec = EpisodeSpec.model_validate({**spec.model_dump(), "entrypoint": args.entrypoint})
-    except (ValidationError, ValueError) as exc:
+        spec, kwargs = Plan(args).build(record)
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
-    kwargs["result_dir"] = str(log_dir)
     return Prepared(record, spec, kwargs, log_dir)
 
 
