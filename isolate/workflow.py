@@ -117,6 +117,8 @@ def episode_spec(
         env=dict(econfig.get("env") or {}),
         inherit_env=tuple(econfig.get("inherit_env") or DEFAULT_INHERIT_ENV),
         log_dir=log_dir,
+        containment=econfig.get("containment", "auto"),
+        limits=econfig.get("limits"),
     )
 
 
@@ -127,8 +129,9 @@ class SWEAgentWorkflow:
         econfig: as AReaL's (``agent_type``, ``agent_config``, ``*_agent_config``,
             ``agent_root`` / ``aweagent_root`` / ``swe_agent_root``, ``llm_model``,
             ``opencode_provider``, ``codex_provider``, ``timeout``), plus ``python`` (the
-            agent's interpreter), ``kill_grace`` (seconds), ``env``, ``inherit_env`` and
-            ``on_crash`` (``"zero"`` or ``"raise"``).
+            agent's interpreter), ``kill_grace`` (seconds), ``env``, ``inherit_env``,
+            ``containment`` and ``limits`` (as EpisodeSpec's), and ``on_crash`` (``"zero"``
+            or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
         timeout: seconds per episode; ``econfig["timeout"]`` overrides it.
     """
@@ -205,6 +208,7 @@ class SWEAgentWorkflow:
             "duration_s": round(outcome.duration_s, 3),
             "exit": outcome.exit_description,
             "killed": outcome.killed,
+            "containment": outcome.containment,
             "log": str(outcome.log_path) if outcome.log_path else None,
         }
         logger.info("episode %s", json.dumps(record))

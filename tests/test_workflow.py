@@ -411,3 +411,21 @@ async def test_32_concurrent_rollouts_each_get_their_own_key(
         assert got["key_digest"] == hashlib.sha256(key.encode()).hexdigest()
         assert got["env_has_key"] is False
         assert not any(k in json.dumps(got["environ"]) for k in keys.values())
+
+
+@pytest.mark.parametrize("level", ["session", "auto"])
+async def test_containment_and_limits_from_econfig(
+    agents: Agents, clean_env: Path, caplog: pytest.LogCaptureFixture, level: str
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, containment=level, limits={"open_files": 77}))
+    with caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"):
+        assert await wf.run(record("lim-1", report=True), base_url=URL) == 1.0
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
+    used = json.loads(line.removeprefix("episode "))["containment"]
+    assert used == "session" if level == "session" else used in ("cgroup", "pidns", "session")
+    assert report(clean_env, "lim-1")["nofile"] == 77
+
+
+def test_invalid_limits_fail_at_construction() -> None:
+    with pytest.raises(ValueError, match="limits"):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "limits": {"open_files": -1}})

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -79,6 +80,7 @@ async def run_agent_with_reward(
 
 def _report(data: dict[str, Any], result_dir: str, extra: dict[str, Any]) -> None:
     extra["python"] = sys.executable
+    extra["nofile"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     extra["environ"] = dict(os.environ)
     os.makedirs(result_dir, exist_ok=True)
     path = os.path.join(result_dir, "%s.json" % data.get("instance_id", "unknown"))
