@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from isolate._tree import pids_with_env
+
 REPO = Path(__file__).resolve().parent.parent
 #: Every process a benchmark starts carries this variable (value: the run id), so the final
 #: sweep can find and kill anything that escaped, wherever it was re-parented to.
@@ -184,20 +186,8 @@ def kill_all(pids: Iterable[tuple[int, int | None]]) -> int:
 
 def marked_pids(run_id: str) -> list[int]:
     """Live processes (other than this one) whose exec-time environment carries the run mark."""
-    needle = f"{MARK_ENV}={run_id}\0".encode()
-    found = []
     me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if (environ.startswith(needle) or b"\0" + needle in environ) and is_live(int(name)):
-            found.append(int(name))
-    return found
+    return [p for p in pids_with_env(MARK_ENV, run_id) if p != me and is_live(p)]
 
 
 def sweep_marked(run_id: str, wait: float = 3.0) -> list[int]:

@@ -29,6 +29,7 @@ import psutil
 
 import isolate
 from isolate import _containment, _launcher
+from isolate._tree import pids_with_env
 
 #: kind -> (agent body, status it must end with). Each body defines ``run(data)``.
 KINDS: dict[str, tuple[str, str]] = {
@@ -109,18 +110,12 @@ def _cycle(items: list[str]) -> Any:
 
 def marked_processes(run_id: str) -> list[int]:
     """Live processes whose environment carries this soak run's mark."""
-    needle = f"{MARK}={run_id}".encode()
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for pid in pids_with_env(MARK, run_id):
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle not in f.read():
-                    continue
-            if psutil.Process(int(name)).status() != psutil.STATUS_ZOMBIE:
-                found.append(int(name))
-        except (OSError, psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+        except psutil.Error:
             continue
     return found
 

@@ -58,25 +58,30 @@ def _session_members(sid: int) -> list[int]:
     return found
 
 
-def _tagged(episode_id: str) -> list[int]:
-    """Pids whose initial environment carries this episode's tag (Linux only)."""
-    needle = f"{EPISODE_ENV}={episode_id}\0".encode()
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Pids whose exec-time environment holds ``name=value`` exactly (Linux; elsewhere [])."""
+    needle = f"{name}={value}\0".encode()
     found: list[int] = []
     try:
-        names = os.listdir("/proc")
+        entries = os.listdir("/proc")
     except OSError:
         return found
-    for name in names:
-        if not name.isdigit():
+    for entry in entries:
+        if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"/proc/{entry}/environ", "rb") as f:
                 environ = f.read()
         except OSError:
             continue
         if environ.startswith(needle) or b"\0" + needle in environ:
-            found.append(int(name))
+            found.append(int(entry))
     return found
+
+
+def _tagged(episode_id: str) -> list[int]:
+    """Pids whose initial environment carries this episode's tag."""
+    return pids_with_env(EPISODE_ENV, episode_id)
 
 
 class Episode:
