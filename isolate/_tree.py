@@ -159,6 +159,7 @@ class Episode:
         give_up = term_deadline + 10.0
         killed = 0
         delay = 0.002
+        kill_sent = False
         while True:
             live = await anyio.to_thread.run_sync(self.live)
             if not live or time.monotonic() > give_up:
@@ -169,14 +170,17 @@ class Episode:
                 killed += await anyio.to_thread.run_sync(self.signal, fresh, sig)
             else:
                 killed += await anyio.to_thread.run_sync(self.signal, live, sig)
+                if not kill_sent:
+                    kill_sent, delay = True, 0.002  # SIGKILL acts at once: confirm it soon
                 if self.box is not None:
                     # Then all at once: whatever was forked since the scan dies too.
                     await anyio.to_thread.run_sync(self.box.kill)
-            # Poll at most every 10 ms, and never sleep past the moment SIGKILL is due.
+            # Each poll scans all of /proc: back off to 50 ms, but never sleep past the moment
+            # SIGKILL is due.
             now = time.monotonic()
             step = delay if now >= term_deadline else min(delay, term_deadline - now)
             await anyio.sleep(max(step, 0.0))
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, 0.05)
 
 
 def _safe_key(proc: psutil.Process) -> _Key | None:
