@@ -45,6 +45,11 @@ def shim_path() -> Path:
     return Path(agent_shim.__file__).with_name("shim.py")
 
 
+def _boot_path() -> Path:
+    """What the parent runs: ``agent_shim/boot.py`` imports shim.py from its cached bytecode."""
+    return shim_path().with_name("boot.py")
+
+
 async def run_episode(
     spec: EpisodeSpec,
     data: Any,
@@ -138,7 +143,7 @@ class _Run:
         except (TypeError, ValueError) as exc:
             raise ArgumentError(f"data and kwargs must be JSON-serialisable: {exc}") from None
         self.redact = Redactor([s.get_secret_value() for s in self.secrets.values()])
-        self.shim = shim_path()
+        self.shim = _boot_path()
 
         self.started = time.monotonic()
         self.level: _containment.Level = "session"

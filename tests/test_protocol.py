@@ -312,8 +312,11 @@ async def test_fake_secret_is_scrubbed_from_protocol_errors(tmp_path: Path) -> N
 # --- the real shim, directly ------------------------------------------------------------------
 
 
-def run_real_shim(tmp_path: Path, handshake: bytes | None) -> subprocess.CompletedProcess[bytes]:
-    """Run the real shim; its stdin is a pipe we keep open, so only the handshake can end it."""
+def run_real_shim(
+    tmp_path: Path, handshake: bytes | None, program: Path | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """Run the real shim (or ``program``); its stdin is a pipe we keep open, so only the
+    handshake can end it."""
     read_end, write_end = os.pipe()
     try:
         if handshake is not None:
@@ -322,7 +325,7 @@ def run_real_shim(tmp_path: Path, handshake: bytes | None) -> subprocess.Complet
             os.close(write_end)
             write_end = -1
         proc = subprocess.Popen(
-            [sys.executable, "-I", str(isolate.shim_path())],
+            [sys.executable, "-I", str(program or isolate.shim_path())],
             stdin=read_end,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -377,10 +380,13 @@ def frames_of(out: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def test_real_shim_runs_a_matching_handshake(agents: Agents, tmp_path: Path) -> None:
-    # The control for the test below: the marker does show when the agent runs.
+@pytest.mark.parametrize("program", ["shim.py", "boot.py"])
+def test_real_shim_runs_a_matching_handshake(agents: Agents, tmp_path: Path, program: str) -> None:
+    # The control for the tests below: the marker does show when the agent runs. boot.py is
+    # what the launcher starts; it runs shim.py from its cached bytecode.
     hs, marker = marker_agent(agents)
-    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n")
+    path = isolate.shim_path().with_name(program)
+    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n", path)
     assert done.returncode == 0, done.stderr
     frames = frames_of(done.stdout)
     assert [f["t"] for f in frames] == ["hello", "result", "done"]
@@ -400,6 +406,23 @@ def test_real_shim_answers_a_version_mismatch_and_stops(agents: Agents, tmp_path
     assert hello["t"] == "hello"
     assert hello["protocol"] == isolate.PROTOCOL_VERSION
     assert hello["nonce"] == hs["nonce"]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "entrypoint",
+    ["marker_agent", "marker_agent:run:x", "marker_agent:", "1agent:run", "marker_agent:r un", 7],
+)
+def test_real_shim_refuses_a_malformed_entrypoint(
+    agents: Agents, tmp_path: Path, entrypoint: object
+) -> None:
+    hs, marker = marker_agent(agents)
+    hs["entrypoint"] = entrypoint
+    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n")
+    assert done.returncode == 2
+    hello, error = frames_of(done.stdout)
+    assert (hello["t"], error["t"], error["type"]) == ("hello", "error", "HandshakeError")
+    assert "'entrypoint'" in error["message"]
     assert not marker.exists()
 
 
