@@ -148,6 +148,7 @@ class _Run:
         self.started = time.monotonic()
         self.level: _containment.Level = "session"
         self.leaves: _containment.Leaves | None = None
+        self.leaves_problem: str | None = None
         self.oom_kills: int | None = None
         self.pids_limit_hits = 0
         self.log_written = 0
@@ -260,7 +261,9 @@ class _Run:
 
     async def _remove_leaves(self) -> None:
         assert self.leaves is not None
-        problem = await anyio.to_thread.run_sync(self.leaves.remove)
+        problem = self.leaves_problem
+        if self.leaves.dirs:  # not yet removed by _settle_leaves
+            problem = await anyio.to_thread.run_sync(self.leaves.remove)
         if problem is not None:
             self._note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
 
@@ -321,9 +324,11 @@ class _Run:
             # The done frame is written before the shim exits: read stdout to EOF first.
             with anyio.move_on_after(_DRAIN_S):
                 await self.stdout_eof.wait()
-            if not self._clean_exit() or await self._leaf_populated():
+            if self.leaves is None:
+                if not self._clean_exit():
+                    await self._sweep(live=False)
+            elif not (self._clean_exit() and await anyio.to_thread.run_sync(self._settle_leaves)):
                 await self._sweep(live=False)
-            if self.leaves is not None:
                 leaves = self.leaves
                 self.oom_kills, self.pids_limit_hits = await anyio.to_thread.run_sync(
                     lambda: (leaves.oom_kills(), leaves.pids_limit_hits())
@@ -343,11 +348,16 @@ class _Run:
             and self.done.why == "exited"
         )
 
-    async def _leaf_populated(self) -> bool:
-        """At the cgroup level: is anything left in the leaf after the shim exited?"""
-        if self.leaves is None:
+    def _settle_leaves(self) -> bool:
+        """After a clean exit at the cgroup level, in a worker thread: if the leaf is empty, read
+        its counters and remove it (one thread trip, not three). False if anything is left."""
+        assert self.leaves is not None
+        leaves = self.leaves
+        if leaves.populated():
             return False
-        return await anyio.to_thread.run_sync(self.leaves.populated)
+        self.oom_kills, self.pids_limit_hits = leaves.oom_kills(), leaves.pids_limit_hits()
+        self.leaves_problem = leaves.remove()
+        return True
 
     async def _sweep(self, *, live: bool) -> None:
         assert self.tree is not None
