@@ -25,6 +25,7 @@ from ._env import build_env
 from ._errors import ArgumentError
 from ._outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
 from ._redact import Redactor
+from ._tail import Tail
 from ._tree import Episode
 
 #: How long after the shim exits its pipes may take to reach EOF (seconds). Normally at once:
@@ -157,7 +158,7 @@ class _Run:
         self.pidfd: int | None = None
         self.log: Any = None  # binary file, when spec.log_dir is set
         self.log_path: Path | None = None
-        self.tail = bytearray()
+        self.tail = Tail(spec.stderr_tail_bytes)
         self.hello: proto.Hello | None = None
         self.final: proto.Result | proto.Error | None = None
         self.done: proto.Done | None = None
@@ -429,10 +430,7 @@ class _Run:
             return
         if self.log is not None:
             self._log(data)
-        limit = self.spec.stderr_tail_bytes
-        self.tail += data
-        if len(self.tail) > 2 * limit:
-            del self.tail[: len(self.tail) - limit]
+        self.tail.write(data)
 
     def _log(self, data: bytes) -> None:
         cap = self.spec.limits.log_bytes if self.spec.limits is not None else None
@@ -628,7 +626,7 @@ class _Run:
         return _err("EpisodeTimeout", f"no result within {self.spec.timeout:g} s; tree killed")
 
     def _last_line(self) -> str:
-        lines = [ln for ln in bytes(self.tail).decode("utf-8", "replace").splitlines() if ln]
+        lines = [ln for ln in self.tail.value().decode("utf-8", "replace").splitlines() if ln]
         lines = [ln for ln in lines if not ln.startswith("[isolate]")]
         return lines[-1][:300] if lines else ""
 
@@ -644,9 +642,7 @@ class _Run:
         killed = self.killed
         if self.done is not None and not self.swept_live:
             killed += self.done.killed
-        tail = (
-            bytes(self.tail[-self.spec.stderr_tail_bytes :]) if self.spec.stderr_tail_bytes else b""
-        )
+        tail = self.tail.value()
         outcome = EpisodeOutcome(
             status=status,
             reward=reward,

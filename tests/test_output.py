@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import isolate
+from isolate._tail import Tail
 
 from .conftest import Agents, is_gone, record_pid_sh
 
@@ -118,3 +121,18 @@ async def test_grandchild_holding_the_pipes_does_not_delay_the_result(agents: Ag
     assert outcome.duration_s < 5.0
     assert outcome.killed == 1
     assert is_gone(agents.pid_files()["holder"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(min_value=0, max_value=64),
+    chunks=st.lists(st.binary(max_size=150), max_size=30),
+)
+def test_tail_keeps_exactly_the_last_bytes(limit: int, chunks: list[bytes]) -> None:
+    tail = Tail(limit)
+    written = b""
+    for chunk in chunks:
+        tail.write(chunk)
+        written += chunk
+        assert tail.value() == (written[-limit:] if limit else b"")
+    assert len(tail._buf) <= limit  # never more memory than the limit
