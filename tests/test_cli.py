@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pty
+import py_compile
 import select
 import signal
 import subprocess
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from isolate._doctor import _usable_bytecode
 
 from .conftest import SLOW, Agents, is_gone, wait_for
 
@@ -280,6 +284,7 @@ def test_doctor_on_a_good_checkout() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
     assert "shim speaks protocol 1" in proc.stdout
+    assert "the shim starts from its cached bytecode" in proc.stdout
     assert "aweagent.lifecycle:run_agent_with_reward imports (async" in proc.stdout
     assert "accepts (data, **the workflow's keyword arguments)" in proc.stdout
     assert "pydantic 2." in proc.stdout  # this interpreter has pydantic
@@ -289,6 +294,18 @@ def test_doctor_under_a_bare_interpreter(bare_venv: Path) -> None:
     proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--python", str(bare_venv))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pydantic not installed, openai not installed, litellm not installed" in proc.stdout
+
+
+def test_doctor_tells_stale_shim_bytecode(tmp_path: Path) -> None:
+    source = tmp_path / "shim.py"
+    source.write_text("X = 1\n")
+    pyc = Path(py_compile.compile(str(source), doraise=True))
+    magic = importlib.util.MAGIC_NUMBER
+    assert _usable_bytecode(pyc, magic, source)
+    assert not _usable_bytecode(pyc, b"\x00\x00\r\n", source)  # another Python's
+    assert not _usable_bytecode(tmp_path / "missing.pyc", magic, source)
+    source.write_text("X = 22\n")  # edited after compiling: Python would compile again
+    assert not _usable_bytecode(pyc, magic, source)
 
 
 @pytest.mark.parametrize(
