@@ -4,11 +4,11 @@ Not part of the benchmark table. Four views:
 
 1. phases: timestamps around the launcher's steps (by wrapping methods of ``_Run`` in this
    process only), median over N sequential no-op episodes;
-2. the child's imports: ``python -X importtime -I agent_shim/shim.py`` (no handshake: it stops
+2. the child's imports: ``python -X importtime -I agent_shim/boot.py`` (no handshake: it stops
    right after its imports), top-level modules by cumulative time;
-3. experiments on temporary variants of the shim (``_run_with_shim``), interleaved with the
-   real one: what the episode would gain without eager ``asyncio``/``inspect`` imports;
-   and the cost of the supervisor's whole-/proc scan at exit;
+3. whole episodes with other child programs (``_run_with_shim``), interleaved with the real
+   one: ``shim.py`` run as a script (compiled on every start, as before ``boot.py``); and the
+   cost of the supervisor's whole-/proc scan, which it now runs only when a child is left;
 4. with ``--pyinstrument`` (``pip install pyinstrument``): a profile of the parent.
 """
 
@@ -124,31 +124,21 @@ def _importtime(shim: Path) -> tuple[float, list[tuple[str, int]]]:
     cmd = [sys.executable, "-X", "importtime", "-I", str(shim)]
     err = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True).stderr
     top: list[tuple[str, int]] = []
+    children: list[tuple[str, int]] = []  # importtime prints a module's imports before it
     for line in err.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( +)(\S+)", line)
-        if m and len(m.group(3)) == 1:
-            top.append((m.group(4), int(m.group(2))))
-    total = sum(c for _, c in top)
+        if not m:
+            continue
+        name, us, depth = m.group(4), int(m.group(2)), len(m.group(3))
+        if depth == 3:
+            children.append((name, us))
+        elif depth == 1:
+            top.append((name, us))
+            if name == "shim":
+                top += [(f"shim > {child}", child_us) for child, child_us in children]
+            children = []
+    total = sum(c for name, c in top if ">" not in name)
     return total / 1e6, sorted(top, key=lambda x: -x[1])
-
-
-def _lazy_variant(source: str) -> str | None:
-    """The shim with asyncio and inspect imported only for an awaitable return value."""
-    needle = "        if inspect.isawaitable(value):\n"
-    if "import asyncio\n" not in source or needle not in source:
-        return None
-    source = source.replace("import asyncio\n", "", 1).replace("import inspect\n", "", 1)
-    lazy = '        if hasattr(value, "__await__"):\n            import asyncio\n\n'
-    return source.replace(needle, lazy, 1)
-
-
-def _fast_exit_variant(source: str | None) -> str | None:
-    """The shim leaving with ``os._exit`` after ``done``: no interpreter finalisation."""
-    needle = "    sys.exit(main())\n"
-    if source is None or needle not in source:
-        return None
-    fast = "    code = main()\n    sys.stdout.flush()\n    sys.stderr.flush()\n    os._exit(code)\n"
-    return source.replace(needle, fast, 1)
 
 
 async def _compare(spec: isolate.EpisodeSpec, shims: dict[str, Path], n: int) -> dict[str, Any]:
@@ -183,6 +173,7 @@ async def _main(n: int, use_pyinstrument: bool) -> None:
         (root / "noop_agent.py").write_text(NOOP_AGENT)
         spec = isolate.EpisodeSpec(agent_root=root, entrypoint="noop_agent:run", timeout=60)
         shim = isolate.shim_path()
+        boot = shim.with_name("boot.py")
 
         await isolate.run_episode(spec, {})  # warm-up
         print(f"## Parent-side phases (median of {n} no-op episodes, ms)\n")
@@ -190,28 +181,18 @@ async def _main(n: int, use_pyinstrument: bool) -> None:
         for name, value in (await _phases(spec, n)).items():
             print(f"{name:32s} {value * 1000:8.2f}")
 
-        total, top = _importtime(shim)
-        print(f"\n## Child imports (python -X importtime -I shim.py): {total * 1000:.1f} ms\n")
+        total, top = _importtime(boot)
+        print(f"\n## Child imports (python -X importtime -I boot.py): {total * 1000:.1f} ms\n")
         for name, us in top[:12]:
             print(f"{name:40s} {us / 1000:8.2f} ms")
 
-        variants = {"shim as is": shim}
-        source = shim.read_text()
-        for label, text in (
-            ("lazy asyncio+inspect", _lazy_variant(source)),
-            ("os._exit at the end", _fast_exit_variant(source)),
-            ("both", _fast_exit_variant(_lazy_variant(source))),
-        ):
-            if text is not None:
-                (root / label).mkdir()
-                (root / label / "shim.py").write_text(text)
-                variants[f"shim, {label}"] = root / label / "shim.py"
+        variants = {"boot.py (what run_episode starts)": boot, "shim.py as a script": shim}
         print(f"\n## Whole no-op episode, shim variants interleaved (median of {n}, ms)\n")
         for name, value in (await _compare(spec, variants, n)).items():
             print(f"{name:32s} {value * 1000:8.2f}")
         cost, procs = _proc_scan_cost(shim)
         print(
-            f"\nsupervisor's process_table() (run once at every episode end): "
+            f"\nsupervisor's process_table() (at an episode's end, only if a child is left): "
             f"{cost * 1000:.2f} ms with {procs} processes on the machine"
         )
 
