@@ -187,7 +187,7 @@ async def _main(n: int, use_pyinstrument: bool) -> None:
             print(f"{name:40s} {us / 1000:8.2f} ms")
 
         variants = {"boot.py (what run_episode starts)": boot, "shim.py as a script": shim}
-        print(f"\n## Whole no-op episode, shim variants interleaved (median of {n}, ms)\n")
+        print(f"\n## Whole no-op episode per child program, interleaved (median of {n}, ms)\n")
         for name, value in (await _compare(spec, variants, n)).items():
             print(f"{name:32s} {value * 1000:8.2f}")
         cost, procs = _proc_scan_cost(shim)
