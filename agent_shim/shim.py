@@ -41,8 +41,6 @@ PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 LEVELS = ("cgroup", "pidns", "session")
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-# wait4() flag: children created by clone() with another exit signal count too (Linux).
-WALL = 0x40000000 if sys.platform.startswith("linux") else 0
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
@@ -436,7 +434,7 @@ def reap(worker_pid, status):
     whether no child at all is left."""
     while True:
         try:
-            pid, code, usage = os.wait4(-1, os.WNOHANG | WALL)
+            pid, code, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return status, True
         if pid == 0:
@@ -458,8 +456,9 @@ def kill_tree(worker_pid, status, grace, reaper):
     everything. Returns (number of processes signalled, worker's wait status)."""
     status, clear = reap(worker_pid, status)
     if clear and reaper:
-        # Every orphan below a subreaper (or PID 1) is re-parented to it, so a reaper without
-        # children has no descendants at all: no need to read /proc.
+        # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
+        # reset to SIGCHLD, so a reaper that wait4() finds childless has no descendants at all:
+        # no need to read /proc.
         return 0, status
     me = os.getpid()
     victims = set()
