@@ -161,6 +161,7 @@ class _Run:
         self.pidfd: int | None = None
         self.log: Any = None  # binary file, when spec.log_dir is set
         self.log_path: Path | None = None
+        self.log_problem: str | None = None
         self.tail = Tail(spec.stderr_tail_bytes)
         self.hello: proto.Hello | None = None
         self.final: proto.Result | proto.Error | None = None
@@ -437,6 +438,23 @@ class _Run:
         self.tail.write(data)
 
     def _log(self, data: bytes) -> None:
+        try:
+            self._write_log(data)
+        except OSError as exc:
+            self._lose_log(exc)
+
+    def _lose_log(self, exc: OSError) -> None:
+        """The log cannot be written (a full disk, say): stop writing it, say so in the tail,
+        and go on. The episode's result does not depend on its log."""
+        log, self.log = self.log, None
+        try:
+            log.close()  # closes the file even when the flush inside fails again
+        except OSError:
+            pass
+        self.log_problem = f"cannot write the log {self.log_path}: {exc.strerror or exc}"
+        self._note(f"{self.log_problem}; it stops here, the outcome's tail goes on")
+
+    def _write_log(self, data: bytes) -> None:
         cap = self.spec.limits.log_bytes if self.spec.limits is not None else None
         if cap is None:
             self.log.write(data)
@@ -517,8 +535,12 @@ class _Run:
             self.pidfd = None
         if self.log is not None:
             self._log(self.redact.flush())
-            self.log.close()
-            self.log = None
+        if self.log is not None:
+            try:
+                self.log.close()
+                self.log = None
+            except OSError as exc:
+                self._lose_log(exc)
 
     # --- the outcome ------------------------------------------------------------------------
 
@@ -664,9 +686,12 @@ class _Run:
             reason=reason,
             oom_kills=self.oom_kills,
         )
-        if self.log_path is not None:
-            with open(self.log_path, "ab") as log:
-                log.write(f"[isolate] {outcome.summary()}\n".encode())
+        if self.log_path is not None and self.log_problem is None:
+            try:
+                with open(self.log_path, "ab") as log:
+                    log.write(f"[isolate] {outcome.summary()}\n".encode())
+            except OSError:
+                pass  # too late to tell anyone but the log itself
         return outcome
 
 

@@ -3,6 +3,8 @@ nor grow the parent; pipes held by grandchildren do not delay the result."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import psutil
 import pytest
 from hypothesis import given, settings
@@ -136,3 +138,29 @@ def test_tail_keeps_exactly_the_last_bytes(limit: int, chunks: list[bytes]) -> N
         written += chunk
         assert tail.value() == (written[-limit:] if limit else b"")
     assert len(tail._buf) <= limit  # never more memory than the limit
+
+
+async def test_a_log_that_cannot_be_written_does_not_end_the_episode(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """A full disk (here /dev/full behind the log's name) costs the log, never the result."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "full.log").symlink_to("/dev/full")
+    spec = agents.spec(
+        """
+        import sys
+        def run(data):
+            for i in range(2000):
+                sys.stderr.write("line %d of the agent\\n" % i)
+            return 0.5
+        """,
+        log_dir=logs,
+        inherit_env=NO_UNBUFFERED,
+    )
+    outcome = await isolate.run_episode(spec, {}, episode_id="full")
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.reward == 0.5
+    assert "[isolate] cannot write the log" in outcome.stderr_tail
+    assert "No space left on device" in outcome.stderr_tail
+    assert "line 1999 of the agent" in outcome.stderr_tail  # the tail goes on
