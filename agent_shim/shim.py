@@ -1,7 +1,8 @@
 """Child side of isolate: run one episode under the agent's own interpreter.
 
-Started by the parent as ``<python> -I <path to this file>``. Standard library only, Python 3.9+,
-so it runs in an agent virtualenv that has neither isolate nor pydantic. Lifecycle:
+Started by the parent as ``<python> -I boot.py``, which imports this file from its cached
+bytecode and calls ``main()``; ``<python> -I shim.py`` does the same. Standard library only,
+Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pydantic. Lifecycle:
 
 1. Keep a private copy of fd 1 for protocol frames; point fd 1 and ``sys.stdout`` at stderr,
    so nothing the agent (or any process it starts) prints can reach the protocol pipe.
