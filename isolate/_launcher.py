@@ -267,7 +267,7 @@ class _Run:
     async def _remove_leaves(self) -> None:
         assert self.leaves is not None
         problem = self.leaves_problem
-        if self.leaves.dirs:  # not yet removed by _settle_leaves
+        if self.leaves.dirs:  # not yet removed by _settled
             problem = await anyio.to_thread.run_sync(self.leaves.remove)
         if problem is not None:
             self._note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
@@ -330,15 +330,13 @@ class _Run:
             # The done frame is written before the shim exits: read stdout to EOF first.
             with anyio.move_on_after(_DRAIN_S):
                 await self.stdout_eof.wait()
-            if self.leaves is None:
-                if not self._clean_exit():
-                    await self._sweep(live=False)
-            elif not (self._clean_exit() and await anyio.to_thread.run_sync(self._settle_leaves)):
+            if not (self._clean_exit() and await self._settled()):
                 await self._sweep(live=False)
-                leaves = self.leaves
-                self.oom_kills, self.pids_limit_hits = await anyio.to_thread.run_sync(
-                    lambda: (leaves.oom_kills(), leaves.pids_limit_hits())
-                )
+                if self.leaves is not None:
+                    leaves = self.leaves
+                    self.oom_kills, self.pids_limit_hits = await anyio.to_thread.run_sync(
+                        lambda: (leaves.oom_kills(), leaves.pids_limit_hits())
+                    )
             with anyio.move_on_after(_DRAIN_S):
                 await self.stderr_eof.wait()
             tg.cancel_scope.cancel()
@@ -354,16 +352,21 @@ class _Run:
             and self.done.why == "exited"
         )
 
-    def _settle_leaves(self) -> bool:
-        """After a clean exit at the cgroup level, in a worker thread: if the leaf is empty, read
-        its counters and remove it (one thread trip, not three). False if anything is left."""
-        assert self.leaves is not None
+    async def _settled(self) -> bool:
+        """After a clean exit: is the episode over, nothing left to sweep? At the cgroup level,
+        if the leaf is empty, also read its counters and remove it, in one worker-thread trip."""
         leaves = self.leaves
-        if leaves.populated():
-            return False
-        self.oom_kills, self.pids_limit_hits = leaves.oom_kills(), leaves.pids_limit_hits()
-        self.leaves_problem = leaves.remove()
-        return True
+        if leaves is None:
+            return True
+
+        def settle() -> bool:
+            if leaves.populated():
+                return False
+            self.oom_kills, self.pids_limit_hits = leaves.oom_kills(), leaves.pids_limit_hits()
+            self.leaves_problem = leaves.remove()
+            return True
+
+        return await anyio.to_thread.run_sync(settle)
 
     async def _sweep(self, *, live: bool) -> None:
         assert self.tree is not None
