@@ -22,7 +22,6 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
 Frames are single JSON lines carrying the handshake's nonce. See docs/protocol.md.
 """
 
-import json
 import os
 import select
 import sys
@@ -36,7 +35,7 @@ except ImportError:
     import signal
 
 # Every episode pays for the shim's imports on its launch path. So asyncio (~40 ms), ctypes,
-# numbers, resource and traceback are imported where used, and re not at all.
+# json, numbers, resource and traceback are imported where used, and re not at all.
 
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
@@ -56,13 +55,95 @@ class Channel:
         self.fd = fd
         self.nonce = nonce
 
-    def send(self, frame_type, **fields):
+    def send(self, frame_type, info_json=None, **fields):
+        """``info_json``: the agent's extra info, as JSON text already."""
         fields["t"] = frame_type
         fields["nonce"] = self.nonce
-        data = (json.dumps(fields, default=repr) + "\n").encode("utf-8", "backslashreplace")
-        view = memoryview(data)
+        text = to_json(fields)
+        if info_json is not None:
+            text = text[:-1] + ', "info": ' + info_json + "}"
+        view = memoryview((text + "\n").encode("utf-8", "backslashreplace"))
         while view:
             view = view[os.write(self.fd, view) :]
+
+
+# --- JSON without importing json -------------------------------------------------------------
+# In a plain virtualenv, importing json costs every start about 7 ms (it imports re and enum),
+# as much as the rest of the shim. json's own C part (_json) does the work here instead; json
+# itself only where that is missing, or for the agent's extra info.
+
+
+def json_loads(text):
+    """``json.loads(text)``, with the C scanner json.loads itself uses."""
+    try:
+        from _json import make_scanner
+    except ImportError:  # not CPython
+        import json
+
+        return json.loads(text)
+
+    class Defaults:  # what the scanner reads off a JSONDecoder: json.loads' defaults
+        strict = True
+        object_hook = object_pairs_hook = None
+        parse_float, parse_int, parse_constant = float, int, float  # NaN, Infinity
+
+    text = text.strip(" \t\n\r")
+    try:
+        value, end = make_scanner(Defaults)(text, 0)
+    except Exception:
+        # Malformed. The scanner's own errors need json.decoder loaded (3.11 even fails with
+        # a SystemError without it), and json says best what is wrong: let it.
+        end = -1
+    if end != len(text):
+        import json
+
+        return json.loads(text)
+    return value
+
+
+def to_json(value):
+    """``json.dumps(value, default=repr)`` for the shim's frames (their keys are str)."""
+    try:
+        from _json import encode_basestring_ascii as quote
+    except ImportError:  # not CPython
+        import json
+
+        return json.dumps(value, default=repr)
+    parts = []
+
+    def add(v):
+        if isinstance(v, str):
+            parts.append(quote(v))
+        elif v is None:
+            parts.append("null")
+        elif v is True or v is False:
+            parts.append("true" if v else "false")
+        elif isinstance(v, int):
+            parts.append(int.__repr__(v))
+        elif isinstance(v, float):
+            if v != v:
+                parts.append("NaN")
+            elif v in (INF, -INF):
+                parts.append("Infinity" if v > 0 else "-Infinity")
+            else:
+                parts.append(float.__repr__(v))
+        elif isinstance(v, dict):
+            parts.append("{")
+            for i, (key, item) in enumerate(v.items()):
+                parts.append("%s%s: " % (", " if i else "", quote(str(key))))
+                add(item)
+            parts.append("}")
+        elif isinstance(v, (list, tuple)):
+            parts.append("[")
+            for i, item in enumerate(v):
+                parts.append(", " if i else "")
+                add(item)
+            parts.append("]")
+        else:
+            parts.append(quote(repr(v)))
+
+    add(value)
+    return "".join(parts)
 
 
 def read_handshake(fd):
@@ -374,7 +455,8 @@ def reward_of(value):
 
 
 def to_result(value, max_info_bytes):
-    """Split a return value into reward and extra info; leave validation to the parent."""
+    """Split a return value into reward and extra info (as JSON text, under ``info_json``);
+    leave validation to the parent."""
     extra = None
     if isinstance(value, tuple) and len(value) == 2:
         value, extra = value
@@ -382,13 +464,16 @@ def to_result(value, max_info_bytes):
     if fields["reward"] is None:
         fields["reward_type"] = type(value).__name__
         fields["reward_repr"] = repr(value)[:200]
-    if extra is not None:
+    if extra is None:
+        fields["info"] = None
+    else:
+        import json  # the agent's own data: json's exact rules (keys, NaN, default=repr)
+
         text = json.dumps(extra, default=repr)
         if len(text) > max_info_bytes:
-            extra = {"truncated": True, "bytes": len(text), "preview": text[:4096]}
-        else:
-            extra = json.loads(text)
-    fields["info"] = extra
+            summary = {"truncated": True, "bytes": len(text), "preview": text[:4096]}
+            text = json.dumps(summary)
+        fields["info_json"] = text
     return fields
 
 
@@ -559,7 +644,7 @@ def main():
         sys.stderr.write("isolate shim: no handshake from the parent\n")
         return 2
     try:
-        hs = json.loads(raw)
+        hs = json_loads(raw.decode("utf-8"))
         nonce = hs["nonce"]
         if not isinstance(nonce, str):
             raise TypeError("nonce")

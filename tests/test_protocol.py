@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -35,7 +36,7 @@ from isolate._protocol import (
 )
 from isolate._redact import MASK, Redactor
 
-from .conftest import SLOW, Agents
+from .conftest import SLOW, Agents, wait_until
 
 V = isolate.PROTOCOL_VERSION
 
@@ -442,6 +443,45 @@ def test_shim_protocol_version_matches() -> None:
     assert agent_shim.shim.PROTOCOL_VERSION == isolate.PROTOCOL_VERSION
 
 
+def test_the_shim_keeps_heavy_imports_off_the_launch_path(tmp_path: Path) -> None:
+    """Every episode pays for what importing the shim imports: these are each 0.3-40 ms and are
+    imported where needed (see bench.profile_launch), never at the top. -S: without site,
+    which in some environments imports re itself."""
+    code = textwrap.dedent(
+        """
+        import sys
+        before = set(sys.modules)
+        sys.path.insert(0, sys.argv[1])
+        import shim
+        print(" ".join(sorted(set(sys.modules) - before)))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, str(isolate.shim_path().parent)],
+        capture_output=True,
+        text=True,
+        timeout=10 * SLOW,
+        check=True,
+    )
+    imported = set(done.stdout.split())
+    assert "shim" in imported  # the control: the import did happen
+    heavy = {"asyncio", "ctypes", "enum", "inspect", "json", "numbers", "re", "resource", "signal"}
+    heavy.add("traceback")
+    assert imported & heavy == set()
+
+
+@pytest.mark.anyio
+async def test_the_parent_starts_the_shim_through_boot_py(agents: Agents) -> None:
+    started: list[int] = []
+    spec = agents.spec("import time\ndef run(d):\n    time.sleep(0.5)\n    return 1.0\n")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: isolate.run_episode(spec, {}, on_start=started.append))
+        await wait_until(lambda: bool(started), 10.0)
+        cmdline = await anyio.Path(f"/proc/{started[0]}/cmdline").read_bytes()
+    boot = isolate.shim_path().with_name("boot.py")
+    assert cmdline.split(b"\0")[1:-1] == [b"-I", str(boot).encode()]
+
+
 def test_importing_the_shim_module_has_no_side_effect(tmp_path: Path) -> None:
     # In a fresh interpreter: the shim touches fds and signals when it runs, never on import.
     repo = Path(isolate.__file__).resolve().parents[1]
@@ -679,3 +719,42 @@ def test_redactor_holds_back_a_split_secret() -> None:
     parts = [redactor.stream(b"key=sk-a"), redactor.stream(b"bc1"), redactor.stream(b"23 ok")]
     assert b"".join(parts) + redactor.flush() == b"key=[secret] ok"
     assert parts[0] == b"key="
+
+
+# --- the shim's JSON, which avoids importing json ---------------------------------------------
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal, NaN included (NaN != NaN, but the same text)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@QUICK
+@given(value=json_values | st.tuples(json_scalars, json_scalars))
+def test_shim_to_json_reads_back_as_json_dumps_does(value: Any) -> None:
+    text = agent_shim.shim.to_json(value)
+    assert text.isascii()
+    assert same_json(json.loads(text), json.loads(json.dumps(value, default=repr)))
+
+
+def test_shim_to_json_falls_back_to_repr() -> None:
+    value = {"x": {1, 2}.__class__, "y": [b"z"]}
+    assert json.loads(agent_shim.shim.to_json(value)) == {"x": repr(set), "y": [repr(b"z")]}
+
+
+@QUICK
+@given(value=json_values, pad=st.sampled_from(["", " ", "\n", " \t\r\n "]))
+def test_shim_json_loads_reads_what_json_writes(value: Any, pad: str) -> None:
+    for text in (json.dumps(value), json.dumps(value, ensure_ascii=False, indent=1)):
+        assert same_json(agent_shim.shim.json_loads(pad + text + pad), value)
+
+
+@pytest.mark.parametrize(
+    "text", ["", " ", "{", '{"a": 1} {}', '{"a": 1}x', "[1,]", "{'a': 1}", '"\x01"', "nan"]
+)
+def test_shim_json_loads_refuses_what_json_loads_refuses(text: str) -> None:
+    said = "Expecting|Extra data|Invalid control character"
+    with pytest.raises(ValueError, match=said):
+        json.loads(text)
+    with pytest.raises(ValueError, match=said):
+        agent_shim.shim.json_loads(text)
