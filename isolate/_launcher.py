@@ -157,6 +157,7 @@ class _Run:
         self.pids_limit_hits = 0
         self.log_written = 0
         self.popen: subprocess.Popen[bytes] | None = None
+        self.handshake = memoryview(b"")  # what is still to be written of it
         self.tree: Episode | None = None
         self.pidfd: int | None = None
         self.log: Any = None  # binary file, when spec.log_dir is set
@@ -288,6 +289,13 @@ class _Run:
             bufsize=0,  # the pipes are read and written by fd: no 8 KiB buffer for each
         )
         pid = self.popen.pid
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+        # The handshake goes out at once (what the pipe takes now; _write_handshake the rest),
+        # so the shim can read it as soon as it has started, while this thread carries on.
+        self.handshake = memoryview(proto.encode_handshake(self.public, self.secrets))
+        self._push_handshake()
         try:
             shim: psutil.Process | None = psutil.Process(pid)
         except psutil.Error:
@@ -298,13 +306,11 @@ class _Run:
                 self.pidfd = os.pidfd_open(pid)
             except OSError:
                 self.pidfd = None
-        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            assert pipe is not None
-            os.set_blocking(pipe.fileno(), False)
         if self.leaves is not None:
-            # Moving a process costs the kernel a few ms (an RCU grace period): done here, it
-            # overlaps the interpreter's start-up. The shim reads its handshake, written only
-            # after this, before it creates any process; it checks and joins by itself too.
+            # A move waits for an RCU grace period (~10 ms here, as long as a plain interpreter
+            # takes to start) unless another move came just before: done here, it overlaps the
+            # shim's start-up. The shim makes sure it is in its cgroups before it creates any
+            # process (joining by itself waits for this move to finish).
             problem = self.leaves.move(pid)
             if problem is not None:
                 self.popen.kill()
@@ -401,17 +407,21 @@ class _Run:
         fd: int = pipe.fileno()
         return fd
 
-    async def _write_handshake(self) -> None:
-        data = memoryview(proto.encode_handshake(self.public, self.secrets))
+    def _push_handshake(self) -> bool:
+        """Write as much of the handshake as the stdin pipe takes now; True once it is out."""
         fd = self._fd("stdin")
         try:
-            while data:
-                try:
-                    data = data[os.write(fd, data) :]
-                except BlockingIOError:
-                    await anyio.wait_writable(fd)
+            while self.handshake:
+                self.handshake = self.handshake[os.write(fd, self.handshake) :]
+        except BlockingIOError:
+            return False
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the child is gone; its exit says why
+            self.handshake = memoryview(b"")  # the child is gone; its exit says why
+        return True
+
+    async def _write_handshake(self) -> None:
+        while not self._push_handshake():
+            await anyio.wait_writable(self._fd("stdin"))
         # stdin stays open: its EOF is how the shim learns that the parent died.
 
     async def _pump(self, fd: int, sink: Callable[[bytes], Any], eof: anyio.Event) -> None:
