@@ -1,5 +1,6 @@
 """The measuring parent of the launch benchmark (items 1 and 2b), run as its own process:
-``python -c "from bench._launch_worker import worker_main; worker_main()" MIB ROOT RUN_ID``.
+``python -c "from bench._launch_worker import worker_main; worker_main()" MIB ROOT RUN_ID PY``,
+PY being the interpreter of a plain venv (no packages) for the ``*_plain`` contenders.
 
 ``-c`` keeps ``multiprocessing``'s spawn children from re-importing a heavy ``__main__``. The
 process holds MIB of touched ballast, then answers one JSON command line per round on stdin
@@ -27,11 +28,20 @@ import isolate
 from . import _noop
 from ._common import MARK_ENV, rss_bytes
 
-CONTENDERS = ("isolate", "bare", "mp_spawn", "ppe_fresh", "pool_shared", "inprocess")
+CONTENDERS = (
+    "isolate",
+    "bare",
+    "mp_spawn",
+    "ppe_fresh",
+    "pool_shared",
+    "inprocess",
+    "isolate_plain",
+    "bare_plain",
+)
 
 
 class _Parent:
-    def __init__(self, agent_root: Path, run_id: str) -> None:
+    def __init__(self, agent_root: Path, run_id: str, plain_python: str) -> None:
         self.spec = isolate.EpisodeSpec(
             agent_root=agent_root,
             entrypoint="noop_agent:run",
@@ -39,22 +49,36 @@ class _Parent:
             kill_grace=1.0,
             env={MARK_ENV: run_id},
         )
+        self.plain_python = plain_python
+        self.plain_spec = self.spec.model_copy(update={"python": plain_python})
         self.spawn = multiprocessing.get_context("spawn")
         self.pool = ProcessPoolExecutor(max_workers=2)  # AReaL subproc: default (fork) context
         self.pool_env = {"OPENAI_API_KEY": "sk-bench", "OPENAI_BASE_URL": "http://127.0.0.1:1"}
         self.containment: set[str] = set()
 
     async def isolate(self, k: int) -> float:
+        return await self._episodes(self.spec, k)
+
+    async def isolate_plain(self, k: int) -> float:
+        return await self._episodes(self.plain_spec, k)
+
+    async def bare(self, k: int) -> float:
+        return await self._bare(sys.executable, k)
+
+    async def bare_plain(self, k: int) -> float:
+        return await self._bare(self.plain_python, k)
+
+    async def _episodes(self, spec: isolate.EpisodeSpec, k: int) -> float:
         t0 = time.perf_counter()
         for _ in range(k):
-            outcome = await isolate.run_episode(self.spec, {"instance_id": "noop"})
+            outcome = await isolate.run_episode(spec, {"instance_id": "noop"})
             if outcome.status != "ok":
                 raise RuntimeError(f"no-op episode failed: {outcome.summary()}")
             self.containment.add(str(outcome.containment))
         return time.perf_counter() - t0
 
-    async def bare(self, k: int) -> float:
-        cmd = [sys.executable, "-I", "-c", "pass"]
+    async def _bare(self, python: str, k: int) -> float:
+        cmd = [python, "-I", "-c", "pass"]
         t0 = time.perf_counter()
         for _ in range(k):
             null = subprocess.DEVNULL
@@ -124,8 +148,8 @@ def _ballast(mib: int) -> bytearray:
     return buf
 
 
-async def _serve(agent_root: Path, run_id: str, out: Any) -> None:
-    parent = _Parent(agent_root, run_id)
+async def _serve(agent_root: Path, run_id: str, plain_python: str, out: Any) -> None:
+    parent = _Parent(agent_root, run_id, plain_python)
     try:
         await parent.round(1, 0)  # warm-up: imports, page cache, pool workers, resource tracker
         out.write(json.dumps({"ready": True, "rss": rss_bytes()}) + "\n")
@@ -144,10 +168,11 @@ async def _serve(agent_root: Path, run_id: str, out: Any) -> None:
 
 
 def worker_main() -> None:
-    """Entry point of a measuring parent: ``python -c ... <ballast MiB> <agent root> <run id>``."""
-    mib, agent_root, run_id = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    """Entry point of a measuring parent: ``python -c ... <ballast MiB> <agent root> <run id>
+    <plain venv python>``."""
+    mib, agent_root, run_id, plain = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # nothing any child prints can reach the command channel
     ballast = _ballast(mib)
-    anyio.run(_serve, agent_root, run_id, out)
+    anyio.run(_serve, agent_root, run_id, plain, out)
     del ballast

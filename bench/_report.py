@@ -11,6 +11,8 @@ LABELS = {
     "ppe_fresh": "`ProcessPoolExecutor(max_tasks_per_child=1)`",
     "pool_shared": "shared `ProcessPoolExecutor` + env (AReaL subproc)",
     "inprocess": "in-process coroutine (seed)",
+    "isolate_plain": "isolate, agent in a plain venv",
+    "bare_plain": "bare `python -I -c pass`, plain venv (its floor)",
 }
 
 
@@ -79,9 +81,15 @@ def _launch(res: dict[str, Any], large: dict[str, Any] | None) -> list[str]:
     note = f"{_levels(res)}. {note}"
     if large:
         note += f", large parent RSS {large['parent_rss_mib']:.0f} MiB"
-    return ["## 1 + 2b. Launch overhead of a no-op episode (sequential)", "", note + ".", ""] + (
-        _table(head, rows)
+    plain = (
+        "The plain-venv rows run under a fresh `python -m venv` without packages, whose `site` "
+        "takes ~2 ms (this project's venv spends ~12 ms there, in its editable install's "
+        "finder, which the floor pays too); their × floor is against that venv's own bare "
+        "interpreter."
     )
+    head_lines = ["## 1 + 2b. Launch overhead of a no-op episode (sequential)", "", note + ".", ""]
+    tail = [plain, ""] if "isolate_plain" in res["rows"] else []
+    return head_lines + _table(head, rows) + tail
 
 
 def _throughput(res: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import venv
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,23 @@ from ._context import Context
 from ._launch_worker import CONTENDERS
 
 BASELINE = "bare"
+#: The plain-venv contenders are compared with that venv's own bare interpreter.
+BASELINES = {"isolate_plain": "bare_plain", "bare_plain": "bare_plain"}
 NOOP_AGENT = "def run(data, **kwargs):\n    return 1.0\n"
 
 
+def plain_venv(path: Path) -> Path:
+    """A venv without packages: how fast an interpreter starts where site has little to do
+    (this project's venv spends ~12 ms in site, on its editable install's finder)."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(path)
+    return path / "bin" / "python"
+
+
 class _Worker:
-    def __init__(self, ctx: Context, mib: int, agent_root: Path) -> None:
+    def __init__(self, ctx: Context, mib: int, agent_root: Path, plain: Path) -> None:
         code = "from bench._launch_worker import worker_main; worker_main()"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(mib), str(agent_root), ctx.run_id],
+            [sys.executable, "-c", code, str(mib), str(agent_root), ctx.run_id, str(plain)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=REPO,
@@ -67,9 +77,10 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
     agent_root = ctx.workdir / "launch_agent"
     agent_root.mkdir(exist_ok=True)
     (agent_root / "noop_agent.py").write_text(NOOP_AGENT)
-    workers = {"small": _Worker(ctx, 0, agent_root)}
+    plain = plain_venv(ctx.workdir / "plain_venv")
+    workers = {"small": _Worker(ctx, 0, agent_root, plain)}
     if with_large:
-        workers["large"] = _Worker(ctx, large_mib, agent_root)
+        workers["large"] = _Worker(ctx, large_mib, agent_root, plain)
     times: dict[str, dict[str, list[float]]] = {p: {c: [] for c in CONTENDERS} for p in workers}
     rss: dict[str, list[int]] = {p: [] for p in workers}
     levels: set[str] = set()
@@ -93,7 +104,8 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
         for name in CONTENDERS:
             rows[name] = summary(times[label][name])
             rows[name]["samples"] = times[label][name]
-            rows[name]["ratio"] = paired_ratio(times[label][name], times[label][BASELINE])
+            baseline = BASELINES.get(name, BASELINE)
+            rows[name]["ratio"] = paired_ratio(times[label][name], times[label][baseline])
         out["launch" if label == "small" else "large"] = {
             "unit": "s/episode",
             "baseline": BASELINE,
