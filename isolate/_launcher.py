@@ -296,16 +296,6 @@ class _Run:
         # so the shim can read it as soon as it has started, while this thread carries on.
         self.handshake = memoryview(proto.encode_handshake(self.public, self.secrets))
         self._push_handshake()
-        try:
-            shim: psutil.Process | None = psutil.Process(pid)
-        except psutil.Error:
-            shim = None
-        self.tree = Episode(shim, pid, self.episode_id, self.leaves)
-        if hasattr(os, "pidfd_open"):
-            try:
-                self.pidfd = os.pidfd_open(pid)
-            except OSError:
-                self.pidfd = None
         if self.leaves is not None:
             # A move waits for an RCU grace period (~10 ms here, as long as a plain interpreter
             # takes to start) unless another move came just before: done here, it overlaps the
@@ -316,6 +306,17 @@ class _Run:
                 self.popen.kill()
                 self.popen.wait()
                 return problem
+        # After the move: reading /proc/PID/stat of a process that is still in exec takes ~2 ms.
+        try:
+            shim: psutil.Process | None = psutil.Process(pid)
+        except psutil.Error:
+            shim = None
+        self.tree = Episode(shim, pid, self.episode_id, self.leaves)
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(pid)
+            except OSError:
+                self.pidfd = None
         return None
 
     async def _supervise(self) -> None:
