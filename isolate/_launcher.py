@@ -162,7 +162,6 @@ class _Run:
         self.pidfd: int | None = None
         self.log: Any = None  # binary file, when spec.log_dir is set
         self.log_path: Path | None = None
-        self.log_problem: str | None = None
         self.tail = Tail(spec.stderr_tail_bytes)
         self.hello: proto.Hello | None = None
         self.final: proto.Result | proto.Error | None = None
@@ -182,6 +181,12 @@ class _Run:
     # --- the episode ------------------------------------------------------------------------
 
     async def run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
+        try:
+            return await self._run(on_start)
+        finally:
+            self._close_log()  # last: _finish writes its summary line into it
+
+    async def _run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
         try:
             problem = await anyio.to_thread.run_sync(self._prepare)
             if problem is not None:
@@ -465,8 +470,8 @@ class _Run:
             log.close()  # closes the file even when the flush inside fails again
         except OSError:
             pass
-        self.log_problem = f"cannot write the log {self.log_path}: {exc.strerror or exc}"
-        self._note(f"{self.log_problem}; it stops here, the outcome's tail goes on")
+        problem = f"cannot write the log {self.log_path}: {exc.strerror or exc}"
+        self._note(f"{problem}; it stops here, the outcome's tail goes on")
 
     def _write_log(self, data: bytes) -> None:
         cap = self.spec.limits.log_bytes if self.spec.limits is not None else None
@@ -549,12 +554,14 @@ class _Run:
             self.pidfd = None
         if self.log is not None:
             self._log(self.redact.flush())
+
+    def _close_log(self) -> None:
         if self.log is not None:
             try:
                 self.log.close()
-                self.log = None
-            except OSError as exc:
-                self._lose_log(exc)
+            except OSError:
+                pass  # the outcome is out already; what is in the file stays
+            self.log = None
 
     # --- the outcome ------------------------------------------------------------------------
 
@@ -700,12 +707,11 @@ class _Run:
             reason=reason,
             oom_kills=self.oom_kills,
         )
-        if self.log_path is not None and self.log_problem is None:
+        if self.log is not None:
             try:
-                with open(self.log_path, "ab") as log:
-                    log.write(f"[isolate] {outcome.summary()}\n".encode())
-            except OSError:
-                pass  # too late to tell anyone but the log itself
+                self.log.write(f"[isolate] {outcome.summary()}\n".encode())
+            except OSError as exc:
+                self._lose_log(exc)
         return outcome
 
 

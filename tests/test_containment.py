@@ -480,6 +480,7 @@ async def test_the_log_is_cut_at_log_bytes_and_the_tail_goes_on(agents: Agents) 
     assert kept.startswith(b"line 0000 ")
     assert rest.count(b"log cut") == 0  # noted once
     assert len(log) < 10_000 + 1000  # the note and the closing summary line
+    assert log.endswith(f"\n[isolate] {outcome.summary()}\n".encode())  # past the cap too
     assert "line 1999 " in outcome.stderr_tail
 
 

@@ -43,6 +43,7 @@ async def test_stdout_pollution_lands_in_the_log(agents: Agents) -> None:
     assert outcome.reward == 0.75
     assert outcome.log_path is not None
     log = outcome.log_path.read_text()
+    assert log.endswith(f"\n[isolate] {outcome.summary()}\n")  # the log closes with the summary
     for text in (
         "from-print",
         "from-sys-stdout",
