@@ -373,19 +373,8 @@ def worker(hs, channel):
             message = "cannot set %s to %s: %s" % (name, (soft, hard), exc)
             channel.send("error", kind="setup", type="LimitError", message=message)
             return 1
-    module_name, _, attr = hs["entrypoint"].partition(":")
-    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    # -I ignores PYTHONPATH; honour the one the spec set, after the agent root.
-    for entry in reversed(([hs["agent_root"]] if hs.get("agent_root") else []) + extra_path):
-        sys.path.insert(0, entry)
     try:
-        target = __import__(module_name, fromlist=["_"])
-        for part in attr.split("."):
-            target = getattr(target, part)
-        if not callable(target):
-            raise TypeError(
-                "%s is a %s, not a function" % (hs["entrypoint"], type(target).__name__)
-            )
+        target = load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
     except BaseException as exc:
         text = format_exc()
         sys.stderr.write(text)
@@ -423,6 +412,21 @@ def worker(hs, channel):
         return code & 0xFF
     channel.send("result", **to_result(value, hs.get("max_info_bytes", 1 << 20)))
     return 0
+
+
+def load_entrypoint(entrypoint, agent_root):
+    """Import ``package.module:function`` with ``agent_root`` first on sys.path, then the
+    PYTHONPATH the spec set (-I ignores it); the function. isolate doctor uses this too."""
+    module_name, _, attr = entrypoint.partition(":")
+    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in reversed(([agent_root] if agent_root else []) + extra_path):
+        sys.path.insert(0, entry)
+    target = __import__(module_name, fromlist=["_"])
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError("%s is a %s, not a function" % (entrypoint, type(target).__name__))
+    return target
 
 
 def format_exc():

@@ -32,7 +32,8 @@ PACKAGES = ("pydantic", "openai", "litellm")
 PROBE_TIMEOUT_S = 60.0
 
 # Runs under the agent's interpreter (stdlib only, 3.9+): imports the entrypoint without
-# calling it, and answers in one JSON line on a private copy of stdout.
+# calling it, as an episode's shim would, and answers in one JSON line on a private copy of
+# stdout.
 _PROBE = r"""
 import importlib, importlib.metadata, importlib.util, inspect, json, os, sys
 answer = os.dup(1)
@@ -42,13 +43,12 @@ kwargs = kwargs.split(",")
 report = {"version": list(sys.version_info[:3])}
 # Where this interpreter looks for the shim's bytecode, and what it accepts there.
 report["shim_pyc"] = [importlib.util.cache_from_source(shim), importlib.util.MAGIC_NUMBER.hex()]
-if root:
-    sys.path.insert(0, root)
-module, _, attr = entry.partition(":")
+# The shim's own loader, so that what imports here imports in an episode.
+sys.path.insert(0, os.path.dirname(shim))
+import shim as episode_shim
+del sys.path[0], sys.modules["shim"]
 try:
-    target = importlib.import_module(module)
-    for part in attr.split("."):
-        target = getattr(target, part)
+    target = episode_shim.load_entrypoint(entry, root)
     report["import"] = None
     try:
         sig = inspect.signature(target)

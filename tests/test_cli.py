@@ -317,6 +317,8 @@ def test_doctor_tells_stale_shim_bytecode(tmp_path: Path) -> None:
             "does not import",
         ),
         (["--agent-root", str(SCRIPTED), "--entrypoint", "os.path:join"], "does not accept"),
+        # the shim's own loader: what an episode could not call, doctor does not pass either
+        (["--agent-root", str(SCRIPTED), "--entrypoint", "os:sep"], "os:sep is a str, not a"),
         (["--agent-root", str(SCRIPTED), "--python", "/nonexistent/python"], "cannot start"),
     ],
 )
