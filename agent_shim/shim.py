@@ -167,15 +167,21 @@ _c_functions = {}
 
 
 def c_call(name, *args):
-    """Call the C library's ``name`` with int arguments; its int result and errno.
-
-    Built on ctypes' C core directly, the way ctypes' CDLL does it: importing the ctypes package
-    costs every start 1.7 ms, its C core 0.4 ms. Calls with other argument types (mount) use
-    ctypes itself."""
-    import _ctypes
+    """Call the C library's ``name`` with int arguments; its int result and errno."""
+    import _ctypes  # ctypes' C core: ctypes itself imports it, so it is there where ctypes is
 
     func = _c_functions.get(name)
     if func is None:
+        func = _c_functions[name] = c_function(name)
+    return func(*args), _ctypes.get_errno()
+
+
+def c_function(name):
+    """Built on ctypes' C core directly, the way ctypes' CDLL does it: importing the ctypes
+    package costs every start 1.7 ms, its C core 0.4 ms. Should that private interface ever
+    change, ctypes itself. Calls with other argument types (mount) use ctypes itself."""
+    try:
+        import _ctypes
 
         class CInt(_ctypes._SimpleCData):
             _type_ = "i"
@@ -187,8 +193,11 @@ def c_call(name, *args):
         class Process:  # dlopen(NULL): the symbols of this process, libc's among them
             _handle = _ctypes.dlopen(None, os.RTLD_NOW)
 
-        func = _c_functions[name] = CFunction((name, Process))
-    return func(*args), _ctypes.get_errno()
+        return CFunction((name, Process))
+    except (AttributeError, TypeError, ValueError):
+        import ctypes
+
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
 
 
 def set_subreaper():

@@ -3,6 +3,7 @@ version check, and properties of the parent-side parser, line splitter and redac
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -480,6 +481,32 @@ async def test_the_parent_starts_the_shim_through_boot_py(agents: Agents) -> Non
         cmdline = await anyio.Path(f"/proc/{started[0]}/cmdline").read_bytes()
     boot = isolate.shim_path().with_name("boot.py")
     assert cmdline.split(b"\0")[1:-1] == [b"-I", str(boot).encode()]
+
+
+@pytest.mark.parametrize("drift", [False, True], ids=["ctypes core", "ctypes itself"])
+def test_shim_calls_libc_with_or_without_the_private_ctypes_interface(drift: bool) -> None:
+    # "drift": as if _ctypes' private interface had changed (ctypes, loaded first, still works)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import shim
+        if {drift}:
+            import ctypes, _ctypes
+            _ctypes._SimpleCData = None
+        print(shim.c_call("prctl", 36, 1, 0, 0, 0), shim.c_call("unshare", -1), end=" ")
+        print("ctypes" in sys.modules)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, str(isolate.shim_path().parent)],
+        capture_output=True,
+        text=True,
+        timeout=10 * SLOW,
+        check=True,
+    )
+    # PR_SET_CHILD_SUBREAPER works; unshare(-1) fails with EINVAL, and errno says so
+    assert done.stdout == f"(0, 0) (-1, {errno.EINVAL}) {drift}\n"
 
 
 def test_importing_the_shim_module_has_no_side_effect(tmp_path: Path) -> None:
