@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isolate._tree import pids_with_env
+from isolate._core.tree import pids_with_env
 
 REPO = Path(__file__).resolve().parent.parent
 #: Every process a benchmark starts carries this variable (value: the run id), so the final

@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 
 import isolate
-from isolate import _launcher
+from isolate._core import launcher as _launcher
 
 from .launch import NOOP_AGENT
 

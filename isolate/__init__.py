@@ -8,8 +8,8 @@
 See README.md for the failure taxonomy and docs/protocol.md for the wire protocol.
 """
 
-from ._config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec, Limits
-from ._errors import (
+from ._core.config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec, Limits
+from ._core.errors import (
     AgentError,
     ArgumentError,
     EpisodeCrashed,
@@ -19,9 +19,9 @@ from ._errors import (
     ProtocolError,
     SetupError,
 )
-from ._launcher import run_episode, shim_path
-from ._outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
-from ._protocol import PROTOCOL_VERSION
+from ._core.launcher import run_episode, shim_path
+from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
+from ._core.protocol import PROTOCOL_VERSION
 
 __all__ = [
     "AgentError",

@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
-from isolate._batch import parse_size
-from isolate._batch_run import RetryPolicy
+from isolate._cli.batch import parse_size
+from isolate._cli.batch.scheduler import RetryPolicy
 
 from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for
 from .test_cli import SCRIPTED, URL, cli_env, isolate_cli

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from isolate._doctor import _usable_bytecode
+from isolate._cli.doctor import _usable_bytecode
 
 from .conftest import SLOW, Agents, is_gone, wait_for
 

@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate import _containment, _launcher
+from isolate._core import containment as _containment
+from isolate._core import launcher as _launcher
 
 from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
 from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS

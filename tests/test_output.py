@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._tail import Tail
+from isolate._core.tail import Tail
 
 from .conftest import Agents, is_gone, record_pid_sh
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import agent_shim.shim
 import isolate
-from isolate import _launcher
-from isolate._protocol import (
+from isolate._core import launcher as _launcher
+from isolate._core.protocol import (
     Done,
     Error,
     Hello,
@@ -35,7 +35,7 @@ from isolate._protocol import (
     Violation,
     parse_line,
 )
-from isolate._redact import MASK, Redactor
+from isolate._core.redact import MASK, Redactor
 
 from .conftest import SLOW, Agents, wait_until
 

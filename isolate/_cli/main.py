@@ -21,10 +21,10 @@ import anyio
 import psutil
 from pydantic import SecretStr
 
-from ._config import EpisodeSpec
-from ._errors import ArgumentError
-from ._launcher import _default_episode_id, run_episode
-from ._outcome import EpisodeOutcome
+from .._core.config import EpisodeSpec
+from .._core.errors import ArgumentError
+from .._core.launcher import _default_episode_id, run_episode
+from .._core.outcome import EpisodeOutcome
 
 EXIT_CODES = {
     "ok": 0,
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"status refresh (default {_TTY_TICK_S:g} on a terminal, else {_PLAIN_TICK_S:g})",
     )
 
-    from ._batch import add_batch_parser  # here: _batch builds on this module's options
+    from .batch import add_batch_parser  # here: _batch builds on this module's options
 
     add_batch_parser(sub)
 
@@ -173,7 +173,7 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"{args.record} is not valid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise UsageError(f"{args.record} must hold one JSON object (a record)")
-    from ._batch_job import Plan  # one way to turn flags and a record into an episode
+    from .batch.job import Plan  # one way to turn flags and a record into an episode
 
     try:
         spec, kwargs = Plan(args).build(record)
@@ -326,14 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             key = read_api_key(args, sys.stdin)
             return anyio.run(run_command, args, key)
         if args.command == "batch":
-            from ._batch import batch_command
+            from .batch import batch_command
 
             return batch_command(args)
         if args.command == "doctor":
-            from ._doctor import doctor
+            from .doctor import doctor
 
             return doctor(args.agent_root, args.python, args.entrypoint)
-        from ._demo import demo
+        from .demo import demo
 
         return anyio.run(demo)
     except UsageError as exc:

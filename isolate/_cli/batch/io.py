@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._outcome import STATUSES
+from ..._core.outcome import STATUSES
 
 
 class BatchError(Exception):

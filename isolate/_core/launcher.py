@@ -18,15 +18,15 @@ import psutil
 from anyio.lowlevel import RunVar
 from pydantic import SecretStr
 
-from . import _containment
-from . import _protocol as proto
-from ._config import EpisodeSpec
-from ._env import build_env
-from ._errors import ArgumentError
-from ._outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
-from ._redact import Redactor
-from ._tail import Tail
-from ._tree import Episode
+from . import containment as _containment
+from . import protocol as proto
+from .config import EpisodeSpec
+from .env import build_env
+from .errors import ArgumentError
+from .outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
+from .redact import Redactor
+from .tail import Tail
+from .tree import Episode
 
 #: How long after the shim exits its pipes may take to reach EOF (seconds). Normally at once:
 #: every writer is dead by then. Only a process that escaped everything could hold them longer.

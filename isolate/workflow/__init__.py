@@ -28,9 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._config import DEFAULT_INHERIT_ENV, EpisodeSpec
-from ._launcher import run_episode
-from ._outcome import EpisodeOutcome
+from .._core.config import DEFAULT_INHERIT_ENV, EpisodeSpec
+from .._core.launcher import run_episode
+from .._core.outcome import EpisodeOutcome
 
 __all__ = ["SWEAgentWorkflow", "resolve_agent_root"]
 
@@ -52,7 +52,7 @@ _ON_CRASH = ("zero", "raise")
 
 def default_agent_root() -> Path:
     """The sibling checkout: ``../AReaL-SWEAgent`` next to this project's root."""
-    project_root = Path(__file__).resolve().parent.parent
+    project_root = Path(__file__).resolve().parents[2]
     return project_root.parent / "AReaL-SWEAgent"
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import anyio
 from pydantic import SecretStr, ValidationError
 
-from ._config import EpisodeSpec
-from ._launcher import _default_episode_id, run_episode
-from ._outcome import EpisodeOutcome
-from .workflow import episode_kwargs, episode_spec, resolve_agent_root
+from ..._core.config import EpisodeSpec
+from ..._core.launcher import _default_episode_id, run_episode
+from ..._core.outcome import EpisodeOutcome
+from ...workflow import episode_kwargs, episode_spec, resolve_agent_root
 
 
 @dataclass(frozen=True)

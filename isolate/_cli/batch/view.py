@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ._outcome import STATUSES
+from ..._core.outcome import STATUSES
 
 _STYLE = {
     "ok": "green",

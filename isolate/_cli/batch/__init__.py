@@ -16,12 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._cli import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
+from ..main import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
 
 if TYPE_CHECKING:
-    from ._batch_io import Records
-    from ._batch_job import Plan
-    from ._batch_run import Backend
+    from .io import Records
+    from .job import Plan
+    from .scheduler import Backend
 
 #: At most this many invalid lines are listed; the rest are counted.
 _SHOWN_ERRORS = 20
@@ -114,7 +114,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace, plan: Plan) -> Records:
-    from ._batch_io import Records
+    from .io import Records
 
     try:
         records = Records(args.records)
@@ -137,12 +137,12 @@ def _load(args: argparse.Namespace, plan: Plan) -> Records:
 
 
 def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
-    from ._batch_run import LocalBackend
+    from .scheduler import LocalBackend
 
     if args.backend == "local":
         return LocalBackend(key), None
     try:
-        from ._batch_ray import RayBackend
+        from .ray_backend import RayBackend
     except ImportError as exc:
         raise UsageError(
             f"--backend ray needs Ray: pip install 'episode-isolate[ray]' ({exc})"
@@ -170,10 +170,10 @@ def batch_command(args: argparse.Namespace) -> int:
         )
         return 2
 
-    from ._batch_io import BatchError, Results
-    from ._batch_job import Plan
-    from ._batch_run import RetryPolicy, Scheduler
-    from ._batch_view import View, summary
+    from .io import BatchError, Results
+    from .job import Plan
+    from .scheduler import RetryPolicy, Scheduler
+    from .view import View, summary
 
     _check_options(args)
     policy = RetryPolicy(args.retries, args.retry_timeouts)

@@ -22,7 +22,7 @@ from typing import Protocol
 import anyio
 import psutil
 
-from ._config import EPISODE_ENV
+from .config import EPISODE_ENV
 
 _Key = tuple[int, float]
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _errors
+from . import errors as _errors
 
 Status = Literal["ok", "agent_error", "crashed", "timeout", "protocol_error", "setup_error"]
 

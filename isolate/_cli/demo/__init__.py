@@ -19,13 +19,13 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from ._launcher import run_episode
-from ._outcome import EpisodeOutcome
-from ._scripted_llm import ScriptedLLM, demo_script
-from ._tree import _tagged, is_alive
-from .workflow import episode_kwargs, episode_spec
+from ..._core.launcher import run_episode
+from ..._core.outcome import EpisodeOutcome
+from ..._core.tree import _tagged, is_alive
+from ...workflow import episode_kwargs, episode_spec
+from .scripted_llm import ScriptedLLM, demo_script
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def _setup() -> tuple[dict[str, dict[str, Any]], Path]:

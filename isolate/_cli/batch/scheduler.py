@@ -11,9 +11,9 @@ from typing import Any, Protocol
 import anyio
 from pydantic import SecretStr
 
-from ._batch_io import Record, Records, Results
-from ._batch_job import Job, Plan, failure, run_attempt
-from ._batch_view import View
+from .io import Record, Records, Results
+from .job import Job, Plan, failure, run_attempt
+from .view import View
 
 #: Statuses worth another attempt: the infrastructure failed, not the agent.
 RETRYABLE = ("crashed", "protocol_error")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ._config import Containment, Limits
+from .config import Containment, Limits
 
 Level = Literal["cgroup", "pidns", "session"]
 LEVELS: tuple[Level, ...] = ("cgroup", "pidns", "session")
@@ -200,7 +200,7 @@ def _probe_pidns() -> str | None:
     """Run the shim's own namespace set-up once in a short-lived child; None if it works."""
     if not sys.platform.startswith("linux"):
         return "PID namespaces exist only on Linux"
-    from ._launcher import shim_path
+    from .launcher import shim_path
 
     argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns"]
     if needs_userns():

@@ -6,7 +6,7 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 
-from ._config import EPISODE_ENV
+from .config import EPISODE_ENV
 
 # Names that carry credentials by convention. They pass only when named exactly, never
 # through a wildcard: inherit_env=("*",) must not hand the parent's OPENAI_API_KEY over.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._outcome import EpisodeOutcome
+    from .outcome import EpisodeOutcome
 
 
 class IsolateError(Exception):

@@ -32,7 +32,7 @@ import anyio
 import ray
 from pydantic import SecretStr
 
-from ._batch_job import Job, failure, run_attempt
+from .job import Job, failure, run_attempt
 
 #: Object store of a local instance: results and records are small, and Ray's default (30% of
 #: memory) is a lot to reserve on a workstation (bytes).

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 
-from ._config import EpisodeSpec
-from ._launcher import run_episode, shim_path
-from ._protocol import PROTOCOL_VERSION
-from .workflow import ENTRYPOINT, resolve_agent_root
+from .._core.config import EpisodeSpec
+from .._core.launcher import run_episode, shim_path
+from .._core.protocol import PROTOCOL_VERSION
+from ..workflow import ENTRYPOINT, resolve_agent_root
 
 #: The keyword arguments SWEAgentWorkflow passes; the entrypoint must accept them.
 WORKFLOW_KWARGS = (
