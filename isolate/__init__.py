@@ -19,9 +19,10 @@ from ._core.errors import (
     ProtocolError,
     SetupError,
 )
-from ._core.launcher import run_episode, shim_path
+from ._core.launcher import run_episode
 from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
 from ._core.protocol import PROTOCOL_VERSION
+from ._core.shim import shim_path
 
 __all__ = [
     "AgentError",

@@ -13,8 +13,9 @@ from typing import Any
 import anyio
 
 from .._core.config import EpisodeSpec
-from .._core.launcher import run_episode, shim_path
+from .._core.launcher import run_episode
 from .._core.protocol import PROTOCOL_VERSION
+from .._core.shim import shim_path
 from ..workflow import ENTRYPOINT, resolve_agent_root
 
 #: The keyword arguments SWEAgentWorkflow passes; the entrypoint must accept them.

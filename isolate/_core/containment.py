@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Literal
 
 from .config import Containment, Limits
+from .shim import shim_path
 
 Level = Literal["cgroup", "pidns", "session"]
 LEVELS: tuple[Level, ...] = ("cgroup", "pidns", "session")
@@ -200,8 +201,6 @@ def _probe_pidns() -> str | None:
     """Run the shim's own namespace set-up once in a short-lived child; None if it works."""
     if not sys.platform.startswith("linux"):
         return "PID namespaces exist only on Linux"
-    from .launcher import shim_path
-
     argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns"]
     if needs_userns():
         argv.append("userns")

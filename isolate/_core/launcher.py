@@ -25,6 +25,7 @@ from .env import build_env
 from .errors import ArgumentError
 from .outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
 from .redact import Redactor
+from .shim import _boot_path
 from .tail import Tail
 from .tree import Episode
 
@@ -40,18 +41,6 @@ _SHIM_DEADLINE_MARGIN_S = 2.0
 _READ_CHUNK = 64 * 1024
 #: Frames larger than this are parsed in a worker thread, not on the event loop (bytes).
 _BIG_FRAME = 256 * 1024
-
-
-def shim_path() -> Path:
-    """Path of the child-side program (``agent_shim/shim.py``) started under the agent's Python."""
-    import agent_shim
-
-    return Path(agent_shim.__file__).with_name("shim.py")
-
-
-def _boot_path() -> Path:
-    """What the parent runs: ``agent_shim/boot.py`` imports shim.py from its cached bytecode."""
-    return shim_path().with_name("boot.py")
 
 
 async def run_episode(

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..main import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
+from ..options import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
 
 if TYPE_CHECKING:
     from .io import Records

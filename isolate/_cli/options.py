@@ -1,0 +1,74 @@
+"""What the subcommands share: exit statuses, the usage error, the agent and key options."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+from pathlib import Path
+from typing import TextIO
+
+from pydantic import SecretStr
+
+EXIT_CODES = {
+    "ok": 0,
+    "agent_error": 10,
+    "crashed": 11,
+    "timeout": 12,
+    "protocol_error": 13,
+    "setup_error": 14,
+}
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is shown as is, with exit status 2."""
+
+
+def _agent_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
+    group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")
+    group.add_argument("--python", help="the agent's interpreter (default: this one)")
+    group.add_argument("--entrypoint", help="module:function (default: aweagent's lifecycle)")
+    group.add_argument("--agent-type", help="swe, cc, oh, opencode, codex, ... (default: swe)")
+    group.add_argument("--agent-config", help="agent config name (default: per agent type)")
+    group.add_argument("--llm-model", help="model name (default: env LLM_MODEL)")
+    group.add_argument("--base-url", help="OpenAI-compatible endpoint the agent calls")
+    group.add_argument("--timeout", type=float, help="seconds (default: 1800)")
+    group.add_argument("--kill-grace", type=float, help="seconds from SIGTERM to SIGKILL (5)")
+    group.add_argument(
+        "--log-dir", type=Path, help="where bundles go (default: env LOG_DIR, ./logs)"
+    )
+
+
+def _key_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "api key (never on the command line; order: file, env name, OPENAI_API_KEY, prompt, "
+        "'dummy')"
+    )
+    group.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from PATH")
+    group.add_argument("--api-key-env", metavar="NAME", help="read the key from env variable NAME")
+
+
+def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
+    if args.api_key_file is not None:
+        try:
+            text = args.api_key_file.read_text().strip()
+        except OSError as exc:
+            raise UsageError(
+                f"cannot read --api-key-file {args.api_key_file}: {exc.strerror}"
+            ) from None
+        if not text:
+            raise UsageError(f"--api-key-file {args.api_key_file} is empty")
+        return SecretStr(text)
+    if args.api_key_env is not None:
+        value = os.environ.get(args.api_key_env)
+        if not value:
+            raise UsageError(f"--api-key-env: environment variable {args.api_key_env} is not set")
+        return SecretStr(value)
+    if os.environ.get("OPENAI_API_KEY"):
+        return SecretStr(os.environ["OPENAI_API_KEY"])
+    if stdin.isatty():
+        return SecretStr(getpass.getpass("API key (not echoed): ") or "dummy")
+    return SecretStr("dummy")

@@ -1,0 +1,207 @@
+"""``isolate run``: one episode from a record or a replay bundle, with a live status line.
+
+Exit status: 0 ok, 10 agent_error, 11 crashed, 12 timeout, 13 protocol_error, 14 setup_error;
+2 bad usage; 130 interrupted (Ctrl-C or SIGTERM, after the tree is torn down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from pydantic import SecretStr
+
+from .._core.config import EpisodeSpec
+from .._core.launcher import _default_episode_id, run_episode
+from .._core.outcome import EpisodeOutcome
+from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError
+
+# How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
+_TTY_TICK_S = 0.5
+_PLAIN_TICK_S = 10.0
+
+
+class Prepared:
+    """Everything one episode needs, from flags or from a replay bundle."""
+
+    def __init__(
+        self, record: dict[str, Any], spec: EpisodeSpec, kwargs: dict[str, Any], log_dir: Path
+    ) -> None:
+        self.record, self.spec, self.kwargs, self.log_dir = record, spec, kwargs, log_dir
+
+
+def prepare_run(args: argparse.Namespace) -> Prepared:
+    log_dir = args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))
+    if args.replay is not None:
+        given = [f for f in _AGENT_FLAGS if getattr(args, f) is not None]
+        if args.record is not None or given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given) or "RECORD"
+            raise UsageError(f"--replay re-runs the bundle as it was; drop {flags}")
+        bundle = args.replay
+        try:
+            record = json.loads((bundle / "record.json").read_text())
+            spec = EpisodeSpec.model_validate_json((bundle / "spec.json").read_text())
+            kwargs = json.loads((bundle / "kwargs.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
+        return Prepared(record, spec, kwargs, log_dir)
+
+    if args.record is None:
+        raise UsageError("give RECORD.json or --replay DIR")
+    try:
+        record = json.loads(args.record.read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.record}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"{args.record} is not valid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise UsageError(f"{args.record} must hold one JSON object (a record)")
+    from .batch.job import Plan  # one way to turn flags and a record into an episode
+
+    try:
+        spec, kwargs = Plan(args).build(record)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return Prepared(record, spec, kwargs, log_dir)
+
+
+_AGENT_FLAGS = (
+    "agent_root",
+    "python",
+    "entrypoint",
+    "agent_type",
+    "agent_config",
+    "llm_model",
+    "base_url",
+    "timeout",
+    "kill_grace",
+)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, default=str) + "\n")
+
+
+async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
+    prep = prepare_run(args)
+    episode_id = _default_episode_id(prep.record)
+    bundle = (prep.log_dir / episode_id).absolute()
+    spec = prep.spec.model_copy(update={"log_dir": bundle})
+    bundle.mkdir(parents=True, exist_ok=True)
+    _write_json(bundle / "record.json", prep.record)
+    (bundle / "spec.json").write_text(prep.spec.model_dump_json(indent=2) + "\n")
+    _write_json(bundle / "kwargs.json", prep.kwargs)
+    print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
+
+    outcome: EpisodeOutcome | None = None
+    interrupted = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch_signals() -> None:
+            nonlocal interrupted
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    print("\nisolate: interrupted, tearing the episode down", file=sys.stderr)
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def episode() -> None:
+            nonlocal outcome
+            status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(status.run)
+                try:
+                    outcome = await run_episode(
+                        spec,
+                        prep.record,
+                        kwargs=prep.kwargs,
+                        secrets={"override_api_key": key},
+                        episode_id=episode_id,
+                        on_start=status.started,
+                    )
+                finally:
+                    status.clear()
+                    inner.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch_signals)
+        tg.start_soon(episode)
+
+    if interrupted or outcome is None:
+        return EXIT_INTERRUPTED
+    _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
+    print(outcome.model_dump_json())
+    print(f"isolate: {outcome.summary()}", file=sys.stderr)
+    if outcome.log_path:
+        print(f"isolate: log {outcome.log_path}", file=sys.stderr)
+    print(f"isolate: replay with: isolate run --replay {bundle}", file=sys.stderr)
+    return EXIT_CODES[outcome.status]
+
+
+class _Status:
+    """The live status line (a terminal) or periodic plain lines (anything else), on stderr."""
+
+    def __init__(self, spec: EpisodeSpec, log_path: Path, interval: float | None) -> None:
+        self.spec, self.log_path = spec, log_path
+        self.pid: int | None = None
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self.interval = interval or (_TTY_TICK_S if self.tty else _PLAIN_TICK_S)
+
+    def started(self, pid: int) -> None:
+        self.pid = pid
+        print(f"isolate: started (pid {pid}), log {self.log_path}", file=sys.stderr)
+
+    def _count(self) -> int:
+        if self.pid is None:
+            return 0
+        try:
+            return 1 + len(psutil.Process(self.pid).children(recursive=True))
+        except psutil.Error:
+            return 0
+
+    def _last_line(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(self.interval)
+            count = await anyio.to_thread.run_sync(self._count)
+            last = await anyio.to_thread.run_sync(self._last_line)
+            elapsed = time.monotonic() - self.start
+            text = f"[{elapsed:7.1f}s / {self.spec.timeout:g}s] {count} procs | {last}"
+            if self.tty:
+                width = _columns() - 1
+                sys.stderr.write("\r\x1b[2K" + text[:width])
+            else:
+                sys.stderr.write(f"isolate: {text[:200]}\n")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+def _columns() -> int:
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        columns = 0
+    # A terminal that reports no size (a fresh pseudo-terminal) still gets a useful line.
+    return columns if columns >= 20 else 100
