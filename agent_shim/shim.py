@@ -37,6 +37,8 @@ except ImportError:
 # Every episode pays for the shim's imports on its launch path. So asyncio (~40 ms), ctypes,
 # json, numbers, resource and traceback are imported where used, and re not at all.
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 LEVELS = ("cgroup", "pidns", "session")
@@ -46,6 +48,31 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
 # the parent promises its tree is gone within 2 s of its own death.
 PARENT_GONE_GRACE = 1.0
+
+
+def load_part(name):
+    """Import the child-side part ``agent_shim/shim_<name>.py`` as ``_isolate_shim_<name>``.
+
+    Parts are loaded on demand, from their cached bytecode, under a private name: the agent may
+    have a module called ``shim_<name>`` of its own, and it must find its own.
+    """
+    private = "_isolate_shim_" + name
+    module = sys.modules.get(private)
+    if module is not None:
+        return module
+    public = "shim_" + name
+    theirs = sys.modules.pop(public, None)
+    sys.path.insert(0, HERE)
+    try:
+        module = __import__(public)
+    finally:
+        sys.path.remove(HERE)
+        del sys.modules[public]
+        if theirs is not None:
+            sys.modules[public] = theirs
+    module.__name__ = private
+    sys.modules[private] = module
+    return module
 
 
 class Channel:

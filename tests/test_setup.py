@@ -152,3 +152,36 @@ async def test_agent_with_its_own_conflicting_pydantic(agents: Agents, bare_venv
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "ok", outcome.summary()
     assert outcome.info == {"version": "1.10.13", "from": str(package / "__init__.py")}
+
+
+@pytest.mark.parametrize("agent_first", [True, False])
+def test_child_parts_never_shadow_agent_modules(tmp_path: Path, agent_first: bool) -> None:
+    """``load_part`` imports ``shim_<name>.py`` privately; the agent's ``shim_<name>`` stays its."""
+    import shutil
+    import subprocess
+    import sys
+
+    shim_dir, agent_dir = tmp_path / "agent_shim", tmp_path / "agent"
+    shim_dir.mkdir()
+    agent_dir.mkdir()
+    shutil.copy(isolate.shim_path(), shim_dir / "shim.py")
+    (shim_dir / "shim_probe.py").write_text("WHOSE = 'the shim'\n")
+    (agent_dir / "shim_probe.py").write_text("WHOSE = 'the agent'\n")
+    code = f"""
+import sys
+sys.path[:0] = [{str(agent_dir)!r}]
+if {agent_first!r}:
+    import shim_probe
+sys.path.insert(0, {str(shim_dir)!r})
+import shim
+del sys.path[0], sys.modules["shim"]
+part = shim.load_part("probe")
+assert shim.load_part("probe") is part
+import shim_probe
+print(part.WHOSE, "|", shim_probe.WHOSE, "|", part.__name__)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "the shim | the agent | _isolate_shim_probe"
