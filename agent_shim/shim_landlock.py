@@ -1,0 +1,174 @@
+"""Landlock for the shim: small wrappers over the kernel's three system calls (Linux 5.13+).
+
+Loaded with ``load_part("landlock")``; standard library only (ctypes), Python 3.9+. A process
+restricts itself, and every process it starts afterwards inherits the restriction; it can never
+be lifted. Whatever the ruleset, the kernel refuses a process in a domain ptrace of any process
+outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall``; ``environ``,
+``maps`` and ``cmdline`` stay readable (Linux 6.18, measured: they are checked differently).
+
+    abi()                                  -> the kernel's ABI version; 0: no Landlock
+    errata()                               -> bit mask of the kernel's fixed errata
+    create_ruleset(fs=0, net=0, scoped=0)  -> ruleset fd; the access rights it handles
+    add_path_rule(ruleset, path, access)   -> allow ``access`` (FS_*) beneath ``path``
+    add_port_rule(ruleset, port, access)   -> allow ``access`` (NET_*) on TCP ``port``
+    restrict_self(ruleset, flags=0)        -> enter the domain (sets no_new_privs if needed)
+    no_new_privs()                         -> prctl(PR_SET_NO_NEW_PRIVS)
+    refused(abi_version, fs, net, scoped)  -> the part of those masks this ABI lacks
+
+Each raises ``OSError`` (with errno) on failure; callers decide what a missing feature means.
+Everything handled and not allowed by a rule is denied: an fs mask with no rule denies those
+rights everywhere. Rights a kernel's ABI does not know are rejected (EINVAL): mask with
+``refused()`` first. ``scoped`` (ABI 6): SCOPE_SIGNAL refuses signals to processes outside the
+domain, SCOPE_ABSTRACT_UNIX_SOCKET refuses connecting to abstract unix sockets made outside it.
+"""
+
+import ctypes
+import os
+
+# Same numbers on every architecture but alpha (asm-generic table, Linux 5.13).
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
+_CREATE_RULESET_VERSION, _CREATE_RULESET_ERRATA = 1 << 0, 1 << 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
+_PR_SET_NO_NEW_PRIVS = 38
+
+# File-system access rights (ABI in which each appeared: 1 unless noted).
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_DIR = 1 << 7
+FS_MAKE_REG = 1 << 8
+FS_MAKE_SOCK = 1 << 9
+FS_MAKE_FIFO = 1 << 10
+FS_MAKE_BLOCK = 1 << 11
+FS_MAKE_SYM = 1 << 12
+FS_REFER = 1 << 13  # ABI 2
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+# TCP access rights (ABI 4).
+NET_BIND_TCP = 1 << 0
+NET_CONNECT_TCP = 1 << 1
+# Scopes (ABI 6).
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0
+SCOPE_SIGNAL = 1 << 1
+
+#: Every right of each kind that an ABI version knows.
+FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
+NET_BY_ABI = {4: NET_BIND_TCP | NET_CONNECT_TCP}
+SCOPED_BY_ABI = {6: SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL}
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),  # ABI 4
+        ("scoped", ctypes.c_uint64),  # ABI 6
+    ]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1  # the kernel's struct is packed: 12 bytes
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _NetPortAttr(ctypes.Structure):
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+
+
+_libc = None
+
+
+def _syscall(number, *args):
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    result = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return result
+
+
+def abi():
+    """The Landlock ABI version of the running kernel; 0 where it has none or it is off."""
+    try:
+        return _syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), _flags(1))
+    except (OSError, AttributeError):  # ENOSYS, EOPNOTSUPP; no syscall() in this libc
+        return 0
+
+
+def errata():
+    """Bit mask of the Landlock errata this kernel has fixed (0 before Linux 6.15)."""
+    try:
+        return _syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), _flags(2))
+    except (OSError, AttributeError):
+        return 0
+
+
+def refused(abi_version, fs=0, net=0, scoped=0):
+    """``(fs, net, scoped)``: the rights among those given that ``abi_version`` lacks."""
+
+    def known(table):
+        return max([mask for version, mask in table.items() if version <= abi_version] or [0])
+
+    return fs & ~known(FS_BY_ABI), net & ~known(NET_BY_ABI), scoped & ~known(SCOPED_BY_ABI)
+
+
+def create_ruleset(fs=0, net=0, scoped=0):
+    """A new ruleset handling these access masks; its fd (close-on-exec). Older kernels take
+    only the struct's leading fields: they get no bigger one than the masks need."""
+    attr = _RulesetAttr(fs, net, scoped)
+    size = ctypes.sizeof(attr) if scoped else 16 if net else 8
+    return _syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), _flags(0))
+
+
+def add_path_rule(ruleset, path, access):
+    """Allow ``access`` (FS_* bits, each handled by the ruleset) beneath ``path``."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        attr = _PathBeneathAttr(access, fd)
+        _add_rule(ruleset, _RULE_PATH_BENEATH, attr)
+    finally:
+        os.close(fd)
+
+
+def add_port_rule(ruleset, port, access):
+    """Allow ``access`` (NET_* bits, each handled by the ruleset) on TCP ``port``."""
+    attr = _NetPortAttr(access, port)
+    _add_rule(ruleset, _RULE_NET_PORT, attr)
+
+
+def _add_rule(ruleset, rule_type, attr):
+    _syscall(
+        _SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(rule_type), ctypes.byref(attr), _flags(0)
+    )
+
+
+def no_new_privs():
+    """No exec of this process or its descendants gains privileges (set-uid, file caps)."""
+    if _libc is None:
+        abi()  # loads the C library
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def restrict_self(ruleset, flags=0):
+    """Put this thread (and what it starts later) into the ruleset's domain. The kernel wants
+    no_new_privs or CAP_SYS_ADMIN for it: without the capability, no_new_privs is set first.
+    Call it before starting threads: other threads of the process stay outside."""
+    try:
+        _syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), _flags(flags))
+    except OSError as exc:
+        if exc.errno != 1:  # EPERM: neither no_new_privs nor the capability
+            raise
+        no_new_privs()
+        _syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), _flags(flags))
+
+
+def _flags(value):
+    return ctypes.c_uint32(value)
