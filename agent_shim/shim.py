@@ -258,6 +258,7 @@ def check_handshake(hs):
         ("agent_root", lambda v: v is None or isinstance(v, str)),
         ("kwargs", lambda v: isinstance(v, dict)),
         ("secrets", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+        ("secret_env", is_env),
         ("deadline", lambda v: is_number(v) and v > 0),
         ("kill_grace", lambda v: is_number(v) and v >= 0),
         ("max_info_bytes", lambda v: type(v) is int and v >= 0),
@@ -271,6 +272,14 @@ def check_handshake(hs):
             if name not in hs or not ok(hs[name]):
                 return "invalid handshake: field %r is missing or has a wrong type" % name
     return None
+
+
+def is_env(value):
+    """Names and values a process environment can hold."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in value.items()
+    )
 
 
 def is_rlimit(name, value):
@@ -409,6 +418,9 @@ def worker(hs, channel):
             message = "cannot set %s to %s: %s" % (name, (soft, hard), exc)
             channel.send("error", kind="setup", type="LimitError", message=message)
             return 1
+    # Only here, in the worker, after fork: never in an exec environment (/proc/PID/environ
+    # keeps that one), but in os.environ for the agent's SDKs and its subprocesses.
+    os.environ.update(hs.pop("secret_env", None) or {})
     try:
         target = load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
     except BaseException as exc:
@@ -753,6 +765,7 @@ def main():
                     pass
             os._exit(code)
     hs.pop("secrets", None)
+    hs.pop("secret_env", None)
     hs.pop("data", None)
     reaper = subreaper or supervisor == 1  # PID 1 of a namespace needs no prctl
     return supervise(hs, channel, parent_fd, pid, wake_r, flags, reaper)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets as _secrets
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def proc_files_containing(needle: bytes) -> list[str]:
             except OSError:
                 continue
     return hits
+
+
+def nowhere_but_masked(outcome: isolate.EpisodeOutcome, secret: str) -> bytes:
+    """Assert ``secret`` is in no text of the outcome nor in its log; the log's bytes."""
+    for text in (repr(outcome), str(outcome), outcome.model_dump_json(), outcome.stderr_tail):
+        assert secret not in text
+    assert outcome.log_path is not None
+    log = outcome.log_path.read_bytes()
+    assert secret.encode() not in log
+    return log
 
 
 WAITING_AGENT = """
@@ -73,12 +84,7 @@ async def test_secret_never_leaves_the_handshake(agents: Agents, as_secretstr: b
     # ... and nothing it sends back carries it.
     assert key not in outcome.info["echo"]
     assert outcome.info["echo"] == "[secret]"
-    for text in (repr(outcome), str(outcome), outcome.model_dump_json(), outcome.stderr_tail):
-        assert key not in text
-    assert outcome.log_path is not None
-    log = outcome.log_path.read_bytes()
-    assert b"the agent logs its key" in log
-    assert key.encode() not in log
+    assert b"the agent logs its key" in nowhere_but_masked(outcome, key)
 
 
 async def test_secret_in_a_traceback_is_scrubbed(agents: Agents) -> None:
@@ -165,3 +171,123 @@ async def test_default_environment_is_an_allow_list(agents: Agents) -> None:
 def test_wait_for_is_bounded(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="timed out"):
         wait_for(lambda: False, 0.05, "nothing")
+
+
+# --- secret_env: credentials an SDK reads from the environment ---------------------------------
+
+SECRET_ENV_AGENT = """
+import hashlib, os, subprocess, sys, time
+def digest(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+def run(data):
+    value = os.environ["SANDBOX_CONF"]
+    open(os.path.join(os.environ["PID_DIR"], "up"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "go")):
+        time.sleep(0.01)
+    print("the SDK logs its key:", value)
+    # What the agent starts inherits os.environ, the variable with it (README says so).
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('SANDBOX_CONF', ''))"],
+        capture_output=True, text=True,
+    ).stdout.strip()
+    return 1.0, {"digest": digest(value), "child": digest(child), "echo": value}
+"""
+
+
+async def test_secret_env_reaches_the_agent_and_no_proc_file(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    value = "e2b-" + _secrets.token_hex(16)
+    # The parent has a variable of that name too, and passes everything: neither its value
+    # nor the secret may reach an exec environment.
+    monkeypatch.setenv("SANDBOX_CONF", "parent-value")
+    spec = agents.spec(SECRET_ENV_AGENT, inherit_env=("*",))
+    found_during: list[str] = []
+    parent_value_in: list[str] = []
+
+    async def scan_then_release() -> None:
+        await wait_until(lambda: (agents.pids / "up").exists())
+        found_during.extend(proc_files_containing(value.encode()))
+        parent_value_in.extend(proc_files_containing(b"SANDBOX_CONF=parent-value"))
+        (agents.pids / "go").touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scan_then_release)
+        outcome = await isolate.run_episode(spec, {}, secret_env={"SANDBOX_CONF": SecretStr(value)})
+
+    assert found_during == [], "the secret_env value is visible in /proc"
+    assert parent_value_in == [], "the parent's variable of that name was passed"
+    assert outcome.status == "ok", outcome.summary()
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    assert outcome.info["digest"] == digest  # the agent got it ...
+    assert outcome.info["child"] == digest  # ... and so does what it starts
+    assert outcome.info["echo"] == "[secret]"
+    assert b"the SDK logs its key: [secret]" in nowhere_but_masked(outcome, value)
+
+
+async def test_secret_env_in_an_error_is_scrubbed(agents: Agents) -> None:
+    value = "e2b-" + _secrets.token_hex(16)
+    spec = agents.spec(
+        """
+        import os
+        def run(data):
+            raise PermissionError("401 for key " + os.environ["E2B_API_KEY"])
+        """
+    )
+    outcome = await isolate.run_episode(spec, {}, secret_env={"E2B_API_KEY": value})
+    assert outcome.status == "agent_error"
+    assert outcome.error is not None
+    assert outcome.error.message == "401 for key [secret]"
+    assert value not in outcome.error.traceback + outcome.stderr_tail
+
+
+@pytest.mark.parametrize(
+    ("secret_env", "message"),
+    [
+        ({"A=B": "v"}, "invalid variable name 'A=B'"),
+        ({"": "v"}, "invalid variable name ''"),
+        ({isolate.EPISODE_ENV: "v"}, "invalid variable name"),
+        ({"E2B_API_KEY": 42}, "must be a str or SecretStr, not int"),
+        ({"E2B_API_KEY": "sk-\0-x"}, "the value of E2B_API_KEY contains a NUL byte"),
+        ({"PID_DIR": "v"}, "in both secret_env and spec.env: PID_DIR"),
+    ],
+)
+async def test_bad_secret_env_is_an_argument_error(
+    agents: Agents, secret_env: dict[str, object], message: str
+) -> None:
+    spec = agents.spec("def run(data):\n    return 1.0\n")
+    with pytest.raises(isolate.ArgumentError, match=re.escape(message)) as info:
+        await isolate.run_episode(spec, {}, secret_env=secret_env)  # type: ignore[arg-type]
+    assert "sk-" not in str(info.value)  # the value is never echoed
+
+
+async def test_a_parent_variable_holding_a_secret_is_withheld_and_named_in_the_log(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = "sk-" + _secrets.token_hex(16)
+    monkeypatch.setenv("LLM_KEY", key)  # not credential-like by name; named exactly, even
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-parent")
+    monkeypatch.setenv("VISIBLE_SETTING", "yes")
+    spec = agents.spec(
+        "import os\ndef run(data, **kw):\n    return 1.0, sorted(os.environ)\n",
+        inherit_env=("*", "LLM_KEY", "!VISIBLE_*"),
+    )
+    outcome = await isolate.run_episode(spec, {}, secrets={"api_key": key})
+    assert outcome.status == "ok", outcome.summary()
+    assert "LLM_KEY" not in outcome.info
+    assert "OPENAI_API_KEY" not in outcome.info
+    assert "VISIBLE_SETTING" not in outcome.info
+    assert outcome.log_path is not None
+    first = outcome.log_path.read_text().splitlines()[0]
+    assert first.startswith("[isolate] withheld from the agent's environment: ")
+    assert "LLM_KEY (holds a secret of this episode)" in first
+    assert "OPENAI_API_KEY" in first
+    assert "credential-like" in first
+    assert "VISIBLE_SETTING (excluded by inherit_env '!VISIBLE_*')" in first
+    assert key not in first
+    assert "sk-parent" not in first
+
+
+def test_an_empty_exclusion_is_rejected() -> None:
+    with pytest.raises(ValueError, match="inherit_env: invalid name '!'"):
+        isolate.EpisodeSpec(inherit_env=("*", "!"))

@@ -31,6 +31,11 @@ _ENV_NAME = re.compile(r"^[^=\x00]+$")
 EPISODE_ENV = "ISOLATE_EPISODE_ID"
 
 
+def is_env_name(name: str) -> bool:
+    """Can a process environment hold a variable of this name (no ``=``, no NUL, not empty)?"""
+    return bool(_ENV_NAME.match(name))
+
+
 def _finite(value: float) -> float:
     if not math.isfinite(value):
         raise ValueError("must be a finite number of seconds")
@@ -84,8 +89,9 @@ class EpisodeSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables added to the child's environment (after ``inherit_env``)."""
     inherit_env: tuple[str, ...] = DEFAULT_INHERIT_ENV
-    """Names (fnmatch patterns) copied from the parent's environment. Secret-looking names
-    (``*_API_KEY``, ``*_TOKEN``, ``*SECRET*``, ``*PASSWORD*``) pass only when named exactly."""
+    """Names (fnmatch patterns) copied from the parent's environment; ``!PATTERN`` excludes
+    what a pattern would pass. Secret-looking names (``*_API_KEY``, ``*_TOKEN``, ``*SECRET*``,
+    ``*PASSWORD*``) pass only when named exactly; an exact name beats every exclusion."""
     log_dir: Path | None = None
     """Directory for the per-episode stderr log file; None keeps only the in-memory tail."""
     stderr_tail_bytes: int = Field(default=64 * 1024, ge=0)
@@ -143,6 +149,6 @@ class EpisodeSpec(BaseModel):
     @classmethod
     def _check_inherit(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for name in value:
-            if not name or "=" in name or "\x00" in name:
+            if not name.removeprefix("!") or "=" in name or "\x00" in name:
                 raise ValueError(f"inherit_env: invalid name {name!r}")
         return value

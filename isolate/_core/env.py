@@ -1,10 +1,16 @@
-"""The child's environment: built from an allow-list, never inherited wholesale."""
+"""The child's environment: built from an allow-list, never inherited wholesale.
+
+``inherit_env`` holds exact names, fnmatch patterns, and exclusions (``!PATTERN``). A parent
+variable passes when it is named exactly, or when a pattern matches it, no exclusion does and
+its name does not look like a credential. What a pattern matched but a rule held back is
+*withheld*, with a reason: the episode's log names it, ``isolate doctor`` explains it.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from .config import EPISODE_ENV
 
@@ -15,10 +21,82 @@ _SECRET_LOOKING = re.compile(
     re.IGNORECASE,
 )
 
+#: Variables that would undo the agent's own interpreter: the trainer's PYTHONPATH (which the
+#: shim puts on sys.path), PYTHONHOME, its activated virtualenv or conda env, a preloaded
+#: library. The AReaL drop-in excludes them; each with the reason doctor gives.
+INTERPRETER_ENV: dict[str, str] = {
+    "PYTHON*": "steers Python (the trainer's PYTHONPATH, PYTHONHOME, ... would reach the "
+    "agent's interpreter)",
+    "VIRTUAL_ENV": "the trainer's activated virtualenv",
+    "VIRTUAL_ENV_PROMPT": "the trainer's activated virtualenv",
+    "CONDA_*": "the trainer's activated conda environment",
+    "_CE_*": "the trainer's activated conda environment",
+    "LD_PRELOAD": "preloads a library into every process the agent starts",
+}
+
+#: What the AReaL drop-in (and ``isolate run`` / ``batch``) pass by default: the trainer's whole
+#: environment, as the in-process workflow saw it, minus credential-like names and
+#: :data:`INTERPRETER_ENV`.
+PASSTHROUGH_ENV: tuple[str, ...] = ("*", *(f"!{p}" for p in INTERPRETER_ENV))
+
+CREDENTIAL = "looks like a credential: pass it with secret_env, or name it in inherit_env"
+HOLDS_SECRET = "holds a secret of this episode (secrets / secret_env)"
+
 
 def looks_secret(name: str) -> bool:
     """True for names such as ``OPENAI_API_KEY``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``."""
     return bool(_SECRET_LOOKING.search(name))
+
+
+def _matcher(patterns: list[str]) -> re.Pattern[str] | None:
+    # One regex for all patterns: a trainer has hundreds of variables, and this runs per episode.
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+
+
+def _exclusion_reason(name: str, exclusions: list[str]) -> str:
+    for pattern in exclusions:
+        if fnmatch.fnmatchcase(name, pattern):
+            return INTERPRETER_ENV.get(pattern, f"excluded by inherit_env '!{pattern}'")
+    raise AssertionError(f"{name} matched no exclusion")
+
+
+def split_env(
+    parent: Mapping[str, str],
+    inherit: Iterable[str],
+    *,
+    secret_values: Collection[str] = (),
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The parent variables ``inherit`` passes, and those it withholds (name -> reason).
+
+    A variable whose value is one of ``secret_values`` never passes, named exactly or not."""
+    inherit = list(inherit)
+    exact = {p for p in inherit if not p.startswith("!") and not any(c in p for c in "*?[")}
+    exclusions = [p[1:] for p in inherit if p.startswith("!")]
+    include = _matcher([p for p in inherit if p not in exact and not p.startswith("!")])
+    exclude = _matcher(exclusions)
+    secrets = {v for v in secret_values if v}
+    passed: dict[str, str] = {}
+    withheld: dict[str, str] = {}
+    for name, value in parent.items():
+        if name in exact:
+            reason = None
+        elif include is None or not include.fullmatch(name):
+            continue  # not asked for: nothing to report
+        elif exclude is not None and exclude.fullmatch(name):
+            reason = _exclusion_reason(name, exclusions)
+        elif looks_secret(name):
+            reason = CREDENTIAL
+        else:
+            reason = None
+        if value in secrets:
+            reason = HOLDS_SECRET
+        if reason is None:
+            passed[name] = value
+        else:
+            withheld[name] = reason
+    return passed, withheld
 
 
 def build_env(
@@ -28,14 +106,17 @@ def build_env(
     episode_id: str,
 ) -> dict[str, str]:
     """The child's environment: allow-listed parent names, then ``extra``, then the episode tag."""
-    exact = {p for p in inherit if not any(c in p for c in "*?[")}
-    patterns = [p for p in inherit if p not in exact]
-    env: dict[str, str] = {}
-    for name, value in parent.items():
-        if name in exact:
-            env[name] = value
-        elif not looks_secret(name) and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            env[name] = value
+    env, _ = split_env(parent, inherit)
     env.update(extra)
     env[EPISODE_ENV] = episode_id
     return env
+
+
+def describe_withheld(withheld: Mapping[str, str]) -> str:
+    """One line naming withheld variables, grouped by reason; names only, never values."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in withheld.items():
+        short = "credential-like" if reason == CREDENTIAL else reason.split(" (")[0]
+        groups.setdefault(short, []).append(name)
+    parts = [f"{', '.join(sorted(names))} ({why})" for why, names in sorted(groups.items())]
+    return "withheld from the agent's environment: " + "; ".join(parts)

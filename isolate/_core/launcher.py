@@ -20,8 +20,8 @@ from pydantic import SecretStr
 
 from . import containment as _containment
 from . import protocol as proto
-from .config import EpisodeSpec
-from .env import build_env
+from .config import EPISODE_ENV, EpisodeSpec, is_env_name
+from .env import describe_withheld, split_env
 from .errors import ArgumentError
 from .outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
 from .redact import Redactor
@@ -51,20 +51,25 @@ async def run_episode(
     secrets: Mapping[str, str | SecretStr] | None = None,
     episode_id: str | None = None,
     on_start: Callable[[int], object] | None = None,
+    secret_env: Mapping[str, str | SecretStr] | None = None,
 ) -> EpisodeOutcome:
     """Run ``spec.entrypoint(data, **kwargs, **secrets)`` in a fresh process and return what
     happened. Every way an episode can end is an outcome, ``setup_error`` included; only
     invalid arguments raise (:class:`ArgumentError`).
 
     ``secrets`` travel only in the stdin handshake and are scrubbed from everything that comes
-    back. ``episode_id`` names the log file (default: the record's ``instance_id`` plus a random
-    suffix). ``on_start`` is called with the shim's pid once it is running.
+    back. ``secret_env`` (variable name -> value) travels the same way and is set in the
+    worker's ``os.environ`` before the entrypoint is imported, for SDKs that read their key from
+    the environment: never in the exec environment or argv of the shim or the worker, but
+    inherited by every process the agent starts. ``episode_id`` names the log file (default:
+    the record's ``instance_id`` plus a random suffix). ``on_start`` is called with the
+    shim's pid once it is running.
 
     **Cancellation:** if the calling task is cancelled, the episode's whole process tree is
     torn down exactly as on timeout (SIGTERM, ``spec.kill_grace`` seconds, SIGKILL, until no
     process is left), shielded from the cancellation, and then the cancellation propagates.
     """
-    run = _Run(spec, data, kwargs or {}, secrets or {}, episode_id)
+    run = _Run(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
     return await run.run(on_start)
 
 
@@ -104,6 +109,7 @@ class _Run:
         kwargs: Mapping[str, Any],
         secrets: Mapping[str, str | SecretStr],
         episode_id: str | None,
+        secret_env: Mapping[str, str | SecretStr] | None = None,
     ) -> None:
         for name in list(kwargs) + list(secrets):
             if not isinstance(name, str) or not name.isidentifier():
@@ -115,6 +121,7 @@ class _Run:
             k: v if isinstance(v, SecretStr) else SecretStr(_secret_str(k, v))
             for k, v in secrets.items()
         }
+        self.secret_env = _secret_env(spec, secret_env or {})
         self.spec = spec
         self.episode_id = _default_episode_id(data) if episode_id is None else episode_id
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.episode_id):
@@ -135,7 +142,11 @@ class _Run:
             json.dumps(self.public, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ArgumentError(f"data and kwargs must be JSON-serialisable: {exc}") from None
-        self.redact = Redactor([s.get_secret_value() for s in self.secrets.values()])
+        self.secret_values = [
+            s.get_secret_value() for s in [*self.secrets.values(), *self.secret_env.values()]
+        ]
+        self.redact = Redactor(self.secret_values)
+        self.env: dict[str, str] = {}
         self.shim = _boot_path()
 
         self.started = time.monotonic()
@@ -238,7 +249,22 @@ class _Run:
                 self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close
             except OSError as exc:
                 return f"cannot open a log file in {spec.log_dir}: {exc.strerror or exc}"
+        self._build_env()
         return None
+
+    def _build_env(self) -> None:
+        """The shim's exec environment; the first line of the log names what it withholds."""
+        env, withheld = split_env(
+            os.environ, self.spec.inherit_env, secret_values=self.secret_values
+        )
+        for name in self.secret_env:  # delivered in the handshake, never in the exec environment
+            env.pop(name, None)
+            withheld.pop(name, None)
+        env.update(self.spec.env)
+        env[EPISODE_ENV] = self.episode_id
+        self.env = env
+        if withheld:
+            self._note(describe_withheld(withheld))
 
     def _contain(self) -> str | None:
         """Pick the containment level, make the cgroup leaves, put both into the handshake."""
@@ -270,13 +296,12 @@ class _Run:
     def _spawn(self) -> str | None:
         """Start the shim (and put it into its cgroup leaves); a problem, or None."""
         # Runs in a worker thread: fork+exec of a big parent must not stall the event loop.
-        env = build_env(os.environ, self.spec.inherit_env, self.spec.env, self.episode_id)
         self.popen = subprocess.Popen(
             [self.spec.python, "-I", str(self.shim)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=env,
+            env=self.env,
             cwd=self.spec.cwd,
             start_new_session=True,  # never preexec_fn: unsafe with threads, and no vfork
             close_fds=True,
@@ -288,7 +313,9 @@ class _Run:
             os.set_blocking(pipe.fileno(), False)
         # The handshake goes out at once (what the pipe takes now; _write_handshake the rest),
         # so the shim can read it as soon as it has started, while this thread carries on.
-        self.handshake = memoryview(proto.encode_handshake(self.public, self.secrets))
+        self.handshake = memoryview(
+            proto.encode_handshake(self.public, self.secrets, self.secret_env)
+        )
         self._push_handshake()
         if self.leaves is not None:
             # A move waits for an RCU grace period (~10 ms here, as long as a plain interpreter
@@ -715,6 +742,25 @@ def _secret_str(name: str, value: object) -> str:
             f"secret {name!r} must be a str or SecretStr, not {type(value).__name__}"
         )
     return value
+
+
+def _secret_env(
+    spec: EpisodeSpec, secret_env: Mapping[str, str | SecretStr]
+) -> dict[str, SecretStr]:
+    """``secret_env`` checked and wrapped: names a process environment can hold, values
+    without NUL (said without echoing them), none that the spec's ``env`` sets as well."""
+    out: dict[str, SecretStr] = {}
+    for name, value in secret_env.items():
+        if not isinstance(name, str) or not is_env_name(name) or name == EPISODE_ENV:
+            raise ArgumentError(f"secret_env: invalid variable name {name!r}")
+        secret = value if isinstance(value, SecretStr) else SecretStr(_secret_str(name, value))
+        if "\x00" in secret.get_secret_value():
+            raise ArgumentError(f"secret_env: the value of {name} contains a NUL byte")
+        out[name] = secret
+    both = sorted(set(out) & set(spec.env))
+    if both:
+        raise ArgumentError(f"variables in both secret_env and spec.env: {', '.join(both)}")
+    return out
 
 
 def _check_reward(result: proto.Result) -> str | None:

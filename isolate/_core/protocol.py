@@ -153,9 +153,17 @@ class LineSplitter:
         return bytes(self._buf) if self._buf else None
 
 
-def encode_handshake(public: Mapping[str, Any], secrets: Mapping[str, SecretStr]) -> bytes:
+def encode_handshake(
+    public: Mapping[str, Any],
+    secrets: Mapping[str, SecretStr],
+    secret_env: Mapping[str, SecretStr] | None = None,
+) -> bytes:
     """The handshake line. ``public`` must already be known to be JSON-serialisable."""
     head = json.dumps(dict(public), allow_nan=False, separators=(",", ":"))
     values = {name: value.get_secret_value() for name, value in secrets.items()}
     tail = json.dumps(values, separators=(",", ":"))
-    return f'{head[:-1]},"secrets":{tail}}}\n'.encode()
+    extra = ""
+    if secret_env:  # absent when empty: the handshake of an episode without it is unchanged
+        env = {name: value.get_secret_value() for name, value in secret_env.items()}
+        extra = ',"secret_env":' + json.dumps(env, separators=(",", ":"))
+    return f'{head[:-1]},"secrets":{tail}{extra}}}\n'.encode()
