@@ -6,6 +6,10 @@
 2. ``demo__hang-1``: the LLM tells the agent to start a background tree and hang: ``timeout``,
    and nothing of the tree is left.
 3. ``demo__calc-1`` with a key the server was never given: ``agent_error`` (HTTP 401).
+
+The agent (``agent_root/``) and the records (``records/``) live next to this file, so that the
+demo runs from any install; a clone links them as ``examples/agent_root`` and
+``examples/records``. ``isolate scripted-llm`` serves the same scripts for ``isolate run``.
 """
 
 from __future__ import annotations
@@ -25,15 +29,21 @@ from ..._core.tree import _tagged, is_alive
 from ...workflow import episode_kwargs, episode_spec
 from .scripted_llm import ScriptedLLM, demo_script
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+#: The demo's agent checkout and its records, shipped inside the package.
+AGENT_ROOT = Path(__file__).resolve().parent / "agent_root"
+RECORDS = Path(__file__).resolve().parent / "records"
+
+
+def load_records() -> dict[str, dict[str, Any]]:
+    """The demo records (``records/*.json``) by instance id."""
+    records = (json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json")))
+    return {r["instance_id"]: r for r in records}
 
 
 def _setup() -> tuple[dict[str, dict[str, Any]], Path]:
     """The demo records by instance id, and the log directory."""
-    lines = (EXAMPLES / "records" / "demo.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
     log_dir = Path(os.environ.get("LOG_DIR", "./logs")).absolute() / "demo"
-    return {r["instance_id"]: r for r in records}, log_dir
+    return load_records(), log_dir
 
 
 def _left_behind(outcome: EpisodeOutcome) -> int:
@@ -49,10 +59,7 @@ def _left_behind(outcome: EpisodeOutcome) -> int:
 
 
 async def demo() -> int:
-    root = EXAMPLES / "agent_root"
-    if not root.is_dir():
-        print(f"isolate demo: {root} not found; run the demo from a clone of the repository")
-        return 1
+    root = AGENT_ROOT
     records, log_dir = await anyio.to_thread.run_sync(_setup)
     runs = [
         ("demo__calc-1", 120.0, True, "ok", "a real agent loop: LLM, bash, git apply, eval"),
