@@ -1,4 +1,4 @@
-"""The ``isolate`` command line: ``run``, ``batch``, ``doctor``, ``demo``."""
+"""The ``isolate`` command line: ``run``, ``batch``, ``doctor``, ``demo``, ``scripted-llm``."""
 
 from .main import main
 

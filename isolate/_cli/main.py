@@ -1,4 +1,5 @@
-"""The ``isolate`` command line: ``run`` (and ``--replay``), ``batch``, ``doctor``, ``demo``.
+"""The ``isolate`` command line: ``run`` (and ``--replay``), ``batch``, ``doctor``, ``demo``,
+``scripted-llm``.
 
 Exit status of ``isolate run``: 0 ok, 10 agent_error, 11 crashed, 12 timeout, 13 protocol_error,
 14 setup_error; 2 bad usage; 130 interrupted (Ctrl-C or SIGTERM, after the tree is torn down).
@@ -21,6 +22,7 @@ from .options import (
     UsageError,
     _agent_options,
     _key_options,
+    port_number,
     read_api_key,
 )
 from .run import _PLAIN_TICK_S, _TTY_TICK_S, run_command
@@ -62,7 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--python", help="the agent's interpreter (default: this one)")
     doctor.add_argument("--entrypoint", help="module:function to check")
 
-    sub.add_parser("demo", help="run two real episodes against a scripted LLM on 127.0.0.1")
+    sub.add_parser("demo", help="run three real episodes against a scripted LLM on 127.0.0.1")
+    llm = sub.add_parser(
+        "scripted-llm",
+        allow_abbrev=False,
+        help="serve the demo's scripted LLM on 127.0.0.1, to try `isolate run` with",
+        description="Serve the demo's scripted chat-completions replies on 127.0.0.1 until "
+        "Ctrl-C. Accepts any API key; prints the `isolate run` commands to try.",
+    )
+    llm.add_argument("--port", type=port_number, default=0, help="TCP port (default: a free one)")
     return parser
 
 
@@ -80,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .doctor import doctor
 
             return doctor(args.agent_root, args.python, args.entrypoint)
+        if args.command == "scripted-llm":
+            from .demo.serve import scripted_llm
+
+            return scripted_llm(args.port)
         from .demo import demo
 
         return anyio.run(demo)

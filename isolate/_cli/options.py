@@ -26,6 +26,17 @@ class UsageError(Exception):
     """Bad command-line input; the message is shown as is, with exit status 2."""
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 for any free one."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535)")
+    return port
+
+
 def _agent_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
     group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")

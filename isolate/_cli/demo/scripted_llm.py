@@ -9,6 +9,10 @@ only as :class:`~pydantic.SecretStr` and never echoed.
     with ScriptedLLM() as llm:
         llm.add_session(key, demo_script("demo__calc-1"))
         ...  # point the agent at llm.base_url with key
+
+Given ``scripts`` (marker text -> replies), a request with any other key is answered from the
+script whose marker appears in the conversation, at the turn its assistant messages count: no
+state, so an episode can be run again with the same key (``isolate scripted-llm``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hmac
 import json
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
@@ -41,9 +46,19 @@ class ScriptedLLM:
     """Serve ``POST /v1/chat/completions`` on 127.0.0.1 from per-key scripts.
 
     ``requests`` counts every HTTP request received, ``rejected`` the ones refused with 401.
+    ``port`` 0 takes a free one. ``on_reply(marker, turn, replies)`` is called for each reply
+    given from ``scripts``.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        scripts: Mapping[str, list[str]] | None = None,
+        port: int = 0,
+        on_reply: Callable[[str, int, int], None] | None = None,
+    ) -> None:
+        self._scripts = {marker: list(replies) for marker, replies in (scripts or {}).items()}
+        self._port = port
+        self._on_reply = on_reply
         self._lock = threading.Lock()
         self._sessions: list[_Session] = []
         self._requests = 0
@@ -92,14 +107,30 @@ class ScriptedLLM:
                 found = session
         return found
 
-    def _authenticate(self, key: str | None) -> _Session | None:
-        """Count a chat request; its session, or None (counted as rejected) for a bad key."""
+    def _authenticate(self, key: str | None) -> _Session | bool:
+        """Count a chat request; its session, True for any other key when there are scripts,
+        False (counted as rejected) for a missing or unknown key."""
         with self._lock:
             self._requests += 1
             session = self._find(key) if key else None
-            if session is None:
-                self._rejected += 1
-            return session
+            if session is not None:
+                return session
+            if key and self._scripts:
+                return True
+            self._rejected += 1
+            return False
+
+    def _scripted_reply(self, body: dict[str, Any]) -> str | None:
+        """The reply for a conversation from ``scripts``, or None when no marker is in it."""
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
+        text = "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
+        for marker, replies in self._scripts.items():
+            if marker in text:
+                turn = sum(1 for m in messages if m.get("role") == "assistant")
+                if self._on_reply is not None:
+                    self._on_reply(marker, turn + 1, len(replies))
+                return replies[turn] if turn < len(replies) else _DONE
+        return None
 
     def _next_reply(self, session: _Session) -> str:
         with self._lock:
@@ -122,10 +153,10 @@ class ScriptedLLM:
         return f"http://127.0.0.1:{port}/v1"
 
     def start(self) -> None:
-        """Bind a free port on 127.0.0.1 and serve in a daemon thread."""
+        """Bind the port on 127.0.0.1 and serve in a daemon thread; OSError if it is taken."""
         if self._server is not None:
             raise RuntimeError("ScriptedLLM is already started")
-        server = _Server(("127.0.0.1", 0), _Handler)
+        server = _Server(("127.0.0.1", self._port), _Handler)
         server.llm = self
         self._server = server
         self._thread = threading.Thread(
@@ -176,13 +207,20 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, _error("not found", "not_found_error"))
             return
         session = llm._authenticate(self._bearer())
-        if session is None:
+        if session is False:
             self._send(401, _error("invalid api key", "invalid_request_error"))
             return
         if body is None:
             self._send(400, _error("request body must be a JSON object", "invalid_request_error"))
             return
-        reply = llm._next_reply(session)
+        if isinstance(session, _Session):
+            reply: str | None = llm._next_reply(session)
+        else:
+            reply = llm._scripted_reply(body)
+        if reply is None:
+            message = "no script for this conversation; the scripted LLM knows the demo records"
+            self._send(400, _error(message, "invalid_request_error"))
+            return
         self._send(200, _completion(body, reply))
 
     def do_GET(self) -> None:  # http.server calls do_<METHOD>
@@ -251,7 +289,7 @@ def _completion(body: dict[str, Any], reply: str) -> dict[str, Any]:
     }
 
 
-# --- the demo records' scripts (examples/records/demo.jsonl) ---------------------------------
+# --- the demo records' scripts (the records/ folder next to this file) -----------------------
 
 _CALC_FIX = "\n".join(
     [
@@ -288,7 +326,7 @@ _DEMO_SCRIPTS: dict[str, list[str]] = {
 
 
 def demo_script(instance_id: str) -> list[str]:
-    """The scripted replies for a record of ``examples/records/demo.jsonl``."""
+    """The scripted replies for a demo record (``records/<instance_id>.json``)."""
     try:
         return list(_DEMO_SCRIPTS[instance_id])
     except KeyError:
