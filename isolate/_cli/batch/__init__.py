@@ -158,17 +158,7 @@ def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
 
 
 def batch_command(args: argparse.Namespace) -> int:
-    # Imported here: `isolate run` should not pay for rich, and rich is an optional extra.
     import anyio
-
-    try:
-        from rich.console import Console
-    except ImportError:
-        print(
-            "isolate batch: the progress display needs rich: pip install 'episode-isolate[batch]'",
-            file=sys.stderr,
-        )
-        return 2
 
     from .io import BatchError, Results
     from .job import Plan
@@ -224,8 +214,9 @@ def batch_command(args: argparse.Namespace) -> int:
             ray_backend.stop()
         results.close()
         records.close()
-    final = {i: e for i, e in results.last.items() if e["final"] or policy.done(e)}
-    summary(Console(), ids, final, view)
+    final = {i: e for i, e in results.last.items() if policy.done(e)}
+    setup = {i: e for i, e in results.last.items() if e["status"] == "setup_error"}
+    summary(sys.stdout, ids, final, setup, view)
     return _exit_status(ids, final, scheduler.failure, scheduler.interrupted)
 
 

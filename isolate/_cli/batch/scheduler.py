@@ -110,8 +110,11 @@ class Scheduler:
                 attempt += 1
                 fields = await self._attempt(record)
                 again = self.policy.again(fields["status"], attempt)
-                entry = {"instance_id": record.instance_id, "attempt": attempt, "final": not again}
+                entry = {"instance_id": record.instance_id, "attempt": attempt, "final": False}
                 entry.update(fields)
+                # Final exactly when a rerun would skip it: a setup error is not (the run's
+                # configuration failed, and the next run tries again).
+                entry["final"] = self.policy.done(entry)
                 entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 with anyio.CancelScope(shield=True):
                     try:

@@ -1,5 +1,5 @@
-"""What ``isolate batch`` shows: live progress on stderr (a rich bar on a terminal, plain lines
-elsewhere) and the summary on stdout at the end."""
+"""What ``isolate batch`` shows: live progress on stderr (a rich bar on a terminal when rich is
+installed, plain lines otherwise) and the summary, plain text, on stdout at the end."""
 
 from __future__ import annotations
 
@@ -9,26 +9,14 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
-from rich import box
-from rich.console import Console, Group
-from rich.live import Live
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
-from rich.text import Text
 
 from ..._core.outcome import STATUSES
+
+if TYPE_CHECKING:
+    from .bar import Bar
 
 _STYLE = {
     "ok": "green",
@@ -38,6 +26,9 @@ _STYLE = {
     "protocol_error": "red",
     "setup_error": "red",
 }
+#: Seconds between progress refreshes: the bar, or a plain line.
+BAR_INTERVAL_S = 0.5
+PLAIN_INTERVAL_S = 30.0
 
 
 class View:
@@ -53,54 +44,47 @@ class View:
         """Attempts of this run that got another attempt."""
         self.running = 0
         self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self.interval = interval or (0.5 if self.tty else 30.0)
-        self._progress: Progress | None = None
-        self._live: Live | None = None
-        self._task = TaskID(0)
+        self._given_interval = interval
+        self.interval = interval or PLAIN_INTERVAL_S
+        self._bar: Bar | None = None
 
     def __enter__(self) -> View:
         self.start = time.monotonic()
-        if self.tty:
-            self._progress = Progress(
-                TextColumn("[bold]isolate batch"),
-                BarColumn(bar_width=30),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[rate]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-            )
-            self._task = self._progress.add_task(
-                "batch", total=self.total, completed=self.resumed, rate=""
-            )
-            # The counts get a line of their own: on the bar's line they would be cut short.
-            self._live = Live(
-                Group(self._progress, _Counts(self)),
-                console=Console(stderr=True),
-                refresh_per_second=1 / self.interval,
-            )
-            self._live.start()
+        # rich is not a dependency: off a terminal it is never imported, and on a terminal
+        # without it the progress is the plain lines.
+        if sys.stderr.isatty():
+            try:
+                from .bar import Bar
+            except ImportError:
+                self.note(f"progress every {self.interval:g} s; pip install rich for a live bar")
+            else:
+                self.interval = self._given_interval or BAR_INTERVAL_S
+                self._bar = Bar(
+                    self.total, self.resumed, lambda: self.counts_text(markup=True), self.interval
+                )
+                self._bar.start()
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._live is not None:
+        if self._bar is not None:
             self._refresh()
-            self._live.stop()
+            self._bar.stop()
 
     def finished_entry(self, entry: dict[str, Any]) -> None:
         if entry["final"]:
             self.counts[entry["status"]] += 1
             self.finished += 1
+        elif entry["status"] == "setup_error":
+            self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
         else:
             self.retried += 1
         self._refresh()
 
     def note(self, text: str) -> None:
-        if self._live is not None:
-            self._live.console.print(f"isolate: {escape(text)}")
+        if self._bar is not None:
+            self._bar.print(f"isolate: {text}")
         else:
             print(f"isolate: {text}", file=sys.stderr, flush=True)
 
@@ -119,10 +103,8 @@ class View:
         return ", ".join(parts)
 
     def _refresh(self) -> None:
-        if self._progress is not None:
-            self._progress.update(
-                self._task, completed=self.resumed + self.finished, rate=f"{self.rate():.2f}/s"
-            )
+        if self._bar is not None:
+            self._bar.update(self.resumed + self.finished, self.rate())
 
     def line(self) -> str:
         done = self.resumed + self.finished
@@ -139,20 +121,10 @@ class View:
         plain line, every ``interval`` seconds."""
         while True:
             await anyio.sleep(self.interval)
-            if self._live is not None:
+            if self._bar is not None:
                 self._refresh()
             else:
                 self.note(self.line())
-
-
-class _Counts:
-    """The line under the bar, drawn afresh at every refresh."""
-
-    def __init__(self, view: View) -> None:
-        self.view = view
-
-    def __rich__(self) -> Text:
-        return Text.from_markup(self.view.counts_text(markup=True))
 
 
 def _clock(seconds: float) -> str:
@@ -180,43 +152,73 @@ def _resolved(entry: dict[str, Any]) -> bool:
     return bool(values) and all(v >= 1.0 for v in values)
 
 
+def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    """Rows as aligned columns, a rule under the first; columns in ``right`` right-aligned."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = (
+            cell.rjust(w) if c in right else cell.ljust(w)
+            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        lines.append(" " + "  ".join(cells).rstrip())
+    rule = " " + "-" * (sum(widths) + 2 * (len(widths) - 1))
+    return [lines[0], rule, *lines[1:]]
+
+
 def summary(
-    console: Console, ids: Iterable[str], final: dict[str, dict[str, Any]], view: View
+    out: TextIO,
+    ids: Iterable[str],
+    final: dict[str, dict[str, Any]],
+    setup_errors: dict[str, dict[str, Any]],
+    view: View,
 ) -> None:
     """The end-of-run report over every instance of the records file, resumed ones included.
-    ``final`` maps an instance id to its final result line."""
+    ``final`` maps an instance id to its final result line; ``setup_errors`` the instances
+    whose latest line is a setup error (not final: they run again), each cause shown once."""
     ids = list(ids)
     entries = [final[i] for i in ids if i in final]
     counts = Counter(e["status"] for e in entries)
     elapsed = time.monotonic() - view.start
-    console.print(
+    lines = [
         f"isolate batch: {len(ids)} instances, {view.finished} run now in {elapsed:.1f} s "
-        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried"
-    )
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("status")
-    table.add_column("count", justify="right")
-    table.add_column("share", justify="right")
+        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
+        "",
+    ]
     rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
-    if len(ids) > len(entries):
-        rows.append(("no result", len(ids) - len(entries)))
-    for status, count in rows:
-        share = f"{100.0 * count / len(ids):.1f}%"
-        table.add_row(f"[{_STYLE.get(status, 'bold')}]{status}[/]", str(count), share)
-    table.add_row("[bold]total[/]", str(len(ids)), "100.0%" if ids else "-")
-    console.print(table)
-    if not entries:
-        return
-    mean = sum(_mean_reward(e["reward"]) for e in entries) / len(entries)
-    resolved = sum(_resolved(e) for e in entries)
-    durations = sorted(float(e["duration_s"]) for e in entries)
-    facts = Table.grid(padding=(0, 2))
-    facts.add_row("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)")
-    facts.add_row("resolved", f"{resolved}/{len(ids)} ({100.0 * resolved / len(ids):.1f}%)")
-    p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
-    facts.add_row("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s")
-    slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
-    for n, e in enumerate(slowest):
-        text = f"{escape(e['instance_id'])}  {float(e['duration_s']):.2f} s  {e['status']}"
-        facts.add_row("slowest" if n == 0 else "", text)
-    console.print(facts)
+    setup = [i for i in ids if i not in final and i in setup_errors]
+    if setup:
+        rows.append(("setup_error (runs again)", len(setup)))
+    missing = len(ids) - len(entries) - len(setup)
+    if missing:
+        rows.append(("no result", missing))
+    table: list[tuple[str, ...]] = [("status", "count", "share")]
+    table += [(s, str(n), f"{100.0 * n / len(ids):.1f}%") for s, n in rows]
+    table.append(("total", str(len(ids)), "100.0%" if ids else "-"))
+    lines += _table(table, right={1, 2})
+    if setup:
+        causes = Counter(_cause(setup_errors[i]) for i in setup)
+        lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
+        lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
+    if entries:
+        mean = sum(_mean_reward(e["reward"]) for e in entries) / len(entries)
+        resolved = sum(_resolved(e) for e in entries)
+        durations = sorted(float(e["duration_s"]) for e in entries)
+        p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
+        facts = [
+            ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
+            ("resolved", f"{resolved}/{len(ids)} ({100.0 * resolved / len(ids):.1f}%)"),
+            ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
+        ]
+        slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
+        for n, e in enumerate(slowest):
+            text = f"{e['instance_id']}  {float(e['duration_s']):.2f} s  {e['status']}"
+            facts.append(("slowest" if n == 0 else "", text))
+        lines.append("")
+        lines += [f"{name:<11}  {text}" for name, text in facts]
+    print("\n".join(lines), file=out, flush=True)
+
+
+def _cause(entry: dict[str, Any]) -> str:
+    error = entry.get("error") or {}
+    return f"{error.get('type', 'SetupError')}: {error.get('message', 'no message')}"
