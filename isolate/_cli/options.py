@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import os
+import sys
 from pathlib import Path
 from typing import TextIO
 
@@ -81,5 +82,16 @@ def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
     if os.environ.get("OPENAI_API_KEY"):
         return SecretStr(os.environ["OPENAI_API_KEY"])
     if stdin.isatty():
-        return SecretStr(getpass.getpass("API key (not echoed): ") or "dummy")
+        typed = getpass.getpass("API key (not echoed): ")
+        if typed:
+            return SecretStr(typed)
+        why = "an empty key was typed"
+    else:
+        why = "stdin is not a terminal to ask on"
+    # As the workflow does; said, so that a 401 from the endpoint is not a mystery.
+    print(
+        f"isolate: no API key given (--api-key-file, --api-key-env, OPENAI_API_KEY) and {why}: "
+        'using "dummy"',
+        file=sys.stderr,
+    )
     return SecretStr("dummy")
