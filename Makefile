@@ -6,14 +6,20 @@ LINTED := isolate agent_shim tests examples bench
 
 .PHONY: setup demo test
 
+# The package alone (anyio, pydantic, psutil): all the demo needs.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+# The dev tools on top, for the tests (Ray, mypy, hypothesis, ...).
+$(VENV)/.dev-installed: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.dev-installed
 
-demo: setup
+demo: $(VENV)/.installed
 	$(BIN)/isolate demo
 
 # pytest exits 5 when it collected nothing: for this suite that is a failure, not a pass.
