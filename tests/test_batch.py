@@ -337,6 +337,47 @@ def test_usage_errors(agents: Agents, extra: list[str], message: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_setup_errors_are_not_final_and_each_cause_is_shown_once(agents: Agents) -> None:
+    records = write_records(
+        agents.tmp / "records.jsonl", [record(agents, f"s-{i}") for i in range(3)]
+    )
+    out = agents.tmp / "results.jsonl"
+    missing = agents.tmp / "no-such-python"
+    args = batch_args(agents, records, out, "--python", str(missing))
+    proc = isolate_cli(*args, env=env())
+    assert proc.returncode == 1, proc.stderr
+    # The records say what the summary says: not final, so the next run tries them again.
+    assert [(e["status"], e["final"]) for e in results(out)] == [("setup_error", False)] * 3
+    assert "setup_error (runs again)      3" in proc.stdout
+    cause = f"SetupError: interpreter {missing} does not exist"
+    assert proc.stdout.count(cause) == 1
+    assert f"3 x  {cause}" in proc.stdout
+    assert "3 instance(s) without a final result" in proc.stderr
+    again = isolate_cli(*args, env=env())
+    assert again.returncode == 1
+    assert "already have a final result" not in again.stderr
+    assert sorted(e["attempt"] for e in results(out)) == [1, 1, 1, 2, 2, 2]
+
+
+def test_off_a_terminal_batch_never_imports_rich(agents: Agents) -> None:
+    records = write_records(agents.tmp / "records.jsonl", [record(agents, "n-1")])
+    args = batch_args(agents, records, agents.tmp / "out.jsonl", "--status-interval", "0.1")
+    code = (
+        "import sys; from isolate._cli import main; status = main(sys.argv[1:]); "
+        "assert 'rich' not in sys.modules, 'rich was imported'; sys.exit(status)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        stdin=subprocess.DEVNULL,
+        timeout=60 * SLOW,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert " total " in proc.stdout
+
+
 def test_missing_records_file(agents: Agents) -> None:
     args = batch_args(agents, agents.tmp / "nope.jsonl", agents.tmp / "out.jsonl")
     proc = isolate_cli(*args, env=env())

@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -346,8 +347,14 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
 
 
 def test_console_script_help() -> None:
-    proc = isolate_cli("run", "--help")
-    assert proc.returncode == 0
+    # The entry point pip wrote for this environment, not `python -m isolate`.
+    script = Path(sysconfig.get_path("scripts")) / "isolate"
+    assert script.is_file()
+    proc = subprocess.run(
+        [str(script), "run", "--help"], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: isolate run ")
     for code in (
         "10 agent_error",
         "11 crashed",

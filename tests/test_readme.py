@@ -1,0 +1,120 @@
+"""The README's examples, run as they stand (a port number aside), from the checkout's root."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from .conftest import SLOW
+from .test_cli import cli_env
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+#: Where ``pip`` put the ``isolate`` entry point of the environment running the tests.
+SCRIPTS = Path(sysconfig.get_path("scripts"))
+README_PORT = "8000"
+
+
+def _block(after: str, language: str) -> str:
+    """The first fenced ``language`` block after the text ``after`` in the README."""
+    start = README.index(after)
+    match = re.compile(rf"^```{language}\n(.*?)^```", re.DOTALL | re.MULTILINE)
+    found = match.search(README, start)
+    assert found, f"no {language} block after {after!r}"
+    return found.group(1)
+
+
+def _commands(block: str) -> list[str]:
+    """Shell commands of a block, continuation lines joined."""
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def _start_llm(command: list[str], tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    """Start ``isolate scripted-llm`` on a free port; the process and its host:port."""
+    assert command[:2] == ["isolate", "scripted-llm"]
+    argv = [str(SCRIPTS / "isolate"), *command[1:]]
+    argv[argv.index(README_PORT)] = "0"  # the README's port may be taken on this machine
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp,
+        env=cli_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    match = re.search(r"http://(127\.0\.0\.1:\d+)/v1", first)
+    if not match:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"no address in {first!r}")
+    return proc, match.group(1)
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    proc.terminate()
+    code = proc.wait(timeout=10 * SLOW)
+    if proc.stdout:
+        proc.stdout.close()
+    return code
+
+
+def test_trying_it_without_a_model(tmp_path: Path) -> None:
+    commands = _commands(_block("### Trying it without a model", "bash"))
+    assert [c.split()[1] if c.startswith("isolate") else c for c in commands] == [
+        "scripted-llm",
+        "run",
+        "run",
+        "kill %1",
+    ]
+    server, address = _start_llm(shlex.split(commands[0].removesuffix("&")), tmp_path)
+    try:
+        runs = []
+        for command in commands[1:3]:
+            argv = shlex.split(command.replace(f"127.0.0.1:{README_PORT}", address))
+            proc = subprocess.run(
+                [str(SCRIPTS / "isolate"), *argv[1:]],
+                cwd=ROOT,
+                env=cli_env(LOG_DIR=str(tmp_path / "logs")),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60 * SLOW,
+            )
+            runs.append((proc.returncode, json.loads(proc.stdout)))
+            assert "isolate: replay with: isolate run --replay " in proc.stderr
+    finally:
+        assert _stop(server) == 0  # `kill %1` sends SIGTERM
+    [(calc_code, calc), (hang_code, hang)] = runs
+    assert (calc_code, calc["status"], calc["reward"]) == (0, "ok", 1.0)
+    assert (hang_code, hang["status"]) == (12, "timeout")
+    assert hang["killed"] >= 3  # the sleeps the script starts, setsid'ed ones included
+    assert len(list((tmp_path / "logs").iterdir())) == 2  # a replay bundle each
+
+
+def test_the_first_example_runs(tmp_path: Path) -> None:
+    code = _block("# isolate", "python")
+    assert f"127.0.0.1:{README_PORT}" in code
+    server, address = _start_llm(["isolate", "scripted-llm", "--port", README_PORT], tmp_path)
+    try:
+        script = tmp_path / "example.py"
+        script.write_text(code.replace(f"127.0.0.1:{README_PORT}", address))
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=ROOT,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=60 * SLOW,
+        )
+    finally:
+        _stop(server)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "ok 1.0\n"
