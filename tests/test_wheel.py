@@ -70,16 +70,21 @@ def test_the_wheel_holds_no_extras_and_the_demo_data(wheel_venv: Path) -> None:
     assert extras == "None None"
 
 
-def test_demo_from_the_wheel(wheel_venv: Path, tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [str(wheel_venv / "isolate"), "demo"],
-        cwd=tmp_path,
-        env=_env(tmp_path),
+def _isolate(wheel_venv: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The wheel's ``isolate`` entry point, run from ``cwd``, outside the checkout."""
+    return subprocess.run(
+        [str(wheel_venv / "isolate"), *args],
+        cwd=cwd,
+        env=_env(cwd),
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
         timeout=120 * SLOW,
     )
+
+
+def test_demo_from_the_wheel(wheel_venv: Path, tmp_path: Path) -> None:
+    proc = _isolate(wheel_venv, ["demo"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all as expected" in proc.stdout
     assert "demo__hang-1   timeout" in proc.stdout
@@ -120,15 +125,7 @@ def test_scripted_llm_then_the_suggested_run_from_the_wheel(
     assert calc[:2] == ["isolate", "run"]
     assert url in calc
     assert Path(calc[2]).is_relative_to(wheel_venv.parent)  # the installed record
-    proc = subprocess.run(
-        [str(wheel_venv / "isolate"), *calc[1:]],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=60 * SLOW,
-    )
+    proc = _isolate(wheel_venv, calc[1:], tmp_path)
     assert proc.returncode == 0, proc.stderr
     outcome = json.loads(proc.stdout)
     assert (outcome["status"], outcome["reward"]) == ("ok", 1.0)
