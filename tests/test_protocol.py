@@ -553,6 +553,7 @@ def test_importing_the_shim_module_has_no_side_effect(tmp_path: Path) -> None:
 
 QUICK = settings(max_examples=200, deadline=None)
 NONCE = "0123456789abcdef0123456789abcdef"
+NO_SECRETS = Redactor([])
 FRAME_TYPES = (Hello, Result, Error, Progress, Done)
 
 json_scalars = (
@@ -607,7 +608,7 @@ frame_fields = st.fixed_dictionaries(
 @example(line=b"\xef\xbb\xbf{}")
 @example(line=b"NaN")
 def test_parse_line_never_raises(line: bytes) -> None:
-    item = parse_line(line, NONCE)
+    item = parse_line(line, NONCE, NO_SECRETS)
     assert isinstance(item, (*FRAME_TYPES, Noise, Violation))
     if isinstance(item, Noise):
         assert item.preview == line[:200]
@@ -623,14 +624,14 @@ def test_a_line_without_the_exact_nonce_is_never_a_frame(
     fields: dict[str, Any], nonce: Any, drop: bool
 ) -> None:
     obj = dict(fields) if drop else dict(fields, nonce=nonce)
-    item = parse_line(json.dumps(obj).encode(), NONCE)
+    item = parse_line(json.dumps(obj).encode(), NONCE, NO_SECRETS)
     assert isinstance(item, Noise), item
 
 
 @QUICK
 @given(fields=frame_fields)
 def test_a_line_with_the_nonce_is_a_frame_or_a_violation(fields: dict[str, Any]) -> None:
-    item = parse_line(json.dumps(dict(fields, nonce=NONCE)).encode(), NONCE)
+    item = parse_line(json.dumps(dict(fields, nonce=NONCE)).encode(), NONCE, NO_SECRETS)
     assert isinstance(item, (*FRAME_TYPES, Violation)), item
     if isinstance(item, FRAME_TYPES):
         assert item.nonce == NONCE
@@ -642,16 +643,16 @@ def test_a_line_with_the_nonce_is_a_frame_or_a_violation(fields: dict[str, Any])
 def test_parse_line_examples() -> None:
     # The properties above hold for a parser that calls everything noise; pin real frames too.
     hello = b'{"t":"hello","nonce":"%s","protocol":1,"pid":5,"python":"3.9.1","subreaper":true}'
-    item = parse_line(hello % NONCE.encode(), NONCE)
+    item = parse_line(hello % NONCE.encode(), NONCE, NO_SECRETS)
     assert item == Hello(t="hello", nonce=NONCE, protocol=1, pid=5, python="3.9.1", subreaper=True)
     result = b'{"t":"result","nonce":"%s","reward":NaN,"info":{"a":[1]}}' % NONCE.encode()
-    item = parse_line(result, NONCE)
+    item = parse_line(result, NONCE, NO_SECRETS)
     assert isinstance(item, Result)
     assert isinstance(item.reward, float)
     assert math.isnan(item.reward)
     assert item.info == {"a": [1]}
     bad = b'{"t":"done","nonce":"%s","why":"exited","killed":-1,"exit_code":0,"signal":null}'
-    item = parse_line(bad % NONCE.encode(), NONCE)
+    item = parse_line(bad % NONCE.encode(), NONCE, NO_SECRETS)
     assert isinstance(item, Violation)
     assert "killed" in item.message
 

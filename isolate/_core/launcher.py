@@ -100,7 +100,13 @@ def _default_episode_id(data: Any) -> str:
 
 
 class _Run:
-    """The state of one episode, from arguments to outcome."""
+    """The state of one episode, from arguments to outcome.
+
+    What the child sends enters at two places only, and is scrubbed of the secrets there,
+    before anything keeps it: stderr in :meth:`_on_stderr`, stdout in ``proto.parse_line``
+    (a frame is built from the scrubbed object). Frames, tail, log and outcome hold only
+    scrubbed data, so a field added to a frame is scrubbed without anyone thinking of it.
+    """
 
     def __init__(
         self,
@@ -515,12 +521,12 @@ class _Run:
             self._violate(f"frame of {line} bytes exceeds max_frame_bytes")
             return
         if len(line) > _BIG_FRAME:
-            item = await anyio.to_thread.run_sync(proto.parse_line, line, self.nonce)
+            item = await anyio.to_thread.run_sync(proto.parse_line, line, self.nonce, self.redact)
         else:
-            item = proto.parse_line(line, self.nonce)
+            item = proto.parse_line(line, self.nonce, self.redact)
         if isinstance(item, proto.Noise):
             self.noise += 1
-            shown = self.redact.scrub(item.preview).decode("utf-8", "backslashreplace")
+            shown = item.preview.decode("utf-8", "backslashreplace")
             self._note(f"ignored stdout line ({item.reason}): {shown!r}")
         elif isinstance(item, proto.Violation):
             self._violate(item.message)
@@ -626,7 +632,7 @@ class _Run:
     def _classify(
         self,
     ) -> tuple[Status, ErrorInfo | None, float | dict[str, float] | None, Any]:
-        final, r = self.final, self.redact
+        final = self.final
         if self.violations:
             return "protocol_error", _err("ProtocolError", self.violations[0]), None, None
         if self.hello is None:
@@ -657,17 +663,13 @@ class _Run:
             # No final frame by the deadline: one that came during teardown does not count.
             return "timeout", self._timeout_error(), None, None
         if isinstance(final, proto.Error):
-            error = ErrorInfo(
-                type=r.text(final.type),
-                message=r.text(final.message),
-                traceback=r.text(final.traceback),
-            )
+            error = ErrorInfo(type=final.type, message=final.message, traceback=final.traceback)
             return ("setup_error" if final.kind == "setup" else "agent_error"), error, None, None
         if isinstance(final, proto.Result):
             problem = _check_reward(final)
             if problem is not None:
-                return "protocol_error", _err("ProtocolError", r.text(problem)), None, None
-            return "ok", None, final.reward, r.json(final.info)
+                return "protocol_error", _err("ProtocolError", problem), None, None
+            return "ok", None, final.reward, final.info
         if self.done is not None and self.done.why == "deadline":
             return "timeout", self._timeout_error(), None, None
         exit_code, sig = self._exit()

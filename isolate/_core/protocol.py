@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
 
+from .redact import Redactor
+
 PROTOCOL_VERSION = 1
 
 
@@ -92,26 +94,37 @@ class Violation:
     message: str
 
 
-def parse_line(line: bytes, nonce: str) -> Frame | Noise | Violation:
-    """Classify one stdout line (without its newline)."""
-    preview = line[:200]
+def parse_line(line: bytes, nonce: str, redact: Redactor) -> Frame | Noise | Violation:
+    """Classify one stdout line (without its newline).
+
+    This is where everything on the child's stdout enters the parent, so it is also where it
+    is scrubbed: a frame is built from the scrubbed JSON object (keys, values, fields that do
+    not exist yet), and a noise preview or a violation's text only ever quotes scrubbed data.
+    """
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: absurdly nested arrays
-        return Noise("not JSON", preview)
+        return Noise("not JSON", _preview(line, redact))
     if not isinstance(obj, dict):
-        return Noise("not a JSON object", preview)
+        return Noise("not a JSON object", _preview(line, redact))
     their = obj.get("nonce")
     if not isinstance(their, str) or not hmac.compare_digest(
         their.encode("utf-8", "surrogatepass"), nonce.encode()
     ):
-        return Noise("no nonce of this episode", preview)
+        return Noise("no nonce of this episode", _preview(line, redact))
+    obj = redact.json(obj)  # after the nonce check: a secret may be a substring of the nonce
     try:
         return _FRAME.validate_python(obj)
     except ValidationError as exc:
+        # pydantic's text quotes the input, its location names dict keys: both are scrubbed.
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         return Violation(f"malformed {obj.get('t')!r} frame: {where}: {first['msg']}")
+
+
+def _preview(line: bytes, redact: Redactor) -> bytes:
+    """The start of a line for the log, scrubbed whole first (a cut could halve a secret)."""
+    return redact.scrub(line)[:200]
 
 
 class LineSplitter:

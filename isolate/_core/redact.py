@@ -6,6 +6,7 @@ the key). Nothing that isolate writes to a log, a tail or an outcome may contain
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -16,10 +17,13 @@ class Redactor:
     """Replace secret values in text, and in a byte stream split at arbitrary points.
 
     Matching is leftmost, then longest, so overlapping secrets are masked whole, and a stream
-    scrubbed chunk by chunk gives exactly what scrubbing it whole would."""
+    scrubbed chunk by chunk gives exactly what scrubbing it whole would. Each secret is also
+    masked as JSON writes it (``\u00e9``, ``\"``), the way a JSON log line or stdout line
+    carries a key that is not plain ASCII."""
 
     def __init__(self, secrets: list[str]) -> None:
-        needles = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+        forms = {form for s in secrets if s for form in (s, json.dumps(s)[1:-1])}
+        needles = sorted({f.encode("utf-8", "surrogatepass") for f in forms}, key=len, reverse=True)
         self._needles = needles
         self._pattern = re.compile(b"|".join(re.escape(n) for n in needles)) if needles else None
         self._keep = len(needles[0]) - 1 if needles else 0
