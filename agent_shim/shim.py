@@ -436,7 +436,8 @@ def worker(hs, channel):
         )
         return 1
     kwargs = dict(hs.get("kwargs") or {})
-    kwargs.update(hs.pop("secrets", None) or {})
+    secrets = hs.pop("secrets", None) or {}
+    kwargs.update(secrets)
     try:
         value = target(hs["data"], **kwargs)
         del kwargs
@@ -458,7 +459,8 @@ def worker(hs, channel):
             traceback=text,
         )
         return code & 0xFF
-    channel.send("result", **to_result(value, hs.get("max_info_bytes", 1 << 20)))
+    limit = hs.get("max_info_bytes", 1 << 20)
+    channel.send("result", **to_result(value, limit, list(secrets.values())))
     return 0
 
 
@@ -506,16 +508,17 @@ def reward_of(value):
     return None
 
 
-def to_result(value, max_info_bytes):
+def to_result(value, max_info_bytes, secrets=()):
     """Split a return value into reward and extra info (as JSON text, under ``info_json``);
-    leave validation to the parent."""
+    leave validation to the parent. ``secrets``: no cut may keep a part of one."""
     extra = None
     if isinstance(value, tuple) and len(value) == 2:
         value, extra = value
     fields = {"reward": reward_of(value)}
     if fields["reward"] is None:
         fields["reward_type"] = type(value).__name__
-        fields["reward_repr"] = repr(value)[:200]
+        forms = list(secrets) + [repr(s)[1:-1] for s in secrets]
+        fields["reward_repr"] = cut(repr(value), 200, forms)
     if extra is None:
         fields["info"] = None
     else:
@@ -523,10 +526,23 @@ def to_result(value, max_info_bytes):
 
         text = json.dumps(extra, default=repr)
         if len(text) > max_info_bytes:
-            summary = {"truncated": True, "bytes": len(text), "preview": text[:4096]}
+            preview = cut(text, 4096, [json.dumps(s)[1:-1] for s in secrets])
+            summary = {"truncated": True, "bytes": len(text), "preview": preview}
             text = json.dumps(summary)
         fields["info_json"] = text
     return fields
+
+
+def cut(text, limit, secrets):
+    """``text[:limit]``, ended before a secret the cut would split: the parent masks whole
+    secrets, never the half of one."""
+    end = limit
+    for secret in secrets:
+        if secret:
+            start = text.find(secret, max(0, limit - len(secret) + 1))
+            if 0 <= start < end:
+                end = start
+    return text[:end]
 
 
 # --- the supervisor ---------------------------------------------------------------------------
