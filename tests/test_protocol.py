@@ -786,3 +786,15 @@ def test_shim_json_loads_refuses_what_json_loads_refuses(text: str) -> None:
         json.loads(text)
     with pytest.raises(ValueError, match=said):
         agent_shim.shim.json_loads(text)
+
+
+def test_parse_line_scrubs_data_but_not_the_protocols_words() -> None:
+    # A one-letter key ("k", as tests use) is in "killed": the frame must still parse.
+    redact = Redactor(["k"])
+    done = b'{"t":"done","nonce":"%s","why":"exited","killed":0,"exit_code":0,"signal":null}'
+    assert isinstance(parse_line(done % NONCE.encode(), NONCE, redact), Done)
+    result = b'{"t":"result","nonce":"%s","reward":{"k1":1.0},"info":{"k":["ok"]},"k":1}'
+    item = parse_line(result % NONCE.encode(), NONCE, redact)
+    assert isinstance(item, Result)
+    assert item.reward == {"[secret]1": 1.0}
+    assert item.info == {"[secret]": ["o[secret]"]}

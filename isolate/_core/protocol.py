@@ -6,11 +6,12 @@ line, each carrying the per-episode nonce. Lines without that nonce are noise, n
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
 
@@ -112,7 +113,7 @@ def parse_line(line: bytes, nonce: str, redact: Redactor) -> Frame | Noise | Vio
         their.encode("utf-8", "surrogatepass"), nonce.encode()
     ):
         return Noise("no nonce of this episode", _preview(line, redact))
-    obj = redact.json(obj)  # after the nonce check: a secret may be a substring of the nonce
+    obj = _scrub(obj, redact)
     try:
         return _FRAME.validate_python(obj)
     except ValidationError as exc:
@@ -120,6 +121,30 @@ def parse_line(line: bytes, nonce: str, redact: Redactor) -> Frame | Noise | Vio
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         return Violation(f"malformed {obj.get('t')!r} frame: {where}: {first['msg']}")
+
+
+def _scrub(obj: dict[str, Any], redact: Redactor) -> dict[str, Any]:
+    """The frame object with every string scrubbed but the protocol's own words (field names,
+    frame types, ``why``...), so a short secret cannot turn ``killed`` into ``[secret]illed``.
+    After the nonce check: a secret may be a substring of the nonce."""
+    return {
+        key if key in _words() else redact.text(key): (
+            value if isinstance(value, str) and value in _words() else redact.json(value)
+        )
+        for key, value in obj.items()
+    }
+
+
+@functools.cache
+def _words() -> frozenset[str]:
+    """Every frame field name and every value a Literal field of a frame can take."""
+    words: set[str] = set()
+    for model in get_args(get_args(Frame)[0]):
+        for name, field in model.model_fields.items():
+            words.add(name)
+            if get_origin(field.annotation) is Literal:
+                words.update(get_args(field.annotation))
+    return frozenset(words)
 
 
 def _preview(line: bytes, redact: Redactor) -> bytes:
