@@ -20,7 +20,7 @@ from ._core.errors import (
     SetupError,
 )
 from ._core.launcher import run_episode
-from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status
+from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
 from ._core.protocol import PROTOCOL_VERSION
 from ._core.shim import shim_path
 
@@ -42,6 +42,7 @@ __all__ = [
     "STATUSES",
     "SetupError",
     "Status",
+    "Timings",
     "run_episode",
     "shim_path",
 ]

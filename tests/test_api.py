@@ -40,6 +40,7 @@ EXPORTED = [
     "STATUSES",
     "SetupError",
     "Status",
+    "Timings",
     "run_episode",
     "shim_path",
 ]

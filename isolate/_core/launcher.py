@@ -18,12 +18,13 @@ import psutil
 from anyio.lowlevel import RunVar
 from pydantic import SecretStr
 
+from . import admission as _admission
 from . import containment as _containment
 from . import protocol as proto
 from .config import EPISODE_ENV, EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
-from .outcome import EpisodeOutcome, ErrorInfo, Status, describe_exit, signal_name
+from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings, describe_exit, signal_name
 from .redact import Redactor
 from .shim import _boot_path
 from .tail import Tail
@@ -181,6 +182,9 @@ class _Run:
         self.term_deadline: float | None = None
         self.spawned = self.started
         self.gate: anyio.CapacityLimiter | None = None
+        self.ticket: _admission.Ticket | None = None  # this episode's share of the fd budget
+        self.start_wait_s = 0.0
+        self.hello_at: float | None = None
         self.stdout_eof = anyio.Event()
         self.stderr_eof = anyio.Event()
 
@@ -191,23 +195,19 @@ class _Run:
             return await self._run(on_start)
         finally:
             self._close_log()  # last: _finish writes its summary line into it
+            if self.ticket is not None:
+                self.ticket.release()  # every fd of the episode is closed now
 
     async def _run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
         try:
+            # Wait for this episode's fds to fit the open-file limit, instead of hitting EMFILE.
+            ticket = await _admission.admit(self.episode_id, _admission.episode_fds(self.spec))
+            if isinstance(ticket, str):
+                return self._finish("setup_error", _err("SetupError", ticket))
+            self.ticket = ticket
             problem = await anyio.to_thread.run_sync(self._prepare)
-            if problem is not None:
-                return self._finish("setup_error", _err("SetupError", problem))
-            # At most a few children between spawn and hello at once: 200 interpreters starting
-            # together on 2 cores starve the event loop for seconds (bench: p99 lag 1.1 s).
-            gate = _starting_gate()
-            await gate.acquire_on_behalf_of(self)
-            self.gate = gate  # only once held: a cancelled wait has nothing to release
-            try:
-                problem = await anyio.to_thread.run_sync(self._spawn)
-                self.spawned = time.monotonic()
-            except OSError as exc:
-                message = f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
-                return self._finish("setup_error", _err("SetupError", message))
+            if problem is None:
+                problem = await self._start()
             if problem is not None:
                 return self._finish("setup_error", _err("SetupError", problem))
             if on_start is not None:
@@ -227,7 +227,7 @@ class _Run:
         return self._conclude()
 
     def _prepare(self) -> str | None:
-        """Check what can be checked before spawning; open the log. Returns a problem or None."""
+        """Check what can be checked before spawning. Returns a problem or None."""
         spec = self.spec
         if spec.agent_root is not None:
             root = spec.agent_root.expanduser().absolute()
@@ -248,14 +248,22 @@ class _Run:
         problem = self._contain()
         if problem is not None:
             return problem
-        if spec.log_dir is not None:
+        _admission.child_rlimits(self.public)
+        return None
+
+    def _open_log(self) -> str | None:
+        spec = self.spec
+        if spec.log_dir is not None and self.log is None:
             try:
                 spec.log_dir.mkdir(parents=True, exist_ok=True)
                 self.log_path = (spec.log_dir / f"{self.episode_id}.log").absolute()
                 self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _close
             except OSError as exc:
+                if _admission.exhausted(exc):
+                    raise
                 return f"cannot open a log file in {spec.log_dir}: {exc.strerror or exc}"
-        self._build_env()
+        if not self.env:  # once, after the log is open: its first line names what is withheld
+            self._build_env()
         return None
 
     def _build_env(self) -> None:
@@ -271,6 +279,33 @@ class _Run:
         self.env = env
         if withheld:
             self._note(describe_withheld(withheld))
+
+    async def _start(self) -> str | None:
+        """Open the log and spawn the shim; a full fd table means: wait for room, retry."""
+        assert self.ticket is not None
+        while True:
+            try:
+                problem = await anyio.to_thread.run_sync(self._open_log)
+                if problem is not None:
+                    return problem
+                # At most a few children between spawn and hello at once: 200 interpreters
+                # starting together on 2 cores starve the event loop for seconds (p99 lag 1.1 s).
+                gate, waited = _starting_gate(), time.monotonic()
+                await gate.acquire_on_behalf_of(self)
+                self.gate = gate  # only once held: a cancelled wait has nothing to release
+                self.start_wait_s += time.monotonic() - waited
+                problem = await anyio.to_thread.run_sync(self._spawn)
+            except OSError as exc:
+                if not _admission.exhausted(exc):
+                    return f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
+                self._open_gate()
+                problem = await self.ticket.starved(exc, self.spec.timeout)
+                if problem is not None:
+                    return problem
+                continue
+            self.spawned = time.monotonic()
+            self.ticket.started()
+            return problem
 
     def _contain(self) -> str | None:
         """Pick the containment level, make the cgroup leaves, put both into the handshake."""
@@ -336,7 +371,7 @@ class _Run:
         # After the move: reading /proc/PID/stat of a process that is still in exec takes ~2 ms.
         try:
             shim: psutil.Process | None = psutil.Process(pid)
-        except psutil.Error:
+        except (psutil.Error, OSError):  # only an error of Popen itself is worth a retry
             shim = None
         self.tree = Episode(shim, pid, self.episode_id, self.leaves)
         if hasattr(os, "pidfd_open"):
@@ -545,6 +580,7 @@ class _Run:
                 level = f"{frame.containment!r}, not {self.level!r}"
                 self._violate(f"the shim set up containment {level}")
             self.hello = frame
+            self.hello_at = time.monotonic()
             self._open_gate()
         elif self.hello is None:
             self._violate(f"a {frame.t!r} frame before hello")
@@ -724,6 +760,7 @@ class _Run:
             containment=(self.hello.containment or "session") if self.hello else self.level,
             reason=reason,
             oom_kills=self.oom_kills,
+            timings=self._timings(),
         )
         if self.log is not None:
             try:
@@ -731,6 +768,14 @@ class _Run:
             except OSError as exc:
                 self._lose_log(exc)
         return outcome
+
+    def _timings(self) -> Timings:
+        started = self.hello_at - self.spawned if self.hello_at is not None else None
+        return Timings(
+            admission_s=self.ticket.wait_s if self.ticket is not None else 0.0,
+            start_wait_s=self.start_wait_s,
+            start_s=started,
+        )
 
 
 def _err(kind: str, message: str) -> ErrorInfo:

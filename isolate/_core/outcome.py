@@ -52,6 +52,20 @@ class ErrorInfo(BaseModel):
     """The child's formatted traceback, when there is one."""
 
 
+class Timings(BaseModel):
+    """Where an episode's time went before its agent ran (seconds). All of it is part of
+    ``duration_s``: queueing tells itself apart from a slow start."""
+
+    model_config = ConfigDict(frozen=True)
+
+    admission_s: float = 0.0
+    """Waiting for file descriptors: the fd budget, and retries after ``EMFILE``/``ENFILE``."""
+    start_wait_s: float = 0.0
+    """Waiting for a start slot: at most max(4, 2 × CPUs) interpreters start at once."""
+    start_s: float | None = None
+    """From spawn to the shim's ``hello`` (the interpreter's start-up); None without one."""
+
+
 class EpisodeOutcome(BaseModel):
     """Everything known about one finished episode. Contains no secret."""
 
@@ -87,6 +101,8 @@ class EpisodeOutcome(BaseModel):
     """The resource limit the episode hit, e.g. ``memory limit 512 MiB`` (status crashed)."""
     oom_kills: int | None = None
     """Processes of the episode the kernel OOM-killed; None where no cgroup counts them."""
+    timings: Timings = Timings()
+    """Waits and start-up inside ``duration_s``: fd admission, start slot, interpreter start."""
 
     @property
     def exit_description(self) -> str:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
+from ..._core import admission
 from ..._core.outcome import STATUSES
 
 if TYPE_CHECKING:
@@ -98,6 +99,9 @@ class View:
                 text = f"{status} {self.counts[status]}"
                 parts.append(f"[{_STYLE[status]}]{text}[/]" if markup else text)
         parts.append(f"running {self.running}")
+        fds = admission.waiting()  # of those running: under the open-file limit, not yet started
+        if fds:
+            parts.append(f"waiting for file descriptors {fds}")
         if self.retried:
             parts.append(f"retried {self.retried}")
         return ", ".join(parts)
