@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import anyio
 import pytest
 
 import isolate
-from isolate.workflow import SWEAgentWorkflow, default_agent_root
+from isolate.workflow import PASSTHROUGH_ENV, SWEAgentWorkflow, default_agent_root
 
 from .conftest import Agents, is_gone
 
@@ -429,3 +430,159 @@ async def test_containment_and_limits_from_econfig(
 def test_invalid_limits_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="limits"):
         SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "limits": {"open_files": -1}})
+
+
+# --- the deployment's environment -------------------------------------------------------------
+
+DEPLOYMENT = {
+    "AENV_SYSTEM_URL": "http://aenv.internal:8080",
+    "SWEBENCH_EVAL_ENV": "prod",
+    "HF_HOME": "/data/hf",
+    "HTTPS_PROXY": "http://proxy.internal:3128",
+    "NO_PROXY": "localhost,127.0.0.1",
+}
+TRAINER_ONLY = {
+    "PYTHONPATH": "/trainer/areal",
+    "PYTHONSAFEPATH": "safe-path-on",
+    "VIRTUAL_ENV": "/trainer/venv",
+    "CONDA_PREFIX": "/opt/conda/envs/trainer",
+    "CONDA_DEFAULT_ENV": "conda-env-of-the-trainer",
+    "LD_PRELOAD": "libisolate-test-not-there.so",
+    "E2B_API_KEY": "e2b-of-the-trainer",
+    "REMOTE_PROXY_API_KEY": "proxy-key-of-the-trainer",
+}
+
+
+def episode_log(caplog: pytest.LogCaptureFixture) -> Path:
+    """The log file named by the last episode's structured line."""
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
+    return Path(json.loads(lines[-1].removeprefix("episode "))["log"])
+
+
+async def test_the_agent_sees_the_deployment_but_not_the_trainer_interpreter_or_keys(
+    agents: Agents,
+    clean_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for name, value in {**DEPLOYMENT, **TRAINER_ONLY}.items():
+        monkeypatch.setenv(name, value)
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"):
+        assert await wf.run(record(report=True), base_url=URL) == 1.0
+    env = report(clean_env)["environ"]
+    assert {name: env.get(name) for name in DEPLOYMENT} == DEPLOYMENT
+    assert [name for name in TRAINER_ONLY if name in env] == []
+    # The first line isolate writes into the episode's log names them, never their values.
+    first = episode_log(caplog).read_text().splitlines()[0]
+    assert first.startswith("[isolate] withheld from the agent's environment: ")
+    for name in TRAINER_ONLY:
+        assert name in first
+    for value in TRAINER_ONLY.values():
+        assert value not in first
+
+
+async def test_econfig_inherit_env_overrides_the_passthrough(
+    agents: Agents, clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {**DEPLOYMENT, **TRAINER_ONLY}.items():
+        monkeypatch.setenv(name, value)
+    cfg = econfig(agents, inherit_env=[*PASSTHROUGH_ENV, "PYTHONPATH", "E2B_API_KEY"])
+    wf = SWEAgentWorkflow(econfig=cfg)
+    await wf.run(record(report=True), base_url=URL)
+    env = report(clean_env)["environ"]
+    assert (env.get("PYTHONPATH"), env.get("E2B_API_KEY")) == (
+        "/trainer/areal",
+        "e2b-of-the-trainer",
+    )
+    assert env.get("HF_HOME") == "/data/hf"
+    assert "VIRTUAL_ENV" not in env
+
+
+@pytest.mark.parametrize("bad", ["PATH", {"PATH": 1}])
+def test_inherit_env_must_be_a_list(bad: object) -> None:
+    with pytest.raises(ValueError, match="inherit_env must be a list"):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "inherit_env": bad})
+
+
+async def test_secret_env_from_the_trainer_environment(
+    agents: Agents,
+    clean_env: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    value = "e2b-" + hashlib.sha256(b"x").hexdigest()[:24]
+    monkeypatch.setenv("E2B_API_KEY", value)
+    wf = SWEAgentWorkflow(econfig=econfig(agents, secret_env=["E2B_API_KEY"]))
+    with caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"):
+        await wf.run(record(report=True, print="E2B key is " + value), base_url=URL)
+    # The agent has it in os.environ (and wrote it into its own report: its choice).
+    assert report(clean_env)["environ"]["E2B_API_KEY"] == value
+    log = episode_log(caplog).read_text()
+    assert "E2B key is [secret]" in log
+    assert value not in log
+    assert "E2B_API_KEY" not in log.splitlines()[0]  # delivered, not withheld
+
+
+@pytest.mark.parametrize(
+    ("secret_env", "message"),
+    [
+        (["NOT_SET_ANYWHERE_1"], "not set in the environment: NOT_SET_ANYWHERE_1"),
+        ("E2B_API_KEY", "secret_env must be a list of variable names, got str"),
+        (["A=B"], "invalid variable name 'A=B'"),
+    ],
+)
+def test_bad_secret_env_fails_at_construction(secret_env: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "secret_env": secret_env})
+
+
+# --- upstream's newer econfig keys ------------------------------------------------------------
+
+UPSTREAM = {
+    "harness_timeout": 222.0,
+    "eval_timeout": 111.0,
+    "session_idle_timeout": None,
+    "session_poll_interval": 7.0,
+    "terminal_exit_grace": 11.0,
+    "opencode_config": {"tools": {"task": False}},
+    "max_tokens": 32768,
+    "max_completion_tokens": 4096,
+}
+
+
+@pytest.mark.parametrize("where", ["econfig", "record"])
+async def test_upstream_keys_are_forwarded(agents: Agents, clean_env: Path, where: str) -> None:
+    keys = {"sandbox_backend": " E2B ", **UPSTREAM}
+    data = record(report=True)
+    if where == "econfig":
+        wf = SWEAgentWorkflow(econfig=econfig(agents, **keys))
+    else:
+        wf = SWEAgentWorkflow(econfig=econfig(agents))
+        data["econfig"] = keys
+    await wf.run(data, base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert kwargs["sandbox_backend"] == "e2b"
+    assert {k: kwargs[f"override_{k}"] for k in UPSTREAM} == UPSTREAM
+
+
+async def test_upstream_keys_are_absent_when_unset(agents: Agents, clean_env: Path) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents, max_tokens=10))
+    await wf.run(record(report=True), base_url=URL)
+    kwargs = report(clean_env)["kwargs"]
+    assert kwargs["override_max_tokens"] == 10
+    present = [k for k in ("sandbox_backend", *(f"override_{k}" for k in UPSTREAM)) if k in kwargs]
+    assert present == ["override_max_tokens"]
+
+
+def test_sandbox_backend_is_validated_at_construction() -> None:
+    with pytest.raises(ValueError, match="sandbox_backend must be 'aenv' or 'e2b', got 'local'"):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "sandbox_backend": "local"})
+
+
+async def test_sandbox_backend_of_a_record_is_validated(agents: Agents) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    data = record()
+    data["econfig"] = {"sandbox_backend": "docker"}
+    with pytest.raises(ValueError, match="'aenv' or 'e2b'"):
+        await wf.run(data, base_url=URL)

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from .._core.config import EpisodeSpec
+from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
 from .._core.protocol import PROTOCOL_VERSION
 from .._core.shim import shim_path
@@ -125,6 +126,22 @@ def _usable_bytecode(pyc: Path, magic: bytes, source: Path) -> bool:
     return flags != 0 or (mtime, size) == (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
 
 
+def _withheld(report: _Report) -> None:
+    """The variables of this environment the drop-in's rule keeps from the agent, and why."""
+    _, withheld = split_env(os.environ, PASSTHROUGH_ENV)
+    if not withheld:
+        report.line("info", "the agent sees every variable of this environment")
+        return
+    report.line(
+        "info",
+        f"{len(withheld)} variable(s) of this environment are withheld from the agent "
+        "(SWEAgentWorkflow, isolate run/batch; econfig inherit_env overrides, secret_env / "
+        "--secret-env hands credentials over):",
+    )
+    for name, reason in sorted(withheld.items()):
+        print(f"          {name}: {reason}")
+
+
 def doctor(agent_root: Path | None, python: str | None, entrypoint: str | None) -> int:
     """Print one verdict per check; return 0 when every check passed, else 1."""
     python = python or sys.executable
@@ -181,5 +198,6 @@ def doctor(agent_root: Path | None, python: str | None, entrypoint: str | None) 
 
     versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")
+    _withheld(report)
     print("isolate doctor: " + ("problems found" if report.failed else "all checks passed"))
     return 1 if report.failed else 0

@@ -61,6 +61,13 @@ def _key_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from PATH")
     group.add_argument("--api-key-env", metavar="NAME", help="read the key from env variable NAME")
+    group.add_argument(
+        "--secret-env",
+        action="append",
+        metavar="NAME",
+        help="hand env variable NAME to the agent as a secret, set only in its os.environ "
+        "(repeatable; the value is read from this environment)",
+    )
 
 
 def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
@@ -95,3 +102,11 @@ def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
         file=sys.stderr,
     )
     return SecretStr("dummy")
+
+
+def read_secret_env(names: list[str] | None) -> dict[str, SecretStr]:
+    """``--secret-env`` names with their values from this process's environment."""
+    missing = [name for name in names or () if name not in os.environ]
+    if missing:
+        raise UsageError(f"--secret-env: environment variable {missing[0]} is not set")
+    return {name: SecretStr(os.environ[name]) for name in names or ()}

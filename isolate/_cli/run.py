@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from .._core.config import EpisodeSpec
 from .._core.launcher import _default_episode_id, run_episode
 from .._core.outcome import EpisodeOutcome
-from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError
+from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError, read_secret_env
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
 _TTY_TICK_S = 0.5
@@ -33,9 +33,15 @@ class Prepared:
     """Everything one episode needs, from flags or from a replay bundle."""
 
     def __init__(
-        self, record: dict[str, Any], spec: EpisodeSpec, kwargs: dict[str, Any], log_dir: Path
+        self,
+        record: dict[str, Any],
+        spec: EpisodeSpec,
+        kwargs: dict[str, Any],
+        log_dir: Path,
+        secret_env: dict[str, SecretStr],
     ) -> None:
         self.record, self.spec, self.kwargs, self.log_dir = record, spec, kwargs, log_dir
+        self.secret_env = secret_env
 
 
 def prepare_run(args: argparse.Namespace) -> Prepared:
@@ -50,9 +56,10 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
             record = json.loads((bundle / "record.json").read_text())
             spec = EpisodeSpec.model_validate_json((bundle / "spec.json").read_text())
             kwargs = json.loads((bundle / "kwargs.json").read_text())
+            names = args.secret_env or _bundle_secret_env(bundle)
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
-        return Prepared(record, spec, kwargs, log_dir)
+        return Prepared(record, spec, kwargs, log_dir, read_secret_env(names))
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -66,11 +73,24 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"{args.record} must hold one JSON object (a record)")
     from .batch.job import Plan  # one way to turn flags and a record into an episode
 
+    plan = Plan(args)
     try:
-        spec, kwargs = Plan(args).build(record)
+        spec, kwargs = plan.build(record)
+        secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return Prepared(record, spec, kwargs, log_dir)
+    return Prepared(record, spec, kwargs, log_dir, secret_env)
+
+
+def _bundle_secret_env(bundle: Path) -> list[str]:
+    """The names of the bundle's secret_env (its values were never written)."""
+    path = bundle / "secret_env.json"
+    if not path.exists():
+        return []
+    names = json.loads(path.read_text())
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("secret_env.json must hold a list of names")
+    return names
 
 
 _AGENT_FLAGS = (
@@ -99,6 +119,8 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     _write_json(bundle / "record.json", prep.record)
     (bundle / "spec.json").write_text(prep.spec.model_dump_json(indent=2) + "\n")
     _write_json(bundle / "kwargs.json", prep.kwargs)
+    if prep.secret_env:  # names only, for --replay to look up again
+        _write_json(bundle / "secret_env.json", sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
 
     outcome: EpisodeOutcome | None = None
@@ -127,6 +149,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                         secrets={"override_api_key": key},
                         episode_id=episode_id,
                         on_start=status.started,
+                        secret_env=prep.secret_env,
                     )
                 finally:
                     status.clear()

@@ -25,12 +25,11 @@ _SECRET_LOOKING = re.compile(
 #: shim puts on sys.path), PYTHONHOME, its activated virtualenv or conda env, a preloaded
 #: library. The AReaL drop-in excludes them; each with the reason doctor gives.
 INTERPRETER_ENV: dict[str, str] = {
-    "PYTHON*": "steers Python (the trainer's PYTHONPATH, PYTHONHOME, ... would reach the "
-    "agent's interpreter)",
-    "VIRTUAL_ENV": "the trainer's activated virtualenv",
-    "VIRTUAL_ENV_PROMPT": "the trainer's activated virtualenv",
-    "CONDA_*": "the trainer's activated conda environment",
-    "_CE_*": "the trainer's activated conda environment",
+    "PYTHON*": "steers Python: the trainer's setting would apply to the agent's interpreter",
+    "VIRTUAL_ENV": "activates the trainer's virtualenv",
+    "VIRTUAL_ENV_PROMPT": "activates the trainer's virtualenv",
+    "CONDA_*": "activates the trainer's conda environment",
+    "_CE_*": "activates the trainer's conda environment",
     "LD_PRELOAD": "preloads a library into every process the agent starts",
 }
 
@@ -116,7 +115,6 @@ def describe_withheld(withheld: Mapping[str, str]) -> str:
     """One line naming withheld variables, grouped by reason; names only, never values."""
     groups: dict[str, list[str]] = {}
     for name, reason in withheld.items():
-        short = "credential-like" if reason == CREDENTIAL else reason.split(" (")[0]
-        groups.setdefault(short, []).append(name)
+        groups.setdefault(reason.split(":")[0].split(" (")[0], []).append(name)
     parts = [f"{', '.join(sorted(names))} ({why})" for why, names in sorted(groups.items())]
-    return "withheld from the agent's environment: " + "; ".join(parts)
+    return "withheld from the agent's environment: " + "; ".join(parts) + " (isolate doctor)"

@@ -5,7 +5,10 @@ Swap one import::
     from isolate.workflow import SWEAgentWorkflow
 
 Same constructor, same ``run``, same results as AReaL's in-process workflow; the agent checkout
-is imported only in the child, under its own interpreter if ``econfig["python"]`` says so.
+is imported only in the child, under its own interpreter if ``econfig["python"]`` says so. The
+agent sees the trainer's environment minus credential-like and interpreter-steering names
+(:data:`PASSTHROUGH_ENV`); credentials its SDKs read from the environment go by econfig
+``secret_env``.
 
 What each outcome becomes (``econfig["on_crash"]`` picks the ``crashed`` row):
 
@@ -25,14 +28,18 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .._core.config import DEFAULT_INHERIT_ENV, EpisodeSpec
+from pydantic import SecretStr
+
+from .._core.config import EpisodeSpec, is_env_name
+from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
 
-__all__ = ["SWEAgentWorkflow", "resolve_agent_root"]
+__all__ = ["PASSTHROUGH_ENV", "SWEAgentWorkflow", "resolve_agent_root"]
 
 logger = logging.getLogger("AReaL-SWEAgent")
 
@@ -48,6 +55,19 @@ _DEFAULT_AGENT_CONFIGS = {
 _ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
 _ROOT_ENV = ("AWEAGENT_ROOT", "SWE_AGENT_ROOT", "SWEAGENT_ROOT")
 _ON_CRASH = ("zero", "raise")
+_SANDBOX_BACKENDS = ("aenv", "e2b")
+#: Upstream's newer econfig keys, forwarded as ``override_<key>`` when present (and only then:
+#: an older AReaL-SWEAgent does not accept them).
+_UPSTREAM_OVERRIDES = (
+    "harness_timeout",
+    "eval_timeout",
+    "session_idle_timeout",
+    "session_poll_interval",
+    "terminal_exit_grace",
+    "opencode_config",
+    "max_tokens",
+    "max_completion_tokens",
+)
 
 
 def default_agent_root() -> Path:
@@ -90,10 +110,29 @@ def _from_env(econfig: dict[str, Any], key: str, env: str) -> str | None:
     return None if value is None else str(value)
 
 
+def sandbox_backend_of(econfig: dict[str, Any]) -> str:
+    """econfig ``sandbox_backend`` stripped and lower-cased (upstream's default ``aenv``)."""
+    value = econfig.get("sandbox_backend")
+    backend = "aenv" if value is None else str(value).strip().lower()
+    if backend not in _SANDBOX_BACKENDS:
+        raise ValueError(f"econfig.sandbox_backend must be 'aenv' or 'e2b', got {value!r}")
+    return backend
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain JSON containers (AReaL's econfig may hold OmegaConf ones)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [_plain(v) for v in value]
+    return value
+
+
 def episode_kwargs(econfig: dict[str, Any], base_url: str) -> dict[str, Any]:
-    """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret)."""
+    """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret): the
+    seed's, plus upstream's newer keys where econfig has them."""
     agent_type = agent_type_of(econfig)
-    return {
+    kwargs = {
         "agent_type": agent_type,
         "agent_config": agent_config_of(econfig, agent_type),
         "result_dir": os.environ.get("LOG_DIR", "./logs"),
@@ -102,6 +141,47 @@ def episode_kwargs(econfig: dict[str, Any], base_url: str) -> dict[str, Any]:
         "override_opencode_provider": _from_env(econfig, "opencode_provider", "OPENCODE_PROVIDER"),
         "override_codex_provider": _from_env(econfig, "codex_provider", "CODEX_PROVIDER"),
     }
+    if "sandbox_backend" in econfig:
+        kwargs["sandbox_backend"] = sandbox_backend_of(econfig)
+    for key in _UPSTREAM_OVERRIDES:
+        if key in econfig:
+            kwargs[f"override_{key}"] = _plain(econfig[key])
+    return kwargs
+
+
+def secret_env_names(econfig: dict[str, Any]) -> list[str]:
+    """econfig ``secret_env``: a list of variable names (checked, not looked up)."""
+    names = econfig.get("secret_env")
+    if names is None:
+        return []
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+        raise ValueError(
+            f"econfig.secret_env must be a list of variable names, got {type(names).__name__}"
+        )
+    for name in names:
+        if not isinstance(name, str) or not is_env_name(name):
+            raise ValueError(f"econfig.secret_env: invalid variable name {name!r}")
+    return list(names)
+
+
+def episode_secret_env(econfig: dict[str, Any]) -> dict[str, SecretStr]:
+    """econfig ``secret_env``'s names with their values from this process's environment."""
+    names = secret_env_names(econfig)
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        raise ValueError(f"econfig.secret_env: not set in the environment: {', '.join(missing)}")
+    return {name: SecretStr(os.environ[name]) for name in names}
+
+
+def inherit_env_of(econfig: dict[str, Any]) -> tuple[str, ...]:
+    """econfig ``inherit_env``, else :data:`PASSTHROUGH_ENV` (the trainer's environment minus
+    credential-like and interpreter-steering names)."""
+    names = econfig.get("inherit_env")
+    if names is None:
+        return PASSTHROUGH_ENV
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
+        raise ValueError(f"econfig.inherit_env must be a list of names, got {names!r}")
+    return tuple(names)
 
 
 def episode_spec(
@@ -115,7 +195,7 @@ def episode_spec(
         timeout=timeout,
         kill_grace=float(econfig.get("kill_grace", 5.0)),
         env=dict(econfig.get("env") or {}),
-        inherit_env=tuple(econfig.get("inherit_env") or DEFAULT_INHERIT_ENV),
+        inherit_env=inherit_env_of(econfig),
         log_dir=log_dir,
         containment=econfig.get("containment", "auto"),
         limits=econfig.get("limits"),
@@ -128,10 +208,15 @@ class SWEAgentWorkflow:
     Args:
         econfig: as AReaL's (``agent_type``, ``agent_config``, ``*_agent_config``,
             ``agent_root`` / ``aweagent_root`` / ``swe_agent_root``, ``llm_model``,
-            ``opencode_provider``, ``codex_provider``, ``timeout``), plus ``python`` (the
-            agent's interpreter), ``kill_grace`` (seconds), ``env``, ``inherit_env``,
-            ``containment`` and ``limits`` (as EpisodeSpec's), and ``on_crash`` (``"zero"``
-            or ``"raise"``).
+            ``opencode_provider``, ``codex_provider``, ``timeout``; upstream's
+            ``sandbox_backend``, ``harness_timeout``, ``eval_timeout``,
+            ``session_idle_timeout``, ``session_poll_interval``, ``terminal_exit_grace``,
+            ``opencode_config``, ``max_tokens``, ``max_completion_tokens``, forwarded only
+            when present), plus ``python`` (the agent's interpreter), ``kill_grace``
+            (seconds), ``env``, ``inherit_env`` (default :data:`PASSTHROUGH_ENV`),
+            ``containment`` and ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
+            variables of this process passed as ``run_episode(secret_env=...)``) and
+            ``on_crash`` (``"zero"`` or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
         timeout: seconds per episode; ``econfig["timeout"]`` overrides it.
     """
@@ -154,6 +239,9 @@ class SWEAgentWorkflow:
             )
         # Fail fast on bad isolation settings rather than on the first episode.
         episode_spec(econfig, self.agent_root, self.timeout, None)
+        episode_secret_env(econfig)
+        if "sandbox_backend" in econfig:
+            sandbox_backend_of(econfig)
         # Warn now, not mid-training, when the checkout is missing.
         if not self.agent_root.is_dir():
             logger.warning(
@@ -194,7 +282,11 @@ class SWEAgentWorkflow:
             kwargs["agent_config"],
         )
         outcome = await run_episode(
-            spec, data, kwargs=kwargs, secrets={"override_api_key": api_key}
+            spec,
+            data,
+            kwargs=kwargs,
+            secrets={"override_api_key": api_key},
+            secret_env=episode_secret_env(econfig),
         )
         self._log_outcome(instance_id, outcome)
         return self._reward(instance_id, outcome, econfig.get("on_crash", "zero"))

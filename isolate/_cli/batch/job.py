@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,8 @@ from pydantic import SecretStr, ValidationError
 from ..._core.config import EpisodeSpec
 from ..._core.launcher import _default_episode_id, run_episode
 from ..._core.outcome import EpisodeOutcome
-from ...workflow import episode_kwargs, episode_spec, resolve_agent_root
+from ...workflow import episode_kwargs, episode_secret_env, episode_spec, resolve_agent_root
+from ..options import read_secret_env
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Job:
     kwargs: dict[str, Any]
     episode_id: str
     log_dir: Path
+    secret_env: dict[str, SecretStr] = field(default_factory=dict)
+    """Values travel with the job, as the key does: a Ray node has other variables."""
 
 
 class Plan:
@@ -45,6 +48,10 @@ class Plan:
             "kill_grace": args.kill_grace,
         }
         self.econfig = {k: v for k, v in flags.items() if v is not None}
+        secret_names = getattr(args, "secret_env", None)
+        if secret_names:
+            read_secret_env(secret_names)  # a UsageError now, not one per record
+            self.econfig["secret_env"] = secret_names
         self.agent_root = resolve_agent_root(self.econfig)
         self.timeout = args.timeout if args.timeout is not None else 1800.0
         self.entrypoint: str | None = args.entrypoint
@@ -52,13 +59,21 @@ class Plan:
         # Absolute: Ray runs the episode in a worker whose working directory is not ours.
         self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
 
-    def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
-        """Raises ValueError, with a one-line message, for a record that cannot run."""
+    def _econfig(self, record: dict[str, Any]) -> dict[str, Any]:
         econfig = dict(self.econfig)
         if "econfig" in record:
             if not isinstance(record["econfig"], dict):
                 raise ValueError('"econfig" must be a JSON object')
             econfig.update(record["econfig"])
+        return econfig
+
+    def secret_env(self, record: dict[str, Any]) -> dict[str, SecretStr]:
+        """``--secret-env`` (or the record's econfig ``secret_env``) with values from here."""
+        return episode_secret_env(self._econfig(record))
+
+    def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
+        """Raises ValueError, with a one-line message, for a record that cannot run."""
+        econfig = self._econfig(record)
         base_url = self.base_url or record.get("base_url")
         if not base_url:
             raise ValueError('--base-url is required (or "base_url" in the record)')
@@ -79,10 +94,12 @@ class Plan:
 
     def check(self, record: dict[str, Any]) -> None:
         self.build(record)
+        self.secret_env(record)
 
     def job(self, record: dict[str, Any]) -> Job:
         spec, kwargs = self.build(record)
-        return Job(record, spec, kwargs, _default_episode_id(record), self.log_dir)
+        episode_id = _default_episode_id(record)
+        return Job(record, spec, kwargs, episode_id, self.log_dir, self.secret_env(record))
 
 
 async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
@@ -100,6 +117,7 @@ async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
         kwargs=job.kwargs,
         secrets={"override_api_key": key},
         episode_id=job.episode_id,
+        secret_env=job.secret_env,
     )
     return outcome_fields(outcome)
 
@@ -109,6 +127,8 @@ def _write_bundle(bundle: Path, job: Job) -> None:
     (bundle / "record.json").write_text(json.dumps(job.record, indent=2) + "\n")
     (bundle / "spec.json").write_text(job.spec.model_dump_json(indent=2) + "\n")
     (bundle / "kwargs.json").write_text(json.dumps(job.kwargs, indent=2) + "\n")
+    if job.secret_env:  # the names, for --replay to look up again; never a value
+        (bundle / "secret_env.json").write_text(json.dumps(sorted(job.secret_env)) + "\n")
 
 
 def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
