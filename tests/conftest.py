@@ -3,6 +3,7 @@ they start write pid files; every test proves afterwards that no process of it i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 import isolate
+from isolate._core import containment as _containment
 
 # CI machines are slower and shared: scale every bounded wait.
 SLOW = 3.0 if os.environ.get("CI") else 1.0
@@ -72,7 +74,8 @@ def episode_processes(marker: bytes = b"") -> list[psutil.Process]:
                 environ = f.read()
         except OSError:
             continue
-        if (environ.startswith(needle) or b"\0" + needle in environ) and marker in environ:
+        environ = b"\0" + environ  # every entry between NULs: a marker can name a whole entry
+        if b"\0" + needle in environ and marker in environ:
             try:
                 proc = psutil.Process(int(name))
                 if proc.status() != psutil.STATUS_ZOMBIE:
@@ -93,22 +96,75 @@ def live_children() -> list[psutil.Process]:
     return out
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@pytest.fixture(scope="session", autouse=True)
+def subreaper() -> bool:
+    """Make the test process a child subreaper (Linux), as the shim's supervisor is: every
+    process the run starts stays its descendant, even one that double-forks and setsid()s away
+    from an episode whose supervisor died, or that drops every environment tag. Without it such
+    a process is re-parented to PID 1 and no scan can tell it from anyone else's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
 @pytest.fixture(autouse=True)
-def no_process_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Fail the test if any episode process of this test run, or any child of the test runner,
-    outlives it. Episodes of this run are those whose PID_DIR lies under this run's temporary
-    directory (see :class:`Agents`), so concurrent test runs on one machine do not interfere."""
-    marker = f"PID_DIR={tmp_path_factory.getbasetemp()}".encode()
+def no_process_left(subreaper: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the test if any process it started outlives it, or a cgroup leaf of its episodes.
+
+    Authoritative: with the test process as subreaper, every live descendant is one of this
+    run's processes, in a PID namespace or not, tagged or not; at the cgroup level every leaf
+    this process made must be removed. Where there is no subreaper, processes whose PID_DIR lies
+    under this run's temporary directory (see :class:`Agents`) are this run's too; the trailing
+    slash keeps ``pytest-1`` from matching a concurrent run's ``pytest-12``."""
+    marker = run_marker(tmp_path_factory.getbasetemp())
     yield
-    left = episode_processes(marker) + live_children()
+    left = {p.pid: p for p in episode_processes(marker) + live_children()}
+    leaves = own_leaves()
+    _reap_orphans()
     if left:
-        described = [f"{p.pid} {_cmd(p)}" for p in left]
-        for proc in left:
+        described = [f"{p.pid} {_cmd(p)}" for p in left.values()]
+        for proc in left.values():
             try:
                 proc.kill()
             except psutil.Error:
                 pass
         pytest.fail(f"processes left behind: {described}")
+    if leaves:
+        pytest.fail(f"cgroup leaves left behind: {[str(p) for p in leaves]}")
+
+
+def run_marker(basetemp: Path) -> bytes:
+    """What the environment of a process of this run holds: PID_DIR under ``basetemp``."""
+    return f"\0PID_DIR={basetemp}/".encode()
+
+
+def own_leaves() -> list[Path]:
+    """Cgroup leaves of episodes this process started that still exist."""
+    groups = _containment.cgroups()
+    roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
+    found: list[Path] = []
+    for root in roots:
+        try:
+            found += [p for p in (root / _containment._owner_name()).iterdir() if p.is_dir()]
+        except OSError:
+            continue  # no episode of this process used this root
+    return found
+
+
+def _reap_orphans() -> None:
+    """Reap the zombies of orphans re-parented to the test process. Its own children are
+    waited for by whoever started them, by the end of the test."""
+    for proc in psutil.Process().children():
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
 
 
 def _cmd(proc: psutil.Process) -> str:
@@ -145,6 +201,12 @@ class Agents:
         }
         fields.update(overrides)
         return isolate.EpisodeSpec(**fields)
+
+    def left(self) -> list[psutil.Process]:
+        """Live processes of this test's episodes, by the PID_DIR in their environment. Judge
+        by this, not by recorded pids: inside a PID namespace those are the namespace's
+        numbers, and on the host they name unrelated processes."""
+        return episode_processes(f"\0PID_DIR={self.pids}\0".encode())
 
     def pid_files(self) -> dict[str, int]:
         return {p.name: int(p.read_text()) for p in self.pids.iterdir() if p.read_text().strip()}
