@@ -49,13 +49,13 @@ logger = logging.getLogger("isolate")
 #: Set to 0 (or false/no/off) to keep the soft RLIMIT_NOFILE as it is.
 RAISE_ENV = "ISOLATE_RAISE_NOFILE"
 
-#: What one episode holds in this process once started: the parent's ends of stdin, stdout and
-#: stderr, and a pidfd to wait on; plus its log file, when it has one. tests/test_admission.py
-#: counts them against a running episode.
-_STEADY_FDS = 4
-#: What it holds at most while it is being spawned: both ends of the three pipes and of
-#: subprocess's exec-error pipe (the pidfd comes after they are closed).
-_SPAWN_FDS = 8
+#: What one episode holds in this process once started: our end of the socket that is the
+#: child's stdin and stdout, of its stderr pipe, and a pidfd to wait on; plus its log file,
+#: when it has one. tests/test_admission.py counts them against a running episode.
+_STEADY_FDS = 3
+#: What it holds at most while it is being spawned: both ends of that socket, of the stderr
+#: pipe and of subprocess's exec-error pipe (the pidfd comes after they are closed).
+_SPAWN_FDS = 6
 #: How long a starved episode waits at most before it tries again (seconds): room can also come
 #: from fds that something else in the process closes, which no event tells us about.
 _RETRY_MAX_S = 1.0

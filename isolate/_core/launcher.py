@@ -7,6 +7,7 @@ import math
 import os
 import re
 import secrets as _secrets
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -164,6 +165,7 @@ class _Run:
         self.pids_limit_hits = 0
         self.log_written = 0
         self.popen: subprocess.Popen[bytes] | None = None
+        self.channel: int | None = None  # our end of the socket that is the child's stdin+stdout
         self.handshake = memoryview(b"")  # what is still to be written of it
         self.tree: Episode | None = None
         self.pidfd: int | None = None
@@ -337,21 +339,31 @@ class _Run:
     def _spawn(self) -> str | None:
         """Start the shim (and put it into its cgroup leaves); a problem, or None."""
         # Runs in a worker thread: fork+exec of a big parent must not stall the event loop.
-        self.popen = subprocess.Popen(
-            [self.spec.python, "-I", str(self.shim)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=self.env,
-            cwd=self.spec.cwd,
-            start_new_session=True,  # never preexec_fn: unsafe with threads, and no vfork
-            close_fds=True,
-            bufsize=0,  # the pipes are read and written by fd: no 8 KiB buffer for each
-        )
+        # The child's stdin and stdout are one socket: one fd less per episode here than two
+        # pipes (the fd budget), and the same for the shim (handshake in, frames out, EOF).
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.popen = subprocess.Popen(
+                [self.spec.python, "-I", str(self.shim)],
+                stdin=theirs.fileno(),
+                stdout=theirs.fileno(),
+                stderr=subprocess.PIPE,
+                env=self.env,
+                cwd=self.spec.cwd,
+                start_new_session=True,  # never preexec_fn: unsafe with threads, and no vfork
+                close_fds=True,
+                bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.channel = ours.detach()
         pid = self.popen.pid
-        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
-            assert pipe is not None
-            os.set_blocking(pipe.fileno(), False)
+        assert self.popen.stderr is not None
+        for fd in (self.channel, self.popen.stderr.fileno()):
+            os.set_blocking(fd, False)
         # The handshake goes out at once (what the pipe takes now; _write_handshake the rest),
         # so the shim can read it as soon as it has started, while this thread carries on.
         self.handshake = memoryview(
@@ -465,6 +477,9 @@ class _Run:
     # --- pipes ------------------------------------------------------------------------------
 
     def _fd(self, name: str) -> int:
+        if name != "stderr":
+            assert self.channel is not None
+            return self.channel
         pipe = getattr(self.popen, name)
         assert pipe is not None
         fd: int = pipe.fileno()
@@ -495,6 +510,8 @@ class _Run:
                 except BlockingIOError:
                     await anyio.wait_readable(fd)
                     continue
+                except ConnectionResetError:
+                    break  # the child closed the socket with our handshake unread: EOF too
                 if not chunk:
                     break
                 await sink(chunk)
@@ -601,6 +618,9 @@ class _Run:
             self.gate = None
 
     def _close(self) -> None:
+        if self.channel is not None:
+            os.close(self.channel)
+            self.channel = None
         if self.popen is not None:
             for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
                 if pipe is not None:
