@@ -292,3 +292,34 @@ async def test_a_parent_variable_holding_a_secret_is_withheld_and_named_in_the_l
 def test_an_empty_exclusion_is_rejected() -> None:
     with pytest.raises(ValueError, match="inherit_env: invalid name '!'"):
         isolate.EpisodeSpec(inherit_env=("*", "!"))
+
+
+@pytest.mark.parametrize(
+    ("inherit", "passed", "withheld"),
+    [
+        # an exact name beats an exclusion and the credential rule; a pattern does not
+        (
+            ("*", "!PYTHON*", "PYTHONPATH", "HF_TOKEN"),
+            {"PYTHONPATH", "HF_TOKEN", "HOME"},
+            {"A_KEY_TOKEN", "PYTHONHOME"},
+        ),
+        (("H*",), {"HOME"}, {"HF_TOKEN"}),
+        (("PATH",), set(), set()),  # names not asked for are not reported
+        (("*", "!*"), set(), {"HOME", "HF_TOKEN", "A_KEY_TOKEN", "PYTHONPATH", "PYTHONHOME"}),
+    ],
+)
+def test_split_env_rules(inherit: tuple[str, ...], passed: set[str], withheld: set[str]) -> None:
+    from isolate._core.env import split_env
+
+    parent = {
+        "HOME": "/h",
+        "HF_TOKEN": "t",
+        "A_KEY_TOKEN": "k",
+        "PYTHONPATH": "/p",
+        "PYTHONHOME": "/ph",
+    }
+    for _ in range(2):  # the second time from the cache of verdicts
+        env, held = split_env(parent, inherit)
+        assert (set(env), set(held)) == (passed, withheld)
+        assert all(env[n] == parent[n] for n in env)
+        parent = {k: v + "2" for k, v in parent.items()}  # values are never cached

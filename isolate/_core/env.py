@@ -9,6 +9,7 @@ its name does not look like a credential. What a pattern matched but a rule held
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Collection, Iterable, Mapping
 
@@ -47,18 +48,55 @@ def looks_secret(name: str) -> bool:
     return bool(_SECRET_LOOKING.search(name))
 
 
-def _matcher(patterns: list[str]) -> re.Pattern[str] | None:
-    # One regex for all patterns: a trainer has hundreds of variables, and this runs per episode.
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
+@functools.lru_cache(maxsize=64)
+def _rules(
+    inherit: tuple[str, ...],
+) -> tuple[frozenset[str], re.Pattern[str] | None, re.Pattern[str] | None, tuple[str, ...]]:
+    """Exact names, one regex of the patterns, one of the exclusions, and the exclusions.
+
+    One regex each, compiled once per ``inherit``: a trainer has hundreds of variables, and this
+    runs for every episode."""
+    exact = frozenset(
+        p for p in inherit if not p.startswith("!") and not any(c in p for c in "*?[")
+    )
+    exclusions = tuple(p[1:] for p in inherit if p.startswith("!"))
+    patterns = [p for p in inherit if p not in exact and not p.startswith("!")]
+
+    def matcher(items: Iterable[str]) -> re.Pattern[str] | None:
+        parts = [f"(?:{fnmatch.translate(p)})" for p in items]
+        return re.compile("|".join(parts)) if parts else None
+
+    return exact, matcher(patterns), matcher(exclusions), exclusions
 
 
-def _exclusion_reason(name: str, exclusions: list[str]) -> str:
+def _exclusion_reason(name: str, exclusions: tuple[str, ...]) -> str:
     for pattern in exclusions:
         if fnmatch.fnmatchcase(name, pattern):
             return INTERPRETER_ENV.get(pattern, f"excluded by inherit_env '!{pattern}'")
     raise AssertionError(f"{name} matched no exclusion")
+
+
+#: ``_verdict`` answers: the name is not asked for; it passes.
+_SKIP, _PASS = "skip", ""
+
+
+def _verdict(inherit: tuple[str, ...], name: str) -> str:
+    """What ``inherit`` does with a variable called ``name``: ``_SKIP``, ``_PASS`` or the reason
+    it is withheld."""
+    exact, include, exclude, exclusions = _rules(inherit)
+    if name in exact:
+        return _PASS
+    if include is None or not include.fullmatch(name):
+        return _SKIP  # not asked for: nothing to report
+    if exclude is not None and exclude.fullmatch(name):
+        return _exclusion_reason(name, exclusions)
+    return CREDENTIAL if looks_secret(name) else _PASS
+
+
+@functools.lru_cache(maxsize=64)
+def _verdicts(inherit: tuple[str, ...]) -> dict[str, str]:
+    """name -> verdict, filled as names come: a trainer's names are the same every episode."""
+    return {}
 
 
 def split_env(
@@ -70,31 +108,25 @@ def split_env(
     """The parent variables ``inherit`` passes, and those it withholds (name -> reason).
 
     A variable whose value is one of ``secret_values`` never passes, named exactly or not."""
-    inherit = list(inherit)
-    exact = {p for p in inherit if not p.startswith("!") and not any(c in p for c in "*?[")}
-    exclusions = [p[1:] for p in inherit if p.startswith("!")]
-    include = _matcher([p for p in inherit if p not in exact and not p.startswith("!")])
-    exclude = _matcher(exclusions)
+    rules = tuple(inherit)
+    known = _verdicts(rules)
+    if len(known) > 100_000:  # an environment whose names keep changing
+        known.clear()
     secrets = {v for v in secret_values if v}
     passed: dict[str, str] = {}
     withheld: dict[str, str] = {}
     for name, value in parent.items():
-        if name in exact:
-            reason = None
-        elif include is None or not include.fullmatch(name):
-            continue  # not asked for: nothing to report
-        elif exclude is not None and exclude.fullmatch(name):
-            reason = _exclusion_reason(name, exclusions)
-        elif looks_secret(name):
-            reason = CREDENTIAL
-        else:
-            reason = None
+        verdict = known.get(name)
+        if verdict is None:
+            verdict = known[name] = _verdict(rules, name)
+        if verdict == _SKIP:
+            continue
         if value in secrets:
-            reason = HOLDS_SECRET
-        if reason is None:
-            passed[name] = value
+            withheld[name] = HOLDS_SECRET
+        elif verdict:
+            withheld[name] = verdict
         else:
-            withheld[name] = reason
+            passed[name] = value
     return passed, withheld
 
 

@@ -164,13 +164,17 @@ def secret_env_names(econfig: dict[str, Any]) -> list[str]:
     return list(names)
 
 
-def episode_secret_env(econfig: dict[str, Any]) -> dict[str, SecretStr]:
-    """econfig ``secret_env``'s names with their values from this process's environment."""
+def episode_secret_env(
+    econfig: dict[str, Any], environ: Mapping[str, str] | None = None
+) -> dict[str, SecretStr]:
+    """econfig ``secret_env``'s names with their values from ``environ`` (default: this
+    process's environment)."""
+    environ = os.environ if environ is None else environ
     names = secret_env_names(econfig)
-    missing = [name for name in names if name not in os.environ]
+    missing = [name for name in names if name not in environ]
     if missing:
         raise ValueError(f"econfig.secret_env: not set in the environment: {', '.join(missing)}")
-    return {name: SecretStr(os.environ[name]) for name in names}
+    return {name: SecretStr(environ[name]) for name in names}
 
 
 def inherit_env_of(econfig: dict[str, Any]) -> tuple[str, ...]:

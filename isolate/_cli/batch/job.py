@@ -48,6 +48,8 @@ class Plan:
             "kill_grace": args.kill_grace,
         }
         self.econfig = {k: v for k, v in flags.items() if v is not None}
+        # As the driver started: the Ray backend later drops variables that hold the key.
+        self.environ = dict(os.environ)
         secret_names = getattr(args, "secret_env", None)
         if secret_names:
             read_secret_env(secret_names)  # a UsageError now, not one per record
@@ -69,7 +71,7 @@ class Plan:
 
     def secret_env(self, record: dict[str, Any]) -> dict[str, SecretStr]:
         """``--secret-env`` (or the record's econfig ``secret_env``) with values from here."""
-        return episode_secret_env(self._econfig(record))
+        return episode_secret_env(self._econfig(record), self.environ)
 
     def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
         """Raises ValueError, with a one-line message, for a record that cannot run."""
