@@ -12,9 +12,11 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
 4. Become a child subreaper (Linux), so processes that double-fork or ``setsid()`` away from the
    agent are re-parented here and stay inside the episode.
 5. Check the rest of the handshake, then contain: join the episode's cgroups before creating
-   any process; for ``pidns``, fork PID 1 of a new PID namespace (with a private /proc), which
+   any process; with ``pidns``, fork PID 1 of a new PID namespace (with a private /proc), which
    carries on as the supervisor while this process only relays SIGTERM and its exit.
-6. Fork the worker, which sets the episode's rlimits, imports and calls the entrypoint and
+6. Fork the worker, which enters its Landlock domain (with ``landlock``: from then on nothing
+   it runs can signal or ptrace a process outside), sets the episode's rlimits, imports and
+   calls the entrypoint and
    writes a ``result`` or ``error`` frame. The supervisor reaps orphans, enforces its own
    deadline, watches the parent pipe, and when the worker is gone kills every survivor and
    sends ``done``.
@@ -41,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
-LEVELS = ("cgroup", "pidns", "session")
+LAYERS = ("cgroup", "pidns", "landlock")  # containment: "session" or some joined by "+"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
@@ -262,7 +264,7 @@ def check_handshake(hs):
         ("deadline", lambda v: is_number(v) and v > 0),
         ("kill_grace", lambda v: is_number(v) and v >= 0),
         ("max_info_bytes", lambda v: type(v) is int and v >= 0),
-        ("containment", lambda v: v in LEVELS),
+        ("containment", is_containment),
         ("userns", lambda v: isinstance(v, bool)),
         ("cgroups", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
         ("rlimits", lambda v: isinstance(v, dict) and all(is_rlimit(*x) for x in v.items())),
@@ -282,6 +284,19 @@ def is_env(value):
     )
 
 
+def is_containment(value):
+    if value == "session":
+        return True
+    parts = value.split("+") if isinstance(value, str) else ()
+    return bool(parts) and len(set(parts)) == len(parts) and all(p in LAYERS for p in parts)
+
+
+def layers_of(hs):
+    """The containment layers the handshake asks for: ``["cgroup", "pidns"]``, say."""
+    value = hs.get("containment", "session")
+    return [] if value == "session" else value.split("+")
+
+
 def is_rlimit(name, value):
     import resource
 
@@ -298,7 +313,7 @@ def is_rlimit(name, value):
 
 
 def contain(hs):
-    """Join the episode's cgroups; for pidns, fork PID 1 of a new PID namespace, and turn this
+    """Join the episode's cgroups; with pidns, fork PID 1 of a new PID namespace, and turn this
     process into a relay. Returns a problem, or None in the process that carries on."""
     me = str(os.getpid())
     for path in hs.get("cgroups", ()):
@@ -310,7 +325,7 @@ def contain(hs):
                 f.write(me)
         except OSError as exc:
             return "cannot join cgroup %s: %s" % (path, exc.strerror or exc)
-    if hs.get("containment") != "pidns":
+    if "pidns" not in layers_of(hs):
         return None
     problem = unshare_pidns(hs.get("userns", False))
     if problem is not None:
@@ -402,12 +417,75 @@ def probe_pidns(userns):
     return 1
 
 
+# Landlock scopes: no signal to, and no connection to an abstract unix socket of, a process
+# outside the domain. Ptrace (and /proc/PID/mem) of those is refused in any domain.
+LANDLOCK_SCOPES = 3  # SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL, ABI 6
+
+
+def enter_landlock():
+    """Put this process (the worker, before anything of the agent runs) into a new Landlock
+    domain. The supervisor stays outside: the agent cannot signal it either. A problem or None."""
+    try:
+        landlock = load_part("landlock")
+        ruleset = landlock.create_ruleset(scoped=LANDLOCK_SCOPES)
+        try:
+            landlock.restrict_self(ruleset)
+        finally:
+            os.close(ruleset)
+    except OSError as exc:
+        return "cannot enter a Landlock domain: %s" % (exc.strerror or exc)
+    return None
+
+
+def probe_landlock():
+    """``shim.py --probe-landlock``: can this machine give an episode the landlock layer? Says
+    ``abi N`` and whether the domain can still read its parent's environ, on stdout."""
+    landlock = load_part("landlock")
+    version = landlock.abi()
+    sys.stdout.write("abi %d\n" % version)
+    if version < 6:
+        why = (
+            "the kernel has no Landlock (or it is off)"
+            if version == 0
+            else ("Landlock ABI %d has no scoped signals (ABI 6, Linux 6.12, needed)" % version)
+        )
+        sys.stderr.write(why + "\n")
+        return 1
+    read_r, read_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_r)
+        problem = enter_landlock()
+        if problem is None:
+            try:
+                os.kill(os.getppid(), 0)
+                problem = "a signal from a scoped domain reached a process outside it"
+            except PermissionError:
+                pass
+        try:
+            with open("/proc/%d/environ" % os.getppid(), "rb"):
+                os.write(read_w, b"environ readable\n")
+        except OSError:
+            os.write(read_w, b"environ refused\n")
+        sys.stderr.write(problem + "\n" if problem else "")
+        os._exit(1 if problem else 0)
+    os.close(read_w)
+    with os.fdopen(read_r) as f:
+        sys.stdout.write(f.read())
+    return 0 if os.waitpid(pid, 0)[1] == 0 else 1
+
+
 # --- the worker -------------------------------------------------------------------------------
 
 
 def worker(hs, channel):
-    """Set the rlimits, import and call the entrypoint; exit code 0 after a result, else the
-    error's code."""
+    """Enter the Landlock domain, set the rlimits, import and call the entrypoint; exit code 0
+    after a result, else the error's code."""
+    if "landlock" in layers_of(hs):
+        problem = enter_landlock()
+        if problem is not None:
+            channel.send("error", kind="setup", type="ContainmentError", message=problem)
+            return 1
     rlimits = sorted(hs.get("rlimits", {}).items())
     if rlimits:
         import resource
@@ -698,6 +776,8 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags, reaper):
 def main():
     if sys.argv[1:2] == ["--probe-pidns"]:
         return probe_pidns(sys.argv[2:] == ["userns"])
+    if sys.argv[1:] == ["--probe-landlock"]:
+        return probe_landlock()
     frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
     os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
     for stream in (sys.stdout, sys.stderr):
@@ -729,7 +809,7 @@ def main():
         pid=os.getpid(),
         python=".".join(map(str, sys.version_info[:3])),
         subreaper=subreaper,
-        containment=level if level in LEVELS else None,
+        containment=level if is_containment(level) else None,
     )
     if type(hs.get("protocol")) is not int or hs["protocol"] != PROTOCOL_VERSION:
         return 2

@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--containment", default="auto", choices=["auto", *_containment.LEVELS])
+    parser.add_argument(
+        "--containment", default="auto", choices=["auto", *_containment.COMBINATIONS]
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kinds", help=f"comma-separated subset of: {', '.join(KINDS)}")
     parser.add_argument("--json", type=Path, help="also write the figures here")

@@ -1,4 +1,4 @@
-"""Containment levels and resource limits: every level passes the same teardown tests, limits
+"""Containment layers and resource limits: every combination passes the same teardown tests, limits
 end an episode as ``crashed`` with a reason while its neighbours carry on, and the handshake
 and frame parsers survive whatever they are fed."""
 
@@ -31,22 +31,34 @@ from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS
 
 pytestmark = pytest.mark.anyio
 
-LEVELS = list(_containment.LEVELS)
+#: Each layer alone, session, and what ``auto`` picks here (the default).
+LEVELS = [*_containment.LAYERS, "session", "auto"]
+COMBINATIONS = list(_containment.COMBINATIONS)
 
 
-def needs(name: str) -> None:
-    """Skip, with the reason, unless this machine provides containment ``name``."""
-    problem = _containment.level_problem(name)
+def needs(name: str) -> str:
+    """Skip, with the reason, unless this machine provides containment ``name``; the
+    combination it stands for (``auto``: the one it picks here)."""
+    if name == "auto":
+        found = _containment.resolve("auto", None)
+        assert not isinstance(found, str), found
+        return found[0]
+    problem = _containment.problem(name)
     if problem is not None:
         pytest.skip(f"containment {name!r} is not available here: {problem}")
+    return name
 
 
 @pytest.fixture(params=LEVELS)
 def level(request: pytest.FixtureRequest) -> str:
-    """Each containment level in turn."""
-    name: str = request.param
-    needs(name)
-    return name
+    """Each containment layer alone, session, and the default; the combination used."""
+    return needs(request.param)
+
+
+@pytest.fixture(params=COMBINATIONS)
+def combination(request: pytest.FixtureRequest) -> str:
+    """Every combination of containment layers in turn."""
+    return needs(request.param)
 
 
 def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
@@ -75,7 +87,8 @@ async def snapshot_when_ready(agents: Agents, into: list[psutil.Process]) -> Non
 # --- the same teardown tests at every level ---------------------------------------------------
 
 
-async def test_timeout_kills_the_whole_tree(agents: Agents, level: str) -> None:
+async def test_timeout_kills_the_whole_tree(agents: Agents, combination: str) -> None:
+    level = combination
     spec = agents.spec(TREE_AGENT, timeout=3.0, kill_grace=0.5, containment=level)
     seen: list[psutil.Process] = []
     async with anyio.create_task_group() as tg:
@@ -136,7 +149,7 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> Non
     finally:
         parent.kill()
         parent.wait()
-    if level == "cgroup":
+    if "cgroup" in _containment.layers(level):
         # The dead parent's leaf stays until an isolate process starts and cleans it.
         groups = _containment.cgroups()
         roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
@@ -208,8 +221,8 @@ async def test_an_agent_that_kills_its_supervisor_leaves_nothing(
 # --- levels ------------------------------------------------------------------------------------
 
 
-async def test_auto_picks_the_strongest_level_available(agents: Agents) -> None:
-    expected = next(lv for lv in LEVELS if _containment.level_problem(lv) is None)
+async def test_auto_picks_the_strongest_combination_available(agents: Agents) -> None:
+    expected = next(c for c in _containment.AUTO if _containment.problem(c) is None)
     outcome = await isolate.run_episode(agents.spec("def run(d):\n    return 1.0\n"), {})
     assert outcome.status == "ok", outcome.summary()
     assert outcome.containment == expected
@@ -358,10 +371,13 @@ def run(data):
 """
 
 
-async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents) -> None:
-    needs("cgroup")
+@pytest.mark.parametrize("requested", ["cgroup", "auto"])
+async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: str) -> None:
+    used = needs(requested)
+    if "cgroup" not in _containment.layers(used):
+        pytest.skip(f"auto is {used!r} here, without the cgroup layer")
     limits = isolate.Limits(max_processes=32)
-    spec = agents.spec(FORK_BOMB, timeout=2.0, kill_grace=0.2, containment="cgroup", limits=limits)
+    spec = agents.spec(FORK_BOMB, timeout=2.0, kill_grace=0.2, containment=requested, limits=limits)
     bomb_spec = spec.model_copy(update={"env": {**spec.env, "ROLE": "bomb"}})
     sibling = agents.spec("import time\ndef run(d):\n    time.sleep(1.0)\n    return 1.0\n")
     outcomes: dict[str, isolate.EpisodeOutcome] = {}
@@ -386,14 +402,17 @@ async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents) -> None:
     assert bomb.reason == "process limit 32"
     assert bomb.error is not None
     assert bomb.error.message.startswith("process limit 32 hit: ")
-    assert 16 < peak <= 33  # it did fork, up to the limit (+1: the supervisor), not past it
+    # It did fork, up to the limit (+ the supervisor, and with a PID namespace its relay),
+    # not past it.
+    assert 16 < peak <= 33 + ("pidns" in _containment.layers(used))
+    assert bomb.containment == used
     assert outcomes["sibling"].status == "ok", outcomes["sibling"].summary()
     assert tree(agents) == []
 
 
 @pytest.mark.parametrize("mechanism", LEVELS)
 async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mechanism: str) -> None:
-    needs(mechanism)
+    used = needs(mechanism)
     limits = isolate.Limits(memory_bytes=128 * 1024 * 1024)
     hog = agents.spec(
         """
@@ -419,7 +438,7 @@ async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mech
     hogged = outcomes.pop(-1)
     assert hogged.status == "crashed", hogged.summary()
     assert hogged.reason == "memory limit 128 MiB"
-    if mechanism == "cgroup" and _containment.cgroups().controller("memory"):
+    if "cgroup" in _containment.layers(used) and _containment.cgroups().controller("memory"):
         assert hogged.oom_kills is not None
         assert hogged.oom_kills >= 1
         assert hogged.signal == "SIGKILL"

@@ -6,7 +6,7 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -44,7 +44,25 @@ def _finite(value: float) -> float:
 
 Seconds = Annotated[float, AfterValidator(_finite)]
 
-Containment = Literal["auto", "cgroup", "pidns", "session"]
+#: Containment layers, strongest first; a combination joins them with ``+`` in this order.
+LAYERS = ("cgroup", "pidns", "landlock")
+
+
+def _check_containment(value: str) -> str:
+    """``auto``, ``session``, or layers joined by ``+``; returned in the order of LAYERS."""
+    if value in ("auto", "session"):
+        return value
+    parts = value.split("+")
+    unknown = [p for p in parts if p not in LAYERS]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"containment must be 'auto', 'session', or layers joined by '+' "
+            f"({', '.join(LAYERS)}), each once; got {value!r}"
+        )
+    return "+".join(layer for layer in LAYERS if layer in parts)
+
+
+Containment = Annotated[str, AfterValidator(_check_containment)]
 
 
 class Limits(BaseModel):
@@ -101,15 +119,19 @@ class EpisodeSpec(BaseModel):
     max_info_bytes: int = Field(default=1024 * 1024, ge=0)
     """Largest JSON ``info`` (the entrypoint's extra) kept, in bytes; larger is truncated."""
     containment: Containment = "auto"
-    """``cgroup``, ``pidns`` or ``session`` (see README); ``auto`` picks the strongest this
-    machine allows. An explicit level the machine cannot provide is a ``setup_error``."""
+    """Layers that combine, e.g. ``cgroup+pidns`` (of ``cgroup``, ``pidns``, ``landlock``), or
+    ``session`` alone (see README); ``auto`` picks the strongest combination this machine
+    provides. A layer the machine cannot provide is a ``setup_error`` that says why."""
     limits: Limits | None = None
     """Resource limits; an episode that hits one ends ``crashed`` with a ``reason``."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> EpisodeSpec:
+        layers = self.containment.split("+")
         if (
-            self.containment == "session"
+            "cgroup" not in layers
+            and "pidns" not in layers
+            and self.containment != "auto"
             and self.limits is not None
             and self.limits.max_processes is not None
         ):
@@ -117,7 +139,7 @@ class EpisodeSpec(BaseModel):
             # per-episode process limit exists without a pids cgroup or a user namespace.
             raise ValueError(
                 "limits.max_processes needs containment 'cgroup' or 'pidns', "
-                "not containment='session'"
+                f"not containment={self.containment!r}"
             )
         return self
 

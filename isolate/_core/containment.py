@@ -1,6 +1,7 @@
-"""Containment levels and resource limits, on the parent side.
+"""Containment layers and resource limits, on the parent side.
 
-Levels, strongest first (``auto`` picks the first this machine provides):
+Layers combine (``cgroup+pidns``); ``auto`` takes the first combination of :data:`AUTO` this
+machine provides, probed once per process:
 
 ``cgroup``
     One cgroup v2 leaf per episode, under ``<own cgroup>/isolate/<pid>.<start>/``. The shim
@@ -10,12 +11,16 @@ Levels, strongest first (``auto`` picks the first this machine provides):
     mounted) the v1 ``memory``/``pids`` hierarchies get a leaf of their own.
 ``pidns``
     The shim's supervisor is PID 1 of a new PID namespace (in a new user namespace when the
-    parent lacks CAP_SYS_ADMIN): when it dies, the kernel kills every process in it.
-``session``
-    Own session, subreaper shim, parent-side sweep (see ``_tree``).
+    parent lacks CAP_SYS_ADMIN), with a /proc of its own: the agent sees and can signal only
+    its own episode, and when the supervisor dies the kernel kills every process in it.
+``landlock``
+    The worker enters a Landlock domain (ABI 6+) scoped for signals and abstract unix
+    sockets: nothing the agent runs can signal, ptrace or read the memory of a process
+    outside its episode. The wall where namespaces are not permitted.
+``session`` (no layer)
+    Own session, subreaper shim, parent-side sweep (see ``_tree``); under every combination.
 
-Probes run lazily, once per process, in whatever worker thread first needs them. All
-functions here block: call them through ``anyio.to_thread.run_sync``.
+All functions here block: call them through ``anyio.to_thread.run_sync``.
 """
 
 from __future__ import annotations
@@ -34,11 +39,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .config import Containment, Limits
+from .config import LAYERS, Limits
 from .shim import shim_path
 
-Level = Literal["cgroup", "pidns", "session"]
-LEVELS: tuple[Level, ...] = ("cgroup", "pidns", "session")
+#: What ``auto`` tries, strongest first: the PID namespace is the wall, Landlock the wall where
+#: there is no namespace; the cgroup adds teardown in one write and tree-wide limits.
+AUTO: tuple[str, ...] = (
+    "cgroup+pidns",
+    "pidns",
+    "cgroup+landlock",
+    "landlock",
+    "cgroup",
+    "session",
+)
+#: Every containment value but ``auto``: each combination of layers, and ``session``.
+COMBINATIONS: tuple[str, ...] = tuple(
+    "+".join(layer for i, layer in enumerate(LAYERS) if mask >> i & 1) for mask in range(1, 8)
+) + ("session",)
 
 _CAP_SYS_ADMIN = 21
 _PROBE_TIMEOUT_S = 10.0
@@ -220,6 +237,46 @@ def _probe_pidns() -> str | None:
     return f"namespaces not permitted: {lines[-1] if lines else f'exit {done.returncode}'}"
 
 
+@dataclass(frozen=True)
+class LandlockProbe:
+    """What the shim found when it entered a scoped Landlock domain in a probe process."""
+
+    abi: int
+    """The kernel's Landlock ABI version; 0 where it has none."""
+    problem: str | None
+    """Why there is no landlock layer, or None."""
+    environ_readable: bool = False
+    """Whether the domain could still read its parent's ``/proc/PID/environ`` (and maps)."""
+
+
+def _probe_landlock() -> LandlockProbe:
+    """Enter a scoped domain in a short-lived shim and signal its parent from there."""
+    if not sys.platform.startswith("linux"):
+        return LandlockProbe(0, "Landlock exists only on Linux")
+    argv = [sys.executable, "-I", str(shim_path()), "--probe-landlock"]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, timeout=_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, env={}
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return LandlockProbe(0, f"the Landlock probe failed: {exc}")
+    found = dict(re.findall(r"^(\w+) (\S+)$", done.stdout.decode("ascii", "replace"), re.M))
+    version = int(found.get("abi", "0"))
+    if done.returncode == 0:
+        return LandlockProbe(version, None, found.get("environ") == "readable")
+    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return LandlockProbe(version, lines[-1] if lines else f"probe exit {done.returncode}")
+
+
+def landlock() -> LandlockProbe:
+    """This machine's Landlock, as the shim sees it (probed once)."""
+    with _probe_lock:
+        found = _probed.get("landlock")
+        if not isinstance(found, LandlockProbe):
+            found = _probed["landlock"] = _probe_landlock()
+        return found
+
+
 def cgroups() -> Cgroups:
     """What this process can do with cgroups (probed once; stale leaves cleaned on the way)."""
     with _probe_lock:
@@ -242,12 +299,28 @@ def pidns_problem() -> str | None:
         return problem if isinstance(problem, str) else None
 
 
-def level_problem(level: str) -> str | None:
-    """Why ``level`` is not available here, or None."""
-    if level == "cgroup":
+def layers(containment: str) -> tuple[str, ...]:
+    """``"cgroup+pidns"`` -> ``("cgroup", "pidns")``; ``"session"`` -> ``()``."""
+    return () if containment in ("session", "auto") else tuple(containment.split("+"))
+
+
+def layer_problem(layer: str) -> str | None:
+    """Why containment layer ``layer`` is not available here, or None (probed once)."""
+    if layer == "cgroup":
         return cgroups().problem
-    if level == "pidns":
+    if layer == "pidns":
         return pidns_problem()
+    if layer == "landlock":
+        return landlock().problem
+    return None
+
+
+def problem(containment: str) -> str | None:
+    """Why the combination ``containment`` is not available here, or None."""
+    for layer in layers(containment):
+        found = layer_problem(layer)
+        if found is not None:
+            return f"{layer}: {found}"
     return None
 
 
@@ -272,14 +345,18 @@ class Plan:
     """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
 
 
-def plan(level: Level, limits: Limits | None, groups: Cgroups | None) -> Plan | str:
-    """The mechanisms for ``limits`` at ``level``, or why one limit cannot be enforced there."""
+def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Plan | str:
+    """The mechanisms for ``limits`` under ``containment``, or why one limit cannot be
+    enforced there. ``groups``: where leaves go, when the combination has the cgroup layer."""
     out = Plan()
     if limits is None:
         return out
+    on = layers(containment)
+    if "cgroup" not in on:
+        groups = None
     if limits.memory_bytes is not None:
         n = str(limits.memory_bytes)
-        where = groups.controller("memory") if groups and level == "cgroup" else None
+        where = groups.controller("memory") if groups else None
         if where == "v2":
             out.writes["v2"] = {"memory.max": n, "memory.swap.max": "0", "memory.oom.group": "1"}
         elif where == "v1":
@@ -288,24 +365,25 @@ def plan(level: Level, limits: Limits | None, groups: Cgroups | None) -> Plan | 
             # Per process: a tree of N processes may use N times this.
             out.rlimits["RLIMIT_DATA"] = (limits.memory_bytes, limits.memory_bytes)
     if limits.max_processes is not None:
-        # The supervisor (and for pidns its outer half) counts too.
-        n = str(limits.max_processes + 1)
-        where = groups.controller("pids") if groups and level == "cgroup" else None
+        # The supervisor counts too, and with a PID namespace its outer half (the relay).
+        n = str(limits.max_processes + 1 + ("pidns" in on))
+        where = groups.controller("pids") if groups else None
         if where is not None:
             out.writes.setdefault("v2" if where == "v2" else "pids", {})["pids.max"] = n
-        elif level == "pidns" and needs_userns():
+        elif "pidns" in on and needs_userns():
             # Counted per user namespace since Linux 5.14: it binds this episode only.
             count = limits.max_processes + 2
             out.rlimits["RLIMIT_NPROC"] = (count, count)
-        elif level == "cgroup":
+        elif "cgroup" in on:
             return "limits.max_processes needs a pids cgroup controller, and none is writable"
-        elif level == "pidns":
+        elif "pidns" in on:
             return (
-                "limits.max_processes at containment 'pidns' needs a user namespace, which a "
-                "privileged parent does not use (RLIMIT_NPROC does not bind it): use 'cgroup'"
+                f"limits.max_processes at containment {containment!r} needs a user namespace, "
+                "which a privileged parent does not use (RLIMIT_NPROC does not bind it): add "
+                "the 'cgroup' layer"
             )
         else:
-            return "limits.max_processes needs containment 'cgroup' or 'pidns'"
+            return "limits.max_processes needs the containment layer 'cgroup' or 'pidns'"
     if limits.cpu_seconds is not None:
         # SIGXCPU at the limit, SIGKILL a second later if the agent ignores it.
         out.rlimits["RLIMIT_CPU"] = (limits.cpu_seconds, limits.cpu_seconds + 1)
@@ -316,21 +394,22 @@ def plan(level: Level, limits: Limits | None, groups: Cgroups | None) -> Plan | 
     return out
 
 
-def resolve(requested: Containment, limits: Limits | None) -> tuple[Level, Plan] | str:
-    """The level to use and its limit plan, or why the requested level cannot be had.
+def resolve(requested: str, limits: Limits | None) -> tuple[str, Plan] | str:
+    """The combination to use and its limit plan, or why the requested one cannot be had.
     Blocking (probes run on first use)."""
-    candidates: tuple[Level, ...] = LEVELS if requested == "auto" else (requested,)
+    candidates = AUTO if requested == "auto" else (requested,)
     first_problem = None
-    for level in candidates:
-        problem = level_problem(level)
-        if problem is not None:
-            problem = f"containment {level!r} is not available: {problem}"
+    for containment in candidates:
+        missing = problem(containment)
+        if missing is not None:
+            missing = f"containment {containment!r} is not available: {missing}"
         else:
-            how = plan(level, limits, cgroups() if level == "cgroup" else None)
+            groups = cgroups() if "cgroup" in layers(containment) else None
+            how = plan(containment, limits, groups)
             if isinstance(how, Plan):
-                return level, how
-            problem = f"containment {level!r} cannot enforce the limits: {how}"
-        first_problem = first_problem or problem
+                return containment, how
+            missing = f"containment {containment!r} cannot enforce the limits: {how}"
+        first_problem = first_problem or missing
     assert first_problem is not None
     return first_problem
 

@@ -158,7 +158,7 @@ class _Run:
         self.shim = _boot_path()
 
         self.started = time.monotonic()
-        self.level: _containment.Level = "session"
+        self.level = "session"  # the containment combination, once resolved
         self.leaves: _containment.Leaves | None = None
         self.leaves_problem: str | None = None
         self.oom_kills: int | None = None
@@ -310,7 +310,7 @@ class _Run:
             return problem
 
     def _contain(self) -> str | None:
-        """Pick the containment level, make the cgroup leaves, put both into the handshake."""
+        """Pick the containment layers, make the cgroup leaves, put both into the handshake."""
         found = _containment.resolve(self.spec.containment, self.spec.limits)
         if isinstance(found, str):
             return found
@@ -318,9 +318,10 @@ class _Run:
         self.public["containment"] = self.level
         if how.rlimits:
             self.public["rlimits"] = {name: list(pair) for name, pair in how.rlimits.items()}
-        if self.level == "pidns":
+        layers = _containment.layers(self.level)
+        if "pidns" in layers:
             self.public["userns"] = _containment.needs_userns()
-        elif self.level == "cgroup":
+        if "cgroup" in layers:
             self.leaves = _containment.Leaves(_containment.cgroups(), self.episode_id, how)
             problem = self.leaves.create()
             if problem is not None:

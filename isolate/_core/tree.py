@@ -97,7 +97,8 @@ class Episode:
         self._signalled: set[_Key] = set()
 
     def live(self) -> list[psutil.Process]:
-        """Every live process of the episode, the shim last. Blocking: run in a thread."""
+        """Every live process of the episode, the shim (and its PID 1) last. Blocking: run in a
+        thread."""
         found: dict[_Key, psutil.Process] = {}
 
         def add(procs: Iterable[psutil.Process]) -> None:
@@ -119,8 +120,9 @@ class Episode:
         live = [p for p in found.values() if is_alive(p)]
         shim_pid = self.shim.pid if self.shim is not None else -1
         # The shim last: its descendants die first, rather than being orphaned to an init
-        # that may reap them late.
-        live.sort(key=lambda p: p.pid == shim_pid)
+        # that may reap them late. Its PID 1 in a namespace just before it: signalled first,
+        # it would start its own teardown, and what it reaps first was never counted here.
+        live.sort(key=lambda p: (p.pid == shim_pid, p.pid == shim_pid or _is_pid_1(p.pid)))
         return live
 
     def count(self) -> int:
@@ -129,7 +131,8 @@ class Episode:
 
     def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:
         """Send ``sig`` (followed by SIGCONT, so stopped processes act on it); return how many
-        processes other than the shim were signalled for the first time."""
+        processes other than the shim (and its PID 1, in a namespace) were signalled for the
+        first time."""
         new = 0
         for proc in procs:
             try:
@@ -146,7 +149,7 @@ class Episode:
                     pass  # the signal already took it
             if key not in self._signalled:
                 self._signalled.add(key)
-                if self.shim is None or proc.pid != self.shim.pid:
+                if (self.shim is None or proc.pid != self.shim.pid) and not _is_pid_1(proc.pid):
                     new += 1
         return new
 
@@ -181,6 +184,19 @@ class Episode:
             step = delay if now >= term_deadline else min(delay, term_deadline - now)
             await anyio.sleep(max(step, 0.0))
             delay = min(delay * 2, 0.05)
+
+
+def _is_pid_1(pid: int) -> bool:
+    """Whether ``pid`` is PID 1 of a PID namespace below ours: the shim's supervisor."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    numbers = line.split()[1:]
+                    return len(numbers) > 1 and numbers[-1] == "1"
+    except OSError:
+        pass
+    return False
 
 
 def _safe_key(proc: psutil.Process) -> _Key | None:
