@@ -21,6 +21,7 @@ import pytest
 
 from isolate._cli.batch import parse_size
 from isolate._cli.batch.scheduler import RetryPolicy
+from isolate._core import containment as _containment
 
 from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for
 from .test_cli import SCRIPTED, URL, cli_env, isolate_cli
@@ -189,6 +190,10 @@ def test_mixed_batch_with_exact_accounting(agents: Agents) -> None:
     assert by_id["m-30"]["signal"] == "SIGSEGV"
     assert by_id["m-31"]["exit_code"] == 3
     assert all(isinstance(e["killed"], int) for e in entries)
+    auto = _containment.resolve("auto", None)
+    assert not isinstance(auto, str), auto
+    assert {e["containment"] for e in entries} == {auto[0]}
+    assert f"containment  {auto[0]} ({len(by_id)})" in proc.stdout
     assert all(
         e["error"]["type"] == "EpisodeTimeout" for e in by_id.values() if e["status"] == "timeout"
     )

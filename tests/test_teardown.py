@@ -84,12 +84,6 @@ def recorded(agents: Agents) -> dict[str, int]:
     return {k: v for k, v in agents.pid_files().items() if k != "ready"}
 
 
-def left(agents: Agents) -> list[str]:
-    """Live processes of this test's episodes, found by their environment: in a PID namespace
-    recorded pids are not the host's, so only the environment tells which are the tree's."""
-    return [f"{p.pid} {p.name()}" for p in episode_processes(f"PID_DIR={agents.pids}".encode())]
-
-
 async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
     spec = agents.spec(TREE_AGENT, timeout=4.0, kill_grace=1.0)
     outcome = await isolate.run_episode(spec, {"instance_id": "tree"})
@@ -98,7 +92,7 @@ async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
     assert "4 s" in outcome.error.message
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS, pids
-    assert not left(agents)
+    assert not agents.left()
     assert outcome.killed >= TREE_PIDS
     assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
 
@@ -111,7 +105,7 @@ async def test_leftovers_after_a_normal_return_are_killed_and_counted(agents: Ag
     assert outcome.status == "ok", outcome.summary()
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS
-    assert not left(agents)
+    assert not agents.left()
     # Everything but the worker, which exited by itself.
     assert outcome.killed == TREE_PIDS - 1
     # SIGTERM-ignoring leftovers cost one grace period, not the episode's timeout.
@@ -136,7 +130,7 @@ async def test_stopped_processes_still_die(agents: Agents) -> None:
     assert outcome.status == "timeout"
     pids = agents.pid_files()
     assert set(pids) == {"stopped", "worker"}
-    assert not left(agents)
+    assert not agents.left()
     assert outcome.killed == 2
 
 
@@ -146,7 +140,7 @@ async def test_cancel_around_spawn(agents: Agents, delay: float) -> None:
     with anyio.move_on_after(delay) as scope:
         await isolate.run_episode(spec, {})
     assert scope.cancelled_caught
-    assert not left(agents)
+    assert not agents.left()
 
 
 async def test_cancel_during_the_run(agents: Agents) -> None:
@@ -167,7 +161,7 @@ async def test_cancel_during_the_run(agents: Agents) -> None:
     assert tg.cancel_scope.cancelled_caught
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS
-    assert not left(agents)
+    assert not agents.left()
     # Teardown took one grace period (the tree ignores SIGTERM) and little more.
     assert time.monotonic() - cancelled_at <= spec.kill_grace + 1.0 * SLOW
     assert cancelled_at > started
@@ -183,7 +177,7 @@ async def test_cancel_during_the_grace_period(agents: Agents) -> None:
     assert scope.cancelled_caught
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS
-    assert not left(agents)
+    assert not agents.left()
     assert time.monotonic() - started <= 6.0 + 1.0 * SLOW
 
 
@@ -208,7 +202,7 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
         os.kill(parent.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         parent.wait()
-        wait_for(lambda: not left(agents), 2.0, "the tree to die")
+        wait_for(lambda: not agents.left(), 2.0, "the tree to die")
         assert time.monotonic() - killed_at <= 2.0 * SLOW
         # The shim itself exits right after its tree: wait for it too, boundedly.
         marker = f"PID_DIR={agents.pids}".encode()

@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 import isolate
+from isolate._core import containment as _containment
 from isolate.workflow import PASSTHROUGH_ENV, SWEAgentWorkflow, default_agent_root
 
 from .conftest import Agents
@@ -422,7 +423,9 @@ async def test_containment_and_limits_from_econfig(
         assert await wf.run(record("lim-1", report=True), base_url=URL) == 1.0
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
     used = json.loads(line.removeprefix("episode "))["containment"]
-    assert used == "session" if level == "session" else used in ("cgroup", "pidns", "session")
+    expected = _containment.resolve(level, None)
+    assert not isinstance(expected, str), expected
+    assert used == expected[0]
     assert report(clean_env, "lim-1")["nofile"] == 77
 
 

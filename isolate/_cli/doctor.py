@@ -12,7 +12,8 @@ from typing import Any
 
 import anyio
 
-from .._core.config import EpisodeSpec
+from .._core import containment as _containment
+from .._core.config import LAYERS, EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
 from .._core.protocol import PROTOCOL_VERSION
@@ -142,7 +143,54 @@ def _withheld(report: _Report) -> None:
         print(f"          {name}: {reason}")
 
 
-def doctor(agent_root: Path | None, python: str | None, entrypoint: str | None) -> int:
+def _containment_report(report: _Report, requested: str) -> str | None:
+    """Each layer, the combination ``requested`` resolves to, and what an agent could still do
+    to the trainer there; the combination, or None when it cannot be had."""
+    for layer in LAYERS:
+        problem = _containment.layer_problem(layer)
+        if problem is not None:
+            report.line("warn", f"layer {layer}: not available: {problem}")
+            continue
+        if layer == "cgroup":
+            groups = _containment.cgroups()
+            controllers = [c for c in ("memory", "pids") if groups.controller(c)]
+            how = f"leaves under {groups.v2}; controllers: {', '.join(controllers) or 'none'}"
+        elif layer == "pidns":
+            how = "in a user namespace" if _containment.needs_userns() else "privileged"
+        else:
+            how = f"Landlock ABI {_containment.landlock().abi}, scoped signals"
+        report.line("ok", f"layer {layer}: available ({how})")
+    found = _containment.resolve(requested, None)
+    if isinstance(found, str):
+        report.line("FAIL", found)
+        return None
+    used = found[0]
+    report.line("ok", f"containment {requested}" + (f": {used}" if used != requested else ""))
+    left = _containment.exposure(used)
+    if not left:
+        report.line(
+            "ok", f"at {used} an agent sees, signals and ptraces only its own episode's processes"
+        )
+        return used
+    report.line("warn", f"at {used} an agent can still, whatever it runs:")
+    for what in left:
+        print(f"          - {what}")
+    best = _containment.resolve("auto", None)
+    if isinstance(best, tuple) and not _containment.exposure(best[0]):
+        report.line("info", f"containment 'auto' here is {best[0]}, which closes all of that")
+        return used
+    for layer in ("pidns", "landlock", "cgroup"):
+        if layer not in _containment.layers(used) and _containment.layer_problem(layer):
+            report.line("info", f"to add {layer}: {_containment.remedy(layer)}")
+    return used
+
+
+def doctor(
+    agent_root: Path | None,
+    python: str | None,
+    entrypoint: str | None,
+    containment: str = "auto",
+) -> int:
     """Print one verdict per check; return 0 when every check passed, else 1."""
     python = python or sys.executable
     entrypoint = entrypoint or ENTRYPOINT
@@ -165,7 +213,14 @@ def doctor(agent_root: Path | None, python: str | None, entrypoint: str | None) 
     else:
         report.line("FAIL", f"interpreter {python} is Python {version}; the shim needs 3.9+")
 
-    spec = EpisodeSpec(python=python, entrypoint="builtins:float", timeout=60.0, kill_grace=1.0)
+    used = _containment_report(report, containment)
+    spec = EpisodeSpec(
+        python=python,
+        entrypoint="builtins:float",
+        timeout=60.0,
+        kill_grace=1.0,
+        containment=used or "session",
+    )
     shim = anyio.run(run_episode, spec, 1.0)
     if shim.status == "ok":
         report.line(

@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--agent-root", type=Path, help="agent checkout (default: as `run`)")
     doctor.add_argument("--python", help="the agent's interpreter (default: this one)")
     doctor.add_argument("--entrypoint", help="module:function to check")
+    doctor.add_argument(
+        "--containment",
+        default="auto",
+        type=_containment,
+        help="containment to check, as EpisodeSpec.containment (default: auto)",
+    )
 
     sub.add_parser("demo", help="run three real episodes against a scripted LLM on 127.0.0.1")
     llm = sub.add_parser(
@@ -74,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     llm.add_argument("--port", type=port_number, default=0, help="TCP port (default: a free one)")
     return parser
+
+
+def _containment(value: str) -> str:
+    from .._core.config import _check_containment
+
+    try:
+        return _check_containment(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "doctor":
             from .doctor import doctor
 
-            return doctor(args.agent_root, args.python, args.entrypoint)
+            return doctor(args.agent_root, args.python, args.entrypoint, args.containment)
         if args.command == "scripted-llm":
             from .demo.serve import scripted_llm
 

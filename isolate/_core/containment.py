@@ -324,6 +324,75 @@ def problem(containment: str) -> str | None:
     return None
 
 
+# --- what is left: for isolate doctor -----------------------------------------------------------
+
+
+def _yama_scope() -> int | None:
+    """Yama's ptrace_scope (1: only descendants; 2: only CAP_SYS_PTRACE; 3: none), or None."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def exposure(containment: str) -> list[str]:
+    """What an agent can still do to the trainer and to sibling episodes under
+    ``containment``, in plain words; empty when none of it. Probes Landlock if needed."""
+    on = layers(containment)
+    if "pidns" in on:
+        return []  # nothing outside its namespace is visible to it, let alone reachable
+    left = []
+    if "landlock" in on:
+        left.append(
+            "see every process of the machine (ps, /proc) and their command lines; it cannot "
+            "signal, ptrace or read the memory of any outside its episode"
+        )
+        if landlock().environ_readable:
+            left.append(
+                "read the trainer's /proc/PID/environ and maps: every credential the trainer "
+                "was started with (WANDB_API_KEY, HF_TOKEN, ...); Landlock does not refuse them"
+            )
+        return left
+    left.append(
+        "kill the trainer and every sibling episode: pkill -f python, killall python, kill -9 -1"
+    )
+    left.append(
+        "read the trainer's /proc/PID/environ: every credential it was started with "
+        "(WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY)"
+    )
+    scope = _yama_scope()
+    # The agent runs as the trainer's user: as root it has CAP_SYS_PTRACE, which passes 1 and 2.
+    if scope is None or scope == 0 or (scope <= 2 and os.geteuid() == 0):
+        yama = "no Yama here" if scope is None else f"Yama ptrace_scope {scope}"
+        left.append(f"ptrace the trainer and read its memory, every episode's key with it ({yama})")
+    return left
+
+
+def remedy(layer: str) -> str:
+    """How to give this machine the containment layer ``layer``."""
+    if layer == "pidns":
+        return (
+            "PID namespaces: allow user namespaces (sysctl user.max_user_namespaces > 0; "
+            "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels; "
+            "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10+), or give the "
+            "trainer CAP_SYS_ADMIN; in Docker, a seccomp profile that allows unshare and clone "
+            "(--security-opt seccomp=unconfined, or the default one with --cap-add SYS_ADMIN)"
+        )
+    if layer == "cgroup":
+        return (
+            "a delegated cgroup v2 subtree the trainer may write: systemd-run --scope -p "
+            "Delegate=yes (--user for a user session), Docker --cgroupns=private with "
+            "/sys/fs/cgroup mounted rw, or a Kubernetes pod with cgroup v2 and a writable "
+            "/sys/fs/cgroup"
+        )
+    return (
+        "Landlock ABI 6 (Linux 6.12 or later) enabled: CONFIG_SECURITY_LANDLOCK=y and "
+        "'landlock' in the kernel's lsm= list (cat /sys/kernel/security/lsm); in a "
+        "container, a seccomp profile that allows the landlock_* system calls"
+    )
+
+
 # --- limits -----------------------------------------------------------------------------------
 
 

@@ -96,7 +96,8 @@ class EpisodeOutcome(BaseModel):
     episode_id: str = ""
     """Identifier of this episode: log file name stem and the child's ISOLATE_EPISODE_ID."""
     containment: str = "session"
-    """Containment actually used: ``cgroup``, ``pidns`` or ``session``."""
+    """Containment actually used: its layers joined by ``+`` (``cgroup+pidns``), or
+    ``session``."""
     reason: str | None = None
     """The resource limit the episode hit, e.g. ``memory limit 512 MiB`` (status crashed)."""
     oom_kills: int | None = None
@@ -110,14 +111,15 @@ class EpisodeOutcome(BaseModel):
         return describe_exit(self.exit_code, self.signal)
 
     def summary(self) -> str:
-        """One line for logs and exception messages."""
+        """One line for logs and exception messages, e.g. ``episode x.3f2a: ok, reward 1.0
+        (exited with 0, 0.05 s, 0 killed, containment cgroup+pidns)``."""
         text = f"episode {self.episode_id}: {self.status}"
         if self.status == "ok":
             text += f", reward {self.reward}"
         elif self.error is not None:
             text += f": {self.error.type}: {self.error.message}"
-        text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed)"
-        return text
+        text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed"
+        return text + f", containment {self.containment})"
 
     def raise_for_status(self) -> EpisodeOutcome:
         """Return self if ``ok``, else raise the matching :class:`EpisodeError`."""

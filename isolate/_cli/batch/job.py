@@ -145,6 +145,7 @@ def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
         "exit_code": outcome.exit_code,
         "signal": outcome.signal,
         "killed": outcome.killed,
+        "containment": outcome.containment,
         "error": {"type": error.type, "message": error.message} if error else None,
         "log_path": str(outcome.log_path) if outcome.log_path else None,
         "episode_id": outcome.episode_id,

@@ -214,6 +214,11 @@ def summary(
             ("resolved", f"{resolved}/{len(ids)} ({100.0 * resolved / len(ids):.1f}%)"),
             ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
         ]
+        # Results written before containment was recorded have none.
+        used = Counter(str(e["containment"]) for e in entries if e.get("containment"))
+        if used:
+            text = ", ".join(f"{c} ({n})" for c, n in sorted(used.items()))
+            facts.append(("containment", text))
         slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
         for n, e in enumerate(slowest):
             text = f"{e['instance_id']}  {float(e['duration_s']):.2f} s  {e['status']}"
