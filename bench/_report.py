@@ -195,6 +195,27 @@ def _footprint(res: dict[str, Any]) -> list[str]:
     return ["## 5. Child footprint", "", note, ""] + _table(head, rows)
 
 
+def _layers(res: dict[str, Any]) -> list[str]:
+    head = ["containment", "ms/episode: median (min–max)", "× floor", f"× {res['old_default']}"]
+    rows = []
+    for name, r in res["rows"].items():
+        label = "bare `python -I -c pass` (floor)" if name == "bare" else f"`{name}`"
+        if name == res.get("auto"):
+            label += " (auto here)"
+        rows.append(
+            [label, _range(r, 1000, 2), _ratio(r["ratio"]), _ratio(r.get("vs_old_default", {}))]
+        )
+    note = (
+        f"{res['rounds']} rounds × {res['episodes_per_sample']} sequential no-op episodes per "
+        f"sample, every combination this machine provides, interleaved round-robin in one parent."
+    )
+    lines = ["## 6. Launch latency per containment combination", "", note, ""]
+    lines += _table(head, rows)
+    for name, why in res.get("skipped", {}).items():
+        lines += [f"- `{name}` not measured: {why}"]
+    return lines + ([""] if res.get("skipped") else [])
+
+
 def render(results: dict[str, Any]) -> str:
     lines = ["# isolate benchmarks" + (" (quick smoke run)" if results["quick"] else ""), ""]
     lines += [machine_line(results["machine"]), ""]
@@ -204,6 +225,7 @@ def render(results: dict[str, Any]) -> str:
         ("teardown", _teardown),
         ("scale", _scale),
         ("footprint", _footprint),
+        ("layers", _layers),
     ):
         if name == "throughput" and ("launch" in s or "large" in s):
             launch = s.get("launch")

@@ -1,4 +1,4 @@
-"""Watch a process tree from outside: ``python -I _watch.py PID_DIR EXPECTED``.
+"""Watch a process tree from outside: ``python -I _watch.py PID_DIR EXPECTED [env]``.
 
 A separate process, so polling does not compete for the measured parent's GIL. Every 2 ms it
 reads PID_DIR's pid files (noting each pid's start time on first sight) and the state of every
@@ -6,6 +6,10 @@ known pid in /proc. A zombie, a missing pid or a pid with another start time cou
 Stdin lines: ``pid N`` adds a pid to watch (the isolate shim); ``stop`` ends the watch and
 prints one JSON line: ready_at (all EXPECTED pid files seen), gone_at (first moment, after
 ready, that every watched pid was gone), and the pids still alive at stop.
+
+With ``env``, a recorded pid is the tree's own number for itself, which inside a PID namespace
+is not the host's: each is looked up among the processes whose environment holds
+``PID_DIR=PID_DIR``, by the innermost pid in their ``NSpid`` line.
 """
 
 import json
@@ -30,8 +34,30 @@ def alive(pid, start):
     return s is not None and s[0] not in "ZX" and (start is None or s[1] == start)
 
 
+def tagged(pid_dir):
+    """The tree's own pid -> host pid of every process with ``PID_DIR=pid_dir`` in its env."""
+    needle = f"PID_DIR={pid_dir}\0".encode()
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+            if not (env.startswith(needle) or b"\0" + needle in env):
+                continue
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        out[int(line.split()[-1])] = int(name)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def main():
     pid_dir, expected = sys.argv[1], int(sys.argv[2])
+    by_env = sys.argv[3:] == ["env"]
     tracked = {}  # name -> [pid, start or None]
     ready_at = gone_at = None
     stdin = sys.stdin.fileno()
@@ -66,6 +92,10 @@ def main():
                         pid = int(f.read())
                 except (OSError, ValueError):
                     continue
+                if by_env:
+                    pid = tagged(pid_dir).get(pid)
+                    if pid is None:
+                        continue  # gone before it was seen, or not yet exec'd: look again
                 s = stat(pid)
                 tracked[name] = [pid, s[1] if s else None]
             if len([n for n in tracked if n[0] != "_"]) >= expected:

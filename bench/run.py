@@ -20,18 +20,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import footprint, launch, scale, teardown, throughput
+from . import footprint, launch, layers, scale, teardown, throughput
 from ._common import MARK_ENV, REPO, live_children, machine_info, sweep_marked
 from ._context import Context
 from ._report import render
 from ._targets import targets
 
-SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "footprint")
+SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "footprint", "layers")
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "throughput": throughput.run,
     "teardown": teardown.run,
     "scale": scale.run,
     "footprint": footprint.run,
+    "layers": layers.run,
 }
 
 

@@ -27,6 +27,8 @@ try:  # the optional "bench" dependency group; without it the pebble rows are sk
 except ImportError:  # pragma: no cover - depends on the environment
     pebble = None
 
+from isolate._core.tree import pids_with_env
+
 from . import _treebuild
 from ._common import MARK_ENV, kill_all, read_pid_files, summary
 from ._context import Context
@@ -36,7 +38,9 @@ SETTLE_S = 0.25  # after the call returned: time for stragglers before survivors
 
 
 class _Watch:
-    def __init__(self, pid_dir: Path) -> None:
+    def __init__(self, pid_dir: Path, by_env: bool = False) -> None:
+        """``by_env``: the tree may be in a PID namespace (isolate's default): find its
+        processes by their environment, not by the pids they recorded."""
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -44,6 +48,7 @@ class _Watch:
                 str(HERE / "_watch.py"),
                 str(pid_dir),
                 str(_treebuild.TREE_SIZE),
+                *(["env"] if by_env else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -76,7 +81,7 @@ async def _isolate(ctx: Context, pid_dir: Path, ignore: bool, t: float, grace: f
         kill_grace=grace,
         env={"PID_DIR": str(pid_dir), MARK_ENV: ctx.run_id},
     )
-    watch = _Watch(pid_dir)
+    watch = _Watch(pid_dir, by_env=True)
     deadline = time.monotonic() + t
     outcome = await isolate.run_episode(spec, {"ignore_term": ignore}, on_start=watch.add)
     returned = time.monotonic()
@@ -147,10 +152,12 @@ async def _one(ctx: Context, name: str, ignore: bool, t: float, grace: float, n:
     try:
         run = await CONTENDERS[name](ctx, pid_dir, ignore, t, grace)
     finally:
-        # Whatever happened: nothing of this tree may outlive the run.
-        await anyio.to_thread.run_sync(
-            kill_all, [(pid, None) for pid in read_pid_files(pid_dir).values()]
-        )
+        # Whatever happened: nothing of this tree may outlive the run. Every process of it
+        # carries PID_DIR; isolate's recorded pids may be a PID namespace's: never kill by them.
+        pids = pids_with_env("PID_DIR", str(pid_dir))
+        if name != "isolate":
+            pids += read_pid_files(pid_dir).values()
+        await anyio.to_thread.run_sync(kill_all, [(pid, None) for pid in pids])
     seen = run.pop("watch")
     deadline = run["deadline"]
     run["complete"] = seen["ready_at"] is not None and (

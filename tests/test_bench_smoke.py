@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
+from isolate._core import containment as _containment
+
 from .conftest import SLOW
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "footprint")
+SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "footprint", "layers")
 
 
 def _positive(summary: dict[str, Any]) -> bool:
@@ -120,6 +122,16 @@ def test_footprint_figures(results: dict[str, Any]) -> None:
         for field in ("rss", "uss", "pss"):
             assert _positive(rows[who][field]), (who, field)
     assert rows["total"]["rss"]["median"] > rows["shim"]["rss"]["median"]
+
+
+def test_layers_figures(results: dict[str, Any]) -> None:
+    section = results["sections"]["layers"]
+    measured = set(section["rows"]) - {"bare"}
+    assert measured | set(section["skipped"]) == set(_containment.COMBINATIONS)
+    assert section["auto"] in measured
+    for name, row in section["rows"].items():
+        assert _positive(row), name
+        assert _positive(row["ratio"]), name
 
 
 def test_targets_listed(results: dict[str, Any]) -> None:
