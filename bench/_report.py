@@ -197,14 +197,14 @@ def _footprint(res: dict[str, Any]) -> list[str]:
 
 def _layers(res: dict[str, Any]) -> list[str]:
     head = ["containment", "ms/episode: median (min–max)", "× floor", f"× {res['old_default']}"]
+    head.append("child CPU ms/episode")
     rows = []
     for name, r in res["rows"].items():
         label = "bare `python -I -c pass` (floor)" if name == "bare" else f"`{name}`"
         if name == res.get("auto"):
             label += " (auto here)"
-        rows.append(
-            [label, _range(r, 1000, 2), _ratio(r["ratio"]), _ratio(r.get("vs_old_default", {}))]
-        )
+        ratios = [_ratio(r["ratio"]), _ratio(r.get("vs_old_default", {}))]
+        rows.append([label, _range(r, 1000, 2), *ratios, _range(r.get("cpu", {}), 1000, 1)])
     note = (
         f"{res['rounds']} rounds × {res['episodes_per_sample']} sequential no-op episodes per "
         f"sample, every combination this machine provides, interleaved round-robin in one parent."

@@ -4,10 +4,13 @@ machine provides, side by side with the bare interpreter, in one parent.
 The default changed from ``cgroup`` to ``cgroup+pidns`` (``auto``); this says what each layer
 costs. Every round runs each contender ``k`` times in a row, in an order that rotates per
 round; ratios are per round (against the floor, and against ``cgroup``, the old default).
+Beside wall time, the CPU time of the episode's processes (user + system, from
+``RUSAGE_CHILDREN``): on a loaded machine it says what a layer costs where wall time wobbles.
 """
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import time
@@ -46,7 +49,14 @@ async def _episodes(spec: isolate.EpisodeSpec, k: int) -> float:
     return time.perf_counter() - t0
 
 
-async def _measure(ctx: Context, combos: list[str], rounds: int, k: int) -> dict[str, list[float]]:
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _measure(
+    ctx: Context, combos: list[str], rounds: int, k: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     root = ctx.workdir / "layers_agent"
     root.mkdir(exist_ok=True)
     (root / "noop_agent.py").write_text(NOOP_AGENT)
@@ -57,14 +67,17 @@ async def _measure(ctx: Context, combos: list[str], rounds: int, k: int) -> dict
     specs = {c: base.model_copy(update={"containment": c}) for c in combos}
     names = [BARE, *combos]
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     for name in names:  # warm-up: probes, page cache, the shim's bytecode
         await (_bare(1) if name == BARE else _episodes(specs[name], 1))
     for index in range(rounds):
         order = names[index % len(names) :] + names[: index % len(names)]
         for name in order:
+            before = _children_cpu()
             spent = await (_bare(k) if name == BARE else _episodes(specs[name], k))
             times[name].append(spent / k)
-    return times
+            cpu[name].append((_children_cpu() - before) / k)
+    return times, cpu
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -77,12 +90,13 @@ def run(ctx: Context) -> dict[str, Any]:
         else:
             skipped[combo] = problem
     auto = _containment.resolve("auto", None)
-    times = anyio.run(_measure, ctx, combos, rounds, k)
+    times, cpu = anyio.run(_measure, ctx, combos, rounds, k)
     rows = {}
     for name, samples in times.items():
         rows[name] = summary(samples)
         rows[name]["samples"] = samples
         rows[name]["ratio"] = paired_ratio(samples, times[BARE])
+        rows[name]["cpu"] = summary(cpu[name])
         if OLD_DEFAULT in times:
             rows[name]["vs_old_default"] = paired_ratio(samples, times[OLD_DEFAULT])
     return {
