@@ -508,7 +508,8 @@ def worker(hs, channel):
             return 1
     # Only here, in the worker, after fork: never in an exec environment (/proc/PID/environ
     # keeps that one), but in os.environ for the agent's SDKs and its subprocesses.
-    os.environ.update(hs.pop("secret_env", None) or {})
+    secret_env = hs.pop("secret_env", None) or {}
+    os.environ.update(secret_env)
     try:
         target = load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
     except BaseException as exc:
@@ -548,7 +549,8 @@ def worker(hs, channel):
         )
         return code & 0xFF
     limit = hs.get("max_info_bytes", 1 << 20)
-    channel.send("result", **to_result(value, limit, list(secrets.values())))
+    values = list(secrets.values()) + list(secret_env.values())
+    channel.send("result", **to_result(value, limit, values))
     return 0
 
 

@@ -26,9 +26,16 @@ from .conftest import Agents
 pytestmark = pytest.mark.anyio
 
 # Two keys: one ASCII, one that JSON escapes (the raw line then holds "\u00fc", not the key).
+# The agent gets the first as a keyword argument (secrets), the second as WIDE in its
+# os.environ (secret_env): both ways back must be scrubbed.
 KEYS = {"key": "sk-leak-" + _secrets.token_hex(12), "wide": "sk-wïdé-" + _secrets.token_hex(12)}
 #: A window of this many characters of a key is a leak too: a cut must not keep half a key.
 WINDOW = 10
+
+SECRETS_BOTH_WAYS: dict[str, Any] = {
+    "secrets": {"key": KEYS["key"]},
+    "secret_env": {"WIDE": KEYS["wide"]},
+}
 
 FRAME_MODELS: tuple[type[BaseModel], ...] = get_args(get_args(proto.Frame)[0])
 
@@ -120,7 +127,7 @@ FIELD_CASES = [
 FAKE_SHIM = """\
 import json, sys
 hs = json.loads(sys.stdin.buffer.readline())
-swap = dict(hs["secrets"], NONCE=hs["nonce"])
+swap = dict(hs["secrets"], wide=hs["secret_env"]["WIDE"], NONCE=hs["nonce"])
 
 def fill(value):
     if isinstance(value, str):
@@ -157,7 +164,7 @@ async def run_fake(tmp_path: Path, data: dict[str, Any], name: str) -> isolate.E
     spec = isolate.EpisodeSpec(
         entrypoint="fake:run", timeout=20.0, kill_grace=0.5, log_dir=tmp_path / "logs"
     )
-    return await _launcher._run_with_shim(spec, data, shim, secrets=KEYS, episode_id=name)
+    return await _launcher._run_with_shim(spec, data, shim, episode_id=name, **SECRETS_BOTH_WAYS)
 
 
 def test_the_generator_knows_every_frame_type() -> None:
@@ -237,6 +244,7 @@ RETURNS = {
     "reward NaN and the key as info": "return float('nan'), {key: wide}",
     "reward repr cut through the key": "return 'x' * 185 + key",
     "info preview cut through the key": "return 1.0, 'x' * 4085 + key + 'y' * 5000",
+    "info preview cut through the env key": "return 1.0, 'x' * 4060 + wide + 'y' * 5000",
     "info over 256 KiB, parsed off the loop": "return 1.0, {'pad': 'x' * 300_000, key: wide}",
 }
 RAISES = {
@@ -270,9 +278,9 @@ AGENT_CASES = {**RETURNS, **RAISES, **PRINTS}
 async def test_a_key_in_what_an_agent_returns_raises_or_prints_never_shows(
     agents: Agents, body: str
 ) -> None:
-    code = f"def run(data, *, key, wide):\n    {body}\n"
+    code = f"import os\ndef run(data, *, key):\n    wide = os.environ['WIDE']\n    {body}\n"
     spec = agents.spec(code, max_info_bytes=400_000 if "256 KiB" in body else 4096)
-    outcome = await isolate.run_episode(spec, {}, secrets=KEYS)
+    outcome = await isolate.run_episode(spec, {}, **SECRETS_BOTH_WAYS)
     # The control: the agent did run, and what it sent came back (scrubbed).
     assert outcome.status != "setup_error", outcome.summary()
     assert leaks(outcome) == [], outcome.summary()

@@ -77,9 +77,13 @@ async def run_episode(
 
 async def _run_with_shim(spec: EpisodeSpec, data: Any, shim: Path, **kw: Any) -> EpisodeOutcome:
     """Like :func:`run_episode` with another child program; for protocol tests."""
-    run = _Run(spec, data, kw.pop("kwargs", {}), kw.pop("secrets", {}), kw.pop("episode_id", None))
+    args = [kw.pop(k, None) for k in ("kwargs", "secrets", "episode_id", "secret_env")]
+    on_start = kw.pop("on_start", None)
+    if kw:
+        raise TypeError(f"unexpected arguments: {', '.join(kw)}")
+    run = _Run(spec, data, args[0] or {}, args[1] or {}, args[2], args[3])
     run.shim = shim
-    return await run.run(kw.pop("on_start", None))
+    return await run.run(on_start)
 
 
 _STARTING: RunVar[anyio.CapacityLimiter] = RunVar("isolate_starting")
