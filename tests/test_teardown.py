@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 import isolate
+from isolate._core import launcher as _launcher
 
 from .conftest import (
     SLOW,
@@ -134,13 +136,36 @@ async def test_stopped_processes_still_die(agents: Agents) -> None:
     assert outcome.killed == 2
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.001, 0.01, 0.03, 0.1])
-async def test_cancel_around_spawn(agents: Agents, delay: float) -> None:
+@pytest.mark.parametrize("point", ["before the spawn", "at the spawn", "while the tree grows"])
+async def test_cancel_around_spawn(agents: Agents, point: str) -> None:
+    """Cancelled at each point of the start, by an event rather than a delay: the point is
+    reached (the shim started or not, part of the tree built), and nothing is left."""
     spec = agents.spec(TREE_AGENT)
-    with anyio.move_on_after(delay) as scope:
-        await isolate.run_episode(spec, {})
+    started: list[int] = []
+
+    def on_start(pid: int) -> None:
+        started.append(pid)
+        if point == "at the spawn":
+            scope.cancel()
+
+    async def cancel_once_a_pid_is_recorded() -> None:
+        await wait_until(lambda: bool(recorded(agents)), 20.0)
+        scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        if point == "before the spawn":
+            scope.cancel()
+        async with anyio.create_task_group() as tg:
+            if point == "while the tree grows":
+                tg.start_soon(cancel_once_a_pid_is_recorded)
+            await isolate.run_episode(spec, {}, on_start=on_start)
+        pytest.fail("run_episode returned instead of being cancelled")
     assert scope.cancelled_caught
-    assert not agents.left()
+    assert len(started) == (0 if point == "before the spawn" else 1)
+    if point == "while the tree grows":
+        assert 0 < len(recorded(agents)) <= TREE_PIDS
+    assert all(is_gone(pid) for pid in started)  # the shim: a host pid at every level
+    assert agents.left() == []
 
 
 async def test_cancel_during_the_run(agents: Agents) -> None:
@@ -167,18 +192,51 @@ async def test_cancel_during_the_run(agents: Agents) -> None:
     assert cancelled_at > started
 
 
-async def test_cancel_during_the_grace_period(agents: Agents) -> None:
-    """Cancel while teardown waits for SIGTERM-ignoring processes after a timeout: the
-    cancellation propagates, and the grace period is not restarted."""
-    spec = agents.spec(TREE_AGENT, timeout=3.0, kill_grace=3.0)
-    started = time.monotonic()
-    with anyio.move_on_after(4.0) as scope:  # timeout at 3 s, grace until 6 s
-        await isolate.run_episode(spec, {})
-    assert scope.cancelled_caught
-    pids = recorded(agents)
-    assert len(pids) == TREE_PIDS
-    assert not agents.left()
-    assert time.monotonic() - started <= 6.0 + 1.0 * SLOW
+# A shim that says hello, then notes SIGTERM in a file and carries on: the parent's teardown
+# has to wait out the whole grace period for it (the real shim's supervisor cuts its own
+# subtree's grace short when it is terminated itself).
+TERM_NOTING_SHIM = """\
+import json, os, signal, sys, time
+hs = json.loads(sys.stdin.buffer.readline())
+pid_dir = os.environ["PID_DIR"]
+signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(pid_dir, "term"), "w").close())
+hello = {"t": "hello", "nonce": hs["nonce"], "protocol": 1, "pid": os.getpid(),
+         "python": "3", "subreaper": False}
+sys.stdout.write(json.dumps(hello) + "\\n")
+sys.stdout.flush()
+while True:
+    time.sleep(1)
+"""
+
+
+async def test_cancel_during_the_grace_period(agents: Agents, tmp_path: Path) -> None:
+    """Cancel while teardown waits out the grace period after a timeout: the cancellation
+    propagates, and the grace period is not restarted. The SIGTERM the shim noted proves the
+    timeout fired first; the cancel comes half the grace later, so a restart would take the
+    whole grace period again from there."""
+    shim = tmp_path / "term_noting_shim.py"
+    shim.write_text(TERM_NOTING_SHIM)
+    grace = 4.0
+    spec = agents.spec("def run(data):\n    pass\n", timeout=1.0, kill_grace=grace)
+    term_seen = cancelled_at = 0.0
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_mid_grace() -> None:
+            nonlocal term_seen, cancelled_at
+            await wait_until((agents.pids / "term").exists, 20.0)
+            term_seen = time.monotonic()
+            await anyio.sleep_until(term_seen + grace / 2)  # the scenario, not a wait for state
+            cancelled_at = time.monotonic()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_mid_grace)
+        await _launcher._run_with_shim(spec, {}, shim)
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert tg.cancel_scope.cancelled_caught
+    assert term_seen > 0.0  # the timeout's SIGTERM came before the cancel
+    assert agents.left() == []
+    # What was left of the grace (half of it) and the SIGKILL sweep; a restart: all of it.
+    assert time.monotonic() - cancelled_at < grace / 2 + 1.0
 
 
 PARENT = """
@@ -212,15 +270,30 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
         parent.wait()
 
 
-async def test_cancel_while_queued_for_start(agents: Agents) -> None:
-    """More episodes than the start gate admits, cancelled while most wait their turn:
+# A shim that reads its handshake and never says hello: it holds its place at the start gate.
+SILENT_SHIM = "import sys, time\nsys.stdin.buffer.readline()\ntime.sleep(300)\n"
+
+
+async def test_cancel_while_queued_for_start(agents: Agents, tmp_path: Path) -> None:
+    """More episodes than the start gate admits, cancelled while the rest wait their turn:
+    exactly as many started as the gate admits (none said hello, so no place came free),
     every one is cancelled cleanly, and nothing is left."""
-    spec = agents.spec("import time\ndef run(data):\n    time.sleep(300)\n")
+    shim = tmp_path / "silent_shim.py"
+    shim.write_text(SILENT_SHIM)
+    spec = agents.spec("def run(data):\n    pass\n")
     started: list[int] = []
-    with anyio.move_on_after(0.3) as scope:
+    with anyio.CancelScope() as scope:
+        admitted = int(_launcher._starting_gate().total_tokens)
         async with anyio.create_task_group() as tg:
-            for _ in range(48):
-                tg.start_soon(lambda: isolate.run_episode(spec, {}, on_start=started.append))
+            for _ in range(admitted + 8):
+                tg.start_soon(
+                    functools.partial(
+                        _launcher._run_with_shim, spec, {}, shim, on_start=started.append
+                    )
+                )
+            await wait_until(lambda: len(started) >= admitted, 30.0)
+            scope.cancel()
     assert scope.cancelled_caught
-    assert 0 < len(started) < 48  # some had started, some were still queued
+    assert len(started) == admitted  # the rest were queued
     assert all(is_gone(pid) for pid in started)
+    assert agents.left() == []
