@@ -4,6 +4,8 @@ version check, and properties of the parent-side parser, line splitter and redac
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import json
 import math
 import os
@@ -11,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +185,29 @@ FAKES = {
         "protocol_error",
         (r"protocol 2\b", rf"\b{V}\b"),
     ),
+    "a second hello": Fake(
+        "hello(); hello(); result(1.0); done()",
+        "protocol_error",
+        (r"a second hello frame",),
+    ),
+    "a containment other than the parent's": Fake(
+        "send('hello', protocol=1, pid=os.getpid(), python='3', subreaper=False, "
+        "containment='pidns'); result(1.0); done()",
+        "protocol_error",
+        (r"the shim set up containment 'pidns', not 'session'",),
+        spec={"containment": "session"},
+    ),
+    "a second done": Fake(
+        "hello(); result(1.0); done(); done()",
+        "protocol_error",
+        (r"a second done frame",),
+    ),
+    "killed by a signal before hello": Fake(
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "crashed",
+        (r"the shim was killed by SIGKILL before it started",),
+        signal="SIGKILL",
+    ),
     "no hello, exit 0": Fake(
         "sys.stderr.write('fake shim: refusing to start\\n')",
         "setup_error",
@@ -205,6 +231,13 @@ FAKES = {
         "timeout",
         (r"no result within 1 s",),
         spec={"timeout": 1.0},
+    ),
+    "a result in time, then a hang past the deadline": Fake(
+        # The result counts; the deadline only ends the hang (no done frame ever comes).
+        "hello(); result(0.5); time.sleep(60)",
+        "ok",
+        spec={"timeout": 1.0},
+        reward=0.5,
     ),
     "never reads stdin": Fake(
         "import time; time.sleep(60)",
@@ -286,9 +319,9 @@ async def test_fake_shim(tmp_path: Path, name: str) -> None:
     log = outcome.log_path.read_text(errors="replace")
     for pattern in fake.log_says:
         assert re.search(pattern, log), (pattern, log)
-    if fake.status == "timeout":
+    if "time.sleep(60)" in fake.body:
         # Killed at the deadline, not when the fake's sleep ran out.
-        assert elapsed < (spec.timeout + spec.kill_grace + 5.0) * SLOW
+        assert spec.timeout <= elapsed < (spec.timeout + spec.kill_grace + 5.0) * SLOW
     if fake.status == "ok":
         assert "protocol violation" not in log
 
@@ -798,3 +831,72 @@ def test_parse_line_scrubs_data_but_not_the_protocols_words() -> None:
     assert isinstance(item, Result)
     assert item.reward == {"[secret]1": 1.0}
     assert item.info == {"[secret]": ["o[secret]"]}
+
+
+# --- handshakes and frames larger than a pipe ---------------------------------------------------
+
+
+def pipe_size() -> int:
+    read_end, write_end = os.pipe()
+    try:
+        return int(fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+@pytest.mark.anyio
+async def test_a_handshake_larger_than_a_pipe_arrives_whole(agents: Agents) -> None:
+    # 16 pipes' worth: written in parts, each when the pipe has room again.
+    blob = "x" * (16 * pipe_size())
+    spec = agents.spec(
+        "import hashlib\n"
+        "def run(data, *, key):\n"
+        "    digest = hashlib.sha256(data['blob'].encode()).hexdigest()\n"
+        "    return 1.0, {'digest': digest, 'key': len(key)}\n"
+    )
+    key = "k" * (2 * pipe_size())  # the secrets come last: a key that starts past a pipe
+    outcome = await isolate.run_episode(spec, {"blob": blob}, secrets={"key": key})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == {"digest": hashlib.sha256(blob.encode()).hexdigest(), "key": len(key)}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "body",
+    ["os._exit(3)", "sys.stdin.buffer.read(100_000); os._exit(3)"],
+    ids=["reads nothing", "reads part of it"],
+)
+async def test_a_child_that_exits_during_a_large_handshake(tmp_path: Path, body: str) -> None:
+    # The rest of the write meets a closed pipe: the outcome says how the child ended.
+    shim = tmp_path / "early_exit.py"
+    shim.write_text(f"import os, sys\n{body}\n")
+    spec = fake_spec(tmp_path)
+    data = {"blob": "x" * (16 * pipe_size())}
+    outcome = await _launcher._run_with_shim(spec, data, shim)
+    assert outcome.status == "setup_error", outcome.summary()
+    assert outcome.error is not None
+    assert "did not start" in outcome.error.message
+    assert "exited with 3" in outcome.error.message
+
+
+@pytest.mark.anyio
+async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    where: list[tuple[int, bool]] = []  # (bytes, parsed on the event loop's thread)
+    parse = _launcher.proto.parse_line
+
+    def recording_parse(line: bytes, nonce: str, redact: Redactor) -> Any:
+        where.append((len(line), threading.current_thread() is threading.main_thread()))
+        return parse(line, nonce, redact)
+
+    monkeypatch.setattr(_launcher.proto, "parse_line", recording_parse)
+    big = 300 * 1024
+    fake = Fake(f"hello(); result(1.0, info='x' * {big}); done()", "ok")
+    spec = fake_spec(tmp_path)
+    outcome = await _launcher._run_with_shim(spec, {}, write_fake(tmp_path, fake))
+    assert outcome.status == "ok", outcome.summary()
+    assert len(outcome.info) == big
+    assert sorted(on_loop for size, on_loop in where if size > big) == [False]
+    assert [on_loop for size, on_loop in where if size < 1024] == [True, True]  # hello, done

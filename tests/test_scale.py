@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import anyio
 import psutil
@@ -17,6 +18,16 @@ pytestmark = pytest.mark.anyio
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def stray_threads(before: set[threading.Thread]) -> list[str]:
+    """Threads started since ``before`` that are not anyio's worker pool (which keeps idle
+    workers for a while, up to its limiter's 40)."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t not in before and not t.name.startswith("AnyIO worker thread")
+    ]
 
 
 def zombie_children() -> list[int]:
@@ -45,6 +56,7 @@ async def test_200_concurrent_episodes(agents: Agents) -> None:
         kill_grace=1.0,
     )
     fds_before = open_fds()
+    threads_before = set(threading.enumerate())
     outcomes: dict[int, isolate.EpisodeOutcome] = {}
 
     async def one(i: int) -> None:
@@ -63,3 +75,8 @@ async def test_200_concurrent_episodes(agents: Agents) -> None:
     # Threads of anyio's pool may still hold nothing; fds must be back where they were.
     wait_for(lambda: open_fds() <= fds_before, 5.0, f"fds back to {fds_before}")
     assert zombie_children() == []
+    assert stray_threads(threads_before) == []
+    pool = [t for t in threading.enumerate() if t.name.startswith("AnyIO worker thread")]
+    assert len(pool) <= anyio.to_thread.current_default_thread_limiter().total_tokens
+    # No thread outside Python's view either (one started by C code, say).
+    assert psutil.Process().num_threads() == threading.active_count()

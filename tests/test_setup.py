@@ -185,3 +185,21 @@ print(part.WHOSE, "|", shim_probe.WHOSE, "|", part.__name__)
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "the shim | the agent | _isolate_shim_probe"
+
+
+async def test_a_limit_the_kernel_refuses_is_a_limit_error(agents: Agents) -> None:
+    # Above fs.nr_open: setrlimit refuses it even for root, in the worker, before the import.
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    limits = isolate.Limits(open_files=nr_open + 1)
+    marker = agents.tmp / "imported"
+    spec = agents.spec(
+        f"open({str(marker)!r}, 'w').close()\ndef run(d):\n    return 1.0\n",
+        limits=limits,
+        containment="session",
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "setup_error", outcome.summary()
+    assert outcome.error is not None
+    assert outcome.error.type == "LimitError"
+    assert f"cannot set RLIMIT_NOFILE to ({nr_open + 1}, {nr_open + 1})" in outcome.error.message
+    assert not marker.exists()  # the agent was never imported

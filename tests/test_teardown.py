@@ -297,3 +297,64 @@ async def test_cancel_while_queued_for_start(agents: Agents, tmp_path: Path) -> 
     assert len(started) == admitted  # the rest were queued
     assert all(is_gone(pid) for pid in started)
     assert agents.left() == []
+
+
+async def test_an_error_in_on_start_still_tears_the_tree_down(agents: Agents) -> None:
+    """Not a cancellation: an exception of the caller's own (here from ``on_start``) inside
+    run_episode propagates unchanged, after the same teardown."""
+    spec = agents.spec(TREE_AGENT)
+    started: list[int] = []
+
+    def on_start(pid: int) -> None:
+        started.append(pid)
+        raise LookupError("the caller's own bug")
+
+    with pytest.raises(LookupError, match="the caller's own bug"):
+        await isolate.run_episode(spec, {}, on_start=on_start)
+    assert len(started) == 1
+    assert is_gone(started[0])
+    assert agents.left() == []
+
+
+STOPPABLE_PARENT = """
+import anyio, isolate, sys
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+outcome = anyio.run(isolate.run_episode, spec, {})
+print(outcome.status, outcome.error.message if outcome.error else "")
+"""
+
+
+def test_the_shim_keeps_its_own_deadline_while_the_parent_is_stopped(agents: Agents) -> None:
+    """SIGSTOP the process that called run_episode: its pipe stays open, so only the shim's
+    own deadline (timeout + kill_grace + 2 s) can end the episode, and it does."""
+    spec = agents.spec(
+        f"""
+        import subprocess, time
+        def run(data):
+            subprocess.Popen(["sh", "-c", '{record_pid_sh("child")}; exec sleep 300'])
+            time.sleep(300)
+        """,
+        timeout=3.0,
+        kill_grace=0.5,
+    )
+    shim_deadline = spec.timeout + spec.kill_grace + _launcher._SHIM_DEADLINE_MARGIN_S
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(STOPPABLE_PARENT), spec.model_dump_json()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: "child" in agents.pid_files(), 20.0, "the agent's child")
+        os.kill(parent.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert agents.left()  # the tree is alive while the parent is stopped
+        wait_for(lambda: not agents.left(), shim_deadline + 5.0, "the shim to end its tree")
+        # Not before the parent's own deadline could have fired (it could not: stopped).
+        assert time.monotonic() - stopped_at >= spec.timeout - 1.0
+        os.kill(parent.pid, signal.SIGCONT)
+        out, _ = parent.communicate(timeout=20 * SLOW)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert parent.returncode == 0
+    assert out.startswith("timeout "), out
