@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 import isolate
@@ -189,7 +190,7 @@ print(part.WHOSE, "|", shim_probe.WHOSE, "|", part.__name__)
 
 async def test_a_limit_the_kernel_refuses_is_a_limit_error(agents: Agents) -> None:
     # Above fs.nr_open: setrlimit refuses it even for root, in the worker, before the import.
-    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    nr_open = int(await anyio.Path("/proc/sys/fs/nr_open").read_text())
     limits = isolate.Limits(open_files=nr_open + 1)
     marker = agents.tmp / "imported"
     spec = agents.spec(
