@@ -4,6 +4,7 @@ and frame parsers survive whatever they are fed."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -173,6 +174,7 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 fifo = open(sys.argv[1], "w")
 fifo.write("alive\\\\n")
 fifo.flush()
+open(sys.argv[1] + ".up", "w").close()
 time.sleep(300)
 '''
 
@@ -180,7 +182,9 @@ def run(data):
     # No episode tag in its environment, its own session, re-parented: invisible to every
     # scan of the parent's sweep once the supervisor is gone.
     subprocess.run([sys.executable, "-c", DAEMON, data["fifo"]], env={})
-    time.sleep(0.2)
+    end = time.monotonic() + 20
+    while not os.path.exists(data["fifo"] + ".up") and time.monotonic() < end:
+        time.sleep(0.005)  # until the daemon has said "alive": no fixed while
     os.kill(os.getppid(), signal.SIGKILL)  # the supervisor
     time.sleep(0.5)
     return 1.0
@@ -221,11 +225,65 @@ async def test_an_agent_that_kills_its_supervisor_leaves_nothing(
 # --- levels ------------------------------------------------------------------------------------
 
 
+def machine_has(layer: str) -> bool:
+    """Whether this machine provides containment ``layer``, found without isolate's probes:
+    by doing what the layer needs (a cgroup made and removed; ``unshare``; Landlock's ABI)."""
+    if layer == "cgroup":
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        path = next(line.split(":", 2)[2] for line in own if line.startswith("0::"))
+        mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+        for point in [m[1] for m in mounts if m[2] == "cgroup2"]:
+            probe = Path(point + path.rstrip("/")) / f"machine-has.{os.getpid()}"
+            try:
+                probe.mkdir()
+            except OSError:
+                continue
+            try:
+                if (probe / "cgroup.kill").exists():
+                    return True
+            finally:
+                probe.rmdir()
+        return False
+    if layer == "pidns":
+        user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+        unshare = shutil.which("unshare")
+        return (
+            unshare is not None
+            and subprocess.run(
+                [unshare, *user, "--pid", "--fork", "true"], capture_output=True
+            ).returncode
+            == 0
+        )
+    if layer == "landlock":
+        libc = ctypes.CDLL(None, use_errno=True)
+        abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(.., VERSION)
+        return bool(abi >= 6)  # the layer scopes signals: ABI 6
+    raise AssertionError(f"teach machine_has about the layer {layer!r}")
+
+
+AUTO_REPORTER = """
+import os
+def run(data):
+    cgroup = open("/proc/self/cgroup").read()
+    return 1.0, {"cgroup": cgroup, "pidns": os.readlink("/proc/self/ns/pid")}
+"""
+
+
 async def test_auto_picks_the_strongest_combination_available(agents: Agents) -> None:
-    expected = next(c for c in _containment.AUTO if _containment.problem(c) is None)
-    outcome = await isolate.run_episode(agents.spec("def run(d):\n    return 1.0\n"), {})
+    # The expectation comes from the machine itself, not from the probe resolve uses; what the
+    # agent sees from inside says which layers it really got.
+    expected = next(
+        c for c in _containment.AUTO if all(machine_has(x) for x in _containment.layers(c))
+    )
+    outcome = await isolate.run_episode(agents.spec(AUTO_REPORTER), {})
     assert outcome.status == "ok", outcome.summary()
     assert outcome.containment == expected
+    seen = set()
+    if "/isolate/" in outcome.info["cgroup"]:
+        seen.add("cgroup")
+    if outcome.info["pidns"] != os.readlink("/proc/self/ns/pid"):
+        seen.add("pidns")
+    assert seen == set(_containment.layers(expected)) - {"landlock"}
 
 
 async def test_the_pidns_agent_sees_only_its_namespace(agents: Agents) -> None:
@@ -371,6 +429,24 @@ def run(data):
 """
 
 
+def pids_counters(episode_id: str) -> tuple[int, int] | None:
+    """``pids.peak`` and the ``max`` count of ``pids.events`` of the episode's pids leaf, while
+    it exists: the kernel's own count, no sample missed."""
+    groups = _containment.cgroups()
+    roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
+    for root in roots:
+        for leaf in (root / _containment._owner_name()).glob(f"{episode_id}.*"):
+            try:
+                peak = int((leaf / "pids.peak").read_text())
+                events = dict(
+                    line.split() for line in (leaf / "pids.events").read_text().splitlines()
+                )
+            except (OSError, ValueError):
+                continue  # not the pids leaf, or gone just now
+            return peak, int(events["max"])
+    return None
+
+
 @pytest.mark.parametrize("requested", ["cgroup", "auto"])
 async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: str) -> None:
     used = needs(requested)
@@ -381,17 +457,17 @@ async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: s
     bomb_spec = spec.model_copy(update={"env": {**spec.env, "ROLE": "bomb"}})
     sibling = agents.spec("import time\ndef run(d):\n    time.sleep(1.0)\n    return 1.0\n")
     outcomes: dict[str, isolate.EpisodeOutcome] = {}
-    peak = 0
+    counters: list[tuple[int, int]] = []  # the last read wins: both only ever grow
 
     async def watch() -> None:
-        nonlocal peak
         while "bomb" not in outcomes:
-            count = len(await anyio.to_thread.run_sync(tree, agents, "ROLE=bomb"))
-            peak = max(peak, count)
+            found = await anyio.to_thread.run_sync(pids_counters, "bomb")
+            if found is not None:
+                counters.append(found)
             await anyio.sleep(0.05)
 
     async def one(name: str, episode_spec: isolate.EpisodeSpec) -> None:
-        outcomes[name] = await isolate.run_episode(episode_spec, {})
+        outcomes[name] = await isolate.run_episode(episode_spec, {}, episode_id=name)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch)
@@ -402,9 +478,12 @@ async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: s
     assert bomb.reason == "process limit 32"
     assert bomb.error is not None
     assert bomb.error.message.startswith("process limit 32 hit: ")
-    # It did fork, up to the limit (+ the supervisor, and with a PID namespace its relay),
-    # not past it.
-    assert 16 < peak <= 33 + ("pidns" in _containment.layers(used))
+    # It forked up to the limit (32, + the supervisor, + with a PID namespace its relay), not
+    # past it, and was refused.
+    assert counters, "the bomb's pids leaf was never seen"
+    peak, refused = counters[-1]
+    assert peak == 33 + ("pidns" in _containment.layers(used))
+    assert refused > 0
     assert bomb.containment == used
     assert outcomes["sibling"].status == "ok", outcomes["sibling"].summary()
     assert tree(agents) == []

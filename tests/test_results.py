@@ -174,3 +174,30 @@ async def test_result_survives_unflushed_exit(agents: Agents) -> None:
     assert "printed-before-return" in log
     assert "written-no-newline" in log
     assert outcome.duration_s < 10
+
+
+@pytest.mark.parametrize(
+    "attr", ["Agent.run", "Agent.arun", "Agent.Inner.run"], ids=["static", "async", "nested"]
+)
+async def test_a_mod_cls_method_entrypoint(agents: Agents, attr: str) -> None:
+    spec = agents.spec(
+        """
+        class Agent:
+            @staticmethod
+            def run(data):
+                return 0.25, {"via": "static"}
+
+            @classmethod
+            async def arun(cls, data):
+                return 0.5, {"via": cls.__name__}
+
+            class Inner:
+                run = staticmethod(lambda data: (0.75, {"via": "nested"}))
+        """,
+        function=attr,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    expected = {"Agent.run": (0.25, "static"), "Agent.arun": (0.5, "Agent")}
+    expected["Agent.Inner.run"] = (0.75, "nested")
+    assert (outcome.reward, outcome.info["via"]) == expected[attr]

@@ -588,3 +588,48 @@ async def test_sandbox_backend_of_a_record_is_validated(agents: Agents) -> None:
     data["econfig"] = {"sandbox_backend": "docker"}
     with pytest.raises(ValueError, match="'aenv' or 'e2b'"):
         await wf.run(data, base_url=URL)
+
+
+async def test_a_reward_mapping_is_returned_as_it_is(agents: Agents) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    reward = await wf.run(record("map-1", reward={"c1": 1.0, "c2": 0.25}), base_url=URL)
+    assert reward == {"c1": 1.0, "c2": 0.25}
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"limits": {"open_files": -1}}, "open_files"),
+        ({"containment": "walls"}, "containment"),
+        ({"timeout": "soon"}, "econfig.timeout"),
+        ({"timeout": -1}, "timeout"),
+    ],
+    ids=["limits", "containment", "timeout not a number", "timeout negative"],
+)
+async def test_an_invalid_per_record_econfig_fails_before_anything_starts(
+    agents: Agents, clean_env: Path, bad: dict[str, Any], says: str
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    data = dict(record("bad-1", spawn=1), econfig=bad)
+    with pytest.raises(ValueError, match=says):
+        await wf.run(data, base_url=URL)
+    assert agents.pid_files() == {}  # the agent never ran
+    assert not (clean_env / "isolate").exists()  # nor did an episode start
+
+
+async def test_a_per_record_timeout_counts_for_that_record(
+    agents: Agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    wf = SWEAgentWorkflow(econfig=econfig(agents), timeout=600.0)
+    data = dict(record("short-1", spawn=1, sleep=60), econfig={"timeout": 1.0})
+    with (
+        caplog.at_level(logging.INFO, logger="AReaL-SWEAgent"),
+        pytest.raises(TimeoutError) as info,
+    ):
+        await wf.run(data, base_url=URL)
+    assert isinstance(info.value, isolate.EpisodeTimeout)
+    assert info.value.outcome.duration_s < 1.0 + 0.5 + 5.0  # not the workflow's 600 s
+    assert "TIMEOUT: Instance short-1 exceeded 1.0s" in caplog.text
+    assert agents.left() == []
+    # Another record of the same workflow keeps the workflow's timeout.
+    assert await wf.run(record("long-1", sleep=1.5), base_url=URL) == 1.0

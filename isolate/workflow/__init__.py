@@ -188,6 +188,15 @@ def inherit_env_of(econfig: dict[str, Any]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def timeout_of(econfig: dict[str, Any], default: float) -> float:
+    """econfig ``timeout`` (seconds), else ``default``."""
+    value = econfig.get("timeout", default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"econfig.timeout must be a number of seconds, got {value!r}") from None
+
+
 def episode_spec(
     econfig: dict[str, Any], agent_root: Path, timeout: float, log_dir: Path | None
 ) -> EpisodeSpec:
@@ -222,7 +231,8 @@ class SWEAgentWorkflow:
             variables of this process passed as ``run_episode(secret_env=...)``) and
             ``on_crash`` (``"zero"`` or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
-        timeout: seconds per episode; ``econfig["timeout"]`` overrides it.
+        timeout: seconds per episode; ``econfig["timeout"]`` overrides it, and a record's
+            ``data["econfig"]["timeout"]`` overrides both for that record.
     """
 
     def __init__(
@@ -235,7 +245,7 @@ class SWEAgentWorkflow:
             econfig = {}
         self.econfig = econfig
         self.gen_args = gen_args or {}
-        self.timeout = float(econfig.get("timeout", timeout))
+        self.timeout = timeout_of(econfig, timeout)
         self.agent_root = resolve_agent_root(econfig)
         if econfig.get("on_crash", "zero") not in _ON_CRASH:
             raise ValueError(
@@ -278,7 +288,10 @@ class SWEAgentWorkflow:
         kwargs = episode_kwargs(econfig, str(base_url))
         instance_id = str(data.get("instance_id", "unknown"))
         log_dir = Path(kwargs["result_dir"]) / "isolate"
-        spec = episode_spec(econfig, self.agent_root, self.timeout, log_dir)
+        # A record's econfig timeout counts for that record, as its other keys do (AReaL's
+        # in-process workflow ignores it; a per-record deadline that is silently dropped is
+        # worse than one that applies).
+        spec = episode_spec(econfig, self.agent_root, timeout_of(econfig, self.timeout), log_dir)
         logger.info(
             "Starting %s episode: instance_id=%s, config=%s",
             kwargs["agent_type"],
@@ -293,7 +306,7 @@ class SWEAgentWorkflow:
             secret_env=episode_secret_env(econfig),
         )
         self._log_outcome(instance_id, outcome)
-        return self._reward(instance_id, outcome, econfig.get("on_crash", "zero"))
+        return self._reward(instance_id, outcome, econfig.get("on_crash", "zero"), spec.timeout)
 
     def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
         # One structured line per episode, for grepping a night's run.
@@ -310,7 +323,7 @@ class SWEAgentWorkflow:
         logger.info("episode %s", json.dumps(record))
 
     def _reward(
-        self, instance_id: str, outcome: EpisodeOutcome, on_crash: str
+        self, instance_id: str, outcome: EpisodeOutcome, on_crash: str, timeout: float
     ) -> dict[str, float] | float:
         if outcome.status == "ok":
             assert outcome.reward is not None
@@ -325,7 +338,7 @@ class SWEAgentWorkflow:
             logger.error(
                 "TIMEOUT: Instance %s exceeded %ss (elapsed: %.1fs). Discarding trajectory.",
                 instance_id,
-                self.timeout,
+                timeout,
                 outcome.duration_s,
             )
         elif outcome.status == "agent_error" or (
