@@ -20,6 +20,10 @@ import pytest
 import isolate
 from isolate._core import containment as _containment
 
+# The skip summary line, and no skipped containment test on CI (see tests/_skips.py);
+# pytester, to prove that.
+pytest_plugins = ["tests._skips", "pytester"]
+
 # CI machines are slower and shared: scale every bounded wait.
 SLOW = 3.0 if os.environ.get("CI") else 1.0
 

@@ -80,3 +80,32 @@ def test_a_cgroup_leaf_left_behind_is_seen() -> None:
         if made_owner:
             owner.rmdir()
     assert leaf not in own_leaves()
+
+
+SKIPPING = """
+import pytest
+
+def test_fine():
+    pass
+
+def test_skips():
+    pytest.skip("containment 'cgroup' is not available here: no cgroup v2 tree is mounted")
+"""
+
+
+@pytest.mark.parametrize("ci", ["", "true"], ids=["off CI", "on CI"])
+def test_a_skipped_containment_test_fails_on_ci_only(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str
+) -> None:
+    pytester.makepyfile(test_containment=SKIPPING, test_other=SKIPPING.replace("containment", "x"))
+    monkeypatch.setenv("CI", ci)
+    result = pytester.runpytest_inprocess("-p", "tests._skips")
+    why = "containment 'cgroup' is not available here: no cgroup v2 tree is mounted"
+    if ci:
+        result.assert_outcomes(passed=2, failed=1, skipped=1)  # test_other's skip stays one
+        result.stdout.fnmatch_lines([f"*a containment test skipped on CI*{why}*"])
+        result.stdout.fnmatch_lines(["skipped: 1 (1 x x 'cgroup' is not available here*)"])
+    else:
+        result.assert_outcomes(passed=2, skipped=2)
+        result.stdout.fnmatch_lines([f"skipped: 2 (1 x {why}; 1 x x 'cgroup' is not*)"])
+        assert sum(line.startswith("skipped: ") for line in result.outlines) == 1
