@@ -1,0 +1,92 @@
+"""Errors of the cgroup layer, each made by the kernel for real: a leaf that cannot be created,
+a cgroup the shim cannot join, a leaf that cannot be removed. Each ends as an outcome that says
+so; none leaves a process behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import pytest
+
+import isolate
+from isolate._core import containment as _containment
+
+from .conftest import Agents, own_leaves
+from .test_protocol import frames_of, marker_agent, run_real_shim
+
+pytestmark = pytest.mark.anyio
+
+
+def v2_root() -> Path:
+    groups = _containment.cgroups()
+    if groups.v2 is None:
+        pytest.skip(f"containment 'cgroup' is not available here: {groups.problem}")
+    return groups.v2
+
+
+async def test_a_leaf_that_cannot_be_created_is_a_setup_error(agents: Agents) -> None:
+    # No descendants allowed below this process's directory: mkdir of the leaf gets EAGAIN.
+    owner = v2_root() / _containment._owner_name()
+    made = not owner.exists()
+    owner.mkdir(exist_ok=True)
+    limit = owner / "cgroup.max.descendants"
+    try:
+        await anyio.Path(limit).write_text("0")
+        spec = agents.spec("def run(d):\n    return 1.0\n", containment="cgroup")
+        outcome = await isolate.run_episode(spec, {}, episode_id="no-room")
+    finally:
+        await anyio.Path(limit).write_text("max")
+        if made:
+            owner.rmdir()
+    assert outcome.status == "setup_error", outcome.summary()
+    assert outcome.error is not None
+    assert f"cannot create cgroup {owner}/no-room." in outcome.error.message
+    assert outcome.pid is None  # nothing was started
+
+
+def test_the_shim_says_when_it_cannot_join_its_cgroup(agents: Agents, tmp_path: Path) -> None:
+    hs, marker = marker_agent(agents)
+    hs.update(containment="cgroup", cgroups=[str(tmp_path / "not-a-cgroup")])
+    done = run_real_shim(tmp_path, json.dumps(hs).encode() + b"\n")
+    assert done.returncode == 2, done.stderr
+    hello, error = frames_of(done.stdout)
+    assert (hello["t"], error["t"], error["kind"]) == ("hello", "error", "setup")
+    assert error["type"] == "ContainmentError"
+    assert error["message"].startswith(f"cannot join cgroup {tmp_path / 'not-a-cgroup'}: ")
+    assert not marker.exists()  # the agent was never imported
+
+
+# The agent makes a cgroup of its own inside its leaf: the leaf cannot be removed after it.
+NESTER = """
+import os
+def run(data):
+    path = open("/proc/self/cgroup").read().split("0::", 1)[1].split()[0]
+    mount = next(l.split()[1] for l in open("/proc/self/mounts") if l.split()[2] == "cgroup2")
+    leaf = mount + path
+    os.mkdir(os.path.join(leaf, "nested"))
+    return 1.0, {"leaf": leaf}
+"""
+
+
+async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
+    agents: Agents,
+) -> None:
+    v2_root()
+    spec = agents.spec(NESTER, containment="cgroup")
+    outcome = await isolate.run_episode(spec, {})
+    leaf = Path(outcome.info["leaf"]) if isinstance(outcome.info, dict) else None
+    try:
+        assert outcome.status == "ok", outcome.summary()
+        assert leaf is not None
+        assert leaf in own_leaves()  # left behind, as noted
+        assert outcome.log_path is not None
+        log = outcome.log_path.read_text()
+        assert f"[isolate] cgroup clean-up: cannot remove {leaf}: " in log
+        assert "the next start of isolate removes it" in log
+    finally:
+        if leaf is not None:
+            (leaf / "nested").rmdir()
+            leaf.rmdir()
+    assert agents.left() == []
