@@ -4,7 +4,9 @@ so; none leaves a process behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from pathlib import Path
 
 import anyio
@@ -90,3 +92,31 @@ async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
             (leaf / "nested").rmdir()
             leaf.rmdir()
     assert agents.left() == []
+
+
+async def test_auto_refuses_limits_that_no_combination_can_enforce(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine whose cgroups offer no pids controller, to a privileged parent: the first
+    combination is available but cannot bound the processes, nor can any after it (the process
+    limit is the one limit a combination can fail, and then all fail alike), so auto says why
+    the first could not; the episode is a setup error, never an unbounded run."""
+    real = _containment.cgroups()
+    v2_root()
+    bare = dataclasses.replace(real, v2_controllers=frozenset(), v1={})
+    monkeypatch.setitem(_containment._probed, f"cgroups.{os.getpid()}", bare)
+    monkeypatch.setattr(_containment, "needs_userns", lambda: False)
+    first = _containment.AUTO[0]
+    assert _containment.problem(first) is None  # available: only the limit stops it
+    found = _containment.resolve("auto", isolate.Limits(max_processes=8))
+    assert found == (
+        f"containment {first!r} cannot enforce the limits: limits.max_processes needs a pids "
+        "cgroup controller, and none is writable"
+    )
+    spec = agents.spec("def run(d):\n    return 1.0\n", limits=isolate.Limits(max_processes=8))
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "setup_error", outcome.summary()
+    assert outcome.error is not None
+    assert outcome.error.message == found
+    # The same machine without the limit: auto's first choice, as always.
+    assert _containment.resolve("auto", None)[0] == first  # type: ignore[index]
