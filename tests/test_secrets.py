@@ -6,6 +6,7 @@ import hashlib
 import os
 import re
 import secrets as _secrets
+import sys
 from pathlib import Path
 
 import anyio
@@ -194,14 +195,26 @@ def run(data):
 """
 
 
+PY39 = Path("~/.pyenv/versions/3.9.18/bin/python3.9").expanduser()
+
+
+@pytest.mark.parametrize(
+    "interpreter",
+    [
+        pytest.param(Path(sys.executable), id="this"),
+        pytest.param(
+            PY39, id="3.9", marks=pytest.mark.skipif(not PY39.exists(), reason=f"no {PY39}")
+        ),
+    ],
+)
 async def test_secret_env_reaches_the_agent_and_no_proc_file(
-    agents: Agents, monkeypatch: pytest.MonkeyPatch
+    agents: Agents, monkeypatch: pytest.MonkeyPatch, interpreter: Path
 ) -> None:
     value = "e2b-" + _secrets.token_hex(16)
     # The parent has a variable of that name too, and passes everything: neither its value
     # nor the secret may reach an exec environment.
     monkeypatch.setenv("SANDBOX_CONF", "parent-value")
-    spec = agents.spec(SECRET_ENV_AGENT, inherit_env=("*",))
+    spec = agents.spec(SECRET_ENV_AGENT, inherit_env=("*",), python=str(interpreter))
     found_during: list[str] = []
     parent_value_in: list[str] = []
 
