@@ -532,11 +532,13 @@ async def test_secret_env_from_the_trainer_environment(
         (["NOT_SET_ANYWHERE_1"], "not set in the environment: NOT_SET_ANYWHERE_1"),
         ("E2B_API_KEY", "secret_env must be a list of variable names, got str"),
         (["A=B"], "invalid variable name 'A=B'"),
+        (["HOME"], "econfig.secret_env and econfig.env both set HOME"),
     ],
 )
 def test_bad_secret_env_fails_at_construction(secret_env: object, message: str) -> None:
+    cfg = {"agent_root": str(SCRIPTED), "secret_env": secret_env, "env": {"HOME": "/h"}}
     with pytest.raises(ValueError, match=re.escape(message)):
-        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "secret_env": secret_env})
+        SWEAgentWorkflow(econfig=cfg)
 
 
 # --- upstream's newer econfig keys ------------------------------------------------------------

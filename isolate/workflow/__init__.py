@@ -174,6 +174,9 @@ def episode_secret_env(
     missing = [name for name in names if name not in environ]
     if missing:
         raise ValueError(f"econfig.secret_env: not set in the environment: {', '.join(missing)}")
+    both = sorted(set(names) & set(econfig.get("env") or {}))
+    if both:
+        raise ValueError(f"econfig.secret_env and econfig.env both set {', '.join(both)}")
     return {name: SecretStr(environ[name]) for name in names}
 
 
