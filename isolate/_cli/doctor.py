@@ -33,6 +33,10 @@ WORKFLOW_KWARGS = (
 )
 PACKAGES = ("pydantic", "openai", "litellm")
 PROBE_TIMEOUT_S = 60.0
+#: The oldest interpreter the shim supports.
+OLDEST = (3, 9)
+#: At most this many of the last lines of a failed probe's stderr are shown.
+STDERR_LINES = 60
 
 # Runs under the agent's interpreter (stdlib only, 3.9+): imports the entrypoint without
 # calling it, as an episode's shim would, and answers in one JSON line on a private copy of
@@ -83,9 +87,16 @@ class _Report:
         self.failed = False
 
     def line(self, verdict: str, text: str) -> None:
+        """One verdict; the lines after the first of ``text`` are indented under it."""
         if verdict == "FAIL":
             self.failed = True
-        print(f"  {verdict:<5} {text}")
+        first, *rest = text.splitlines() or [""]
+        print("\n".join([f"  {verdict:<5} {first}", *(f"        {ln}".rstrip() for ln in rest)]))
+
+    def end(self) -> int:
+        """The last line; the exit status: 0 when every check passed, else 1."""
+        print("isolate doctor: " + ("problems found" if self.failed else "all checks passed"))
+        return 1 if self.failed else 0
 
 
 def _probe(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
@@ -106,8 +117,14 @@ def _probe(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
         return f"importing {entrypoint} took longer than {PROBE_TIMEOUT_S:g} s"
     lines = out.decode("utf-8", "replace").strip().splitlines()
     if proc.returncode != 0 or not lines:
-        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
-        return f"the probe exited with {proc.returncode}: {tail[0]}"
+        # All of it: a wrapper such as a pyenv shim says why on its first line, not its last.
+        said = err.decode("utf-8", "replace").rstrip().splitlines()
+        if not said:
+            return f"{python} exited with {proc.returncode} and wrote nothing to stderr"
+        shown = said[-STDERR_LINES:]
+        if len(said) > len(shown):
+            shown.insert(0, f"[{len(said) - len(shown)} earlier lines not shown]")
+        return f"{python} exited with {proc.returncode}; its stderr:\n" + "\n".join(shown)
     report: dict[str, Any] = json.loads(lines[-1])
     return report
 
@@ -201,17 +218,20 @@ def doctor(
     if root.is_dir():
         report.line("ok", f"agent root {root} exists")
     else:
-        report.line("FAIL", f"agent root {root} does not exist (--agent-root, AWEAGENT_ROOT)")
+        what = "is not a directory" if root.exists() else "does not exist"
+        report.line("FAIL", f"agent root {root} {what} (--agent-root, AWEAGENT_ROOT)")
 
     probe = _probe(python, root, entrypoint)
     if isinstance(probe, str):
         report.line("FAIL", f"interpreter: {probe}")
-        return 1
+        return report.end()
     version = ".".join(map(str, probe["version"]))
-    if tuple(probe["version"]) >= (3, 9):
-        report.line("ok", f"interpreter {python} starts: Python {version}")
-    else:
+    if tuple(probe["version"]) < OLDEST:
         report.line("FAIL", f"interpreter {python} is Python {version}; the shim needs 3.9+")
+        # What passed under it would say nothing: episodes are not supported there at all.
+        report.line("skip", "the shim, bytecode and entrypoint checks: they need Python 3.9+")
+        return report.end()
+    report.line("ok", f"interpreter {python} starts: Python {version}")
 
     used = _containment_report(report, containment)
     spec = EpisodeSpec(
@@ -254,5 +274,4 @@ def doctor(
     versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")
     _withheld(report)
-    print("isolate doctor: " + ("problems found" if report.failed else "all checks passed"))
-    return 1 if report.failed else 0
+    return report.end()
