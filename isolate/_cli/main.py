@@ -3,11 +3,13 @@
 
 Exit status of ``isolate run``: 0 ok, 10 agent_error, 11 crashed, 12 timeout, 13 protocol_error,
 14 setup_error; 2 bad usage; 130 interrupted (Ctrl-C or SIGTERM, after the tree is torn down).
+Any command: 141 when the reader of its output went away (as if killed by SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,12 +19,14 @@ import anyio
 from .._core.errors import ArgumentError
 from .batch import add_batch_parser
 from .options import (
+    EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     UsageError,
     _agent_options,
     _key_options,
     port_number,
+    positive_seconds,
     read_api_key,
 )
 from .run import _PLAIN_TICK_S, _TTY_TICK_S, run_command
@@ -50,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _key_options(run)
     run.add_argument(
         "--status-interval",
-        type=float,
+        type=positive_seconds,
         metavar="SECONDS",
         help=f"status refresh (default {_TTY_TICK_S:g} on a terminal, else {_PLAIN_TICK_S:g})",
     )
@@ -91,27 +95,33 @@ def _containment(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        key = read_api_key(args, sys.stdin)
+        return anyio.run(run_command, args, key)
+    if args.command == "batch":
+        from .batch import batch_command
+
+        return batch_command(args)
+    if args.command == "doctor":
+        from .doctor import doctor
+
+        return doctor(args.agent_root, args.python, args.entrypoint, args.containment)
+    if args.command == "scripted-llm":
+        from .demo.serve import scripted_llm
+
+        return scripted_llm(args.port)
+    from .demo import demo
+
+    return anyio.run(demo)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "run":
-            key = read_api_key(args, sys.stdin)
-            return anyio.run(run_command, args, key)
-        if args.command == "batch":
-            from .batch import batch_command
-
-            return batch_command(args)
-        if args.command == "doctor":
-            from .doctor import doctor
-
-            return doctor(args.agent_root, args.python, args.entrypoint, args.containment)
-        if args.command == "scripted-llm":
-            from .demo.serve import scripted_llm
-
-            return scripted_llm(args.port)
-        from .demo import demo
-
-        return anyio.run(demo)
+        status = _command(args)
+        sys.stdout.flush()  # here, so that a reader gone by now is caught below too
+        return status
     except UsageError as exc:
         print(f"isolate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -120,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`isolate doctor | head -3`): stop as quietly as a process
+        # killed by SIGPIPE would, and keep the interpreter's exit flush from complaining.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ EXIT_CODES = {
 }
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+#: 128 + SIGPIPE: what a shell reports for a process killed by a closed pipe.
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(Exception):
@@ -38,6 +41,28 @@ def port_number(text: str) -> int:
     return port
 
 
+def _seconds(text: str, least: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (least == "greater than 0" and value == 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds {least}, not {text!r}"
+        )
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: finite seconds > 0 (argparse names the flag in its message)."""
+    return _seconds(text, "greater than 0")
+
+
+def seconds(text: str) -> float:
+    """An argparse type: finite seconds >= 0."""
+    return _seconds(text, "of 0 or more")
+
+
 def _agent_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
     group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")
@@ -47,8 +72,8 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--agent-config", help="agent config name (default: per agent type)")
     group.add_argument("--llm-model", help="model name (default: env LLM_MODEL)")
     group.add_argument("--base-url", help="OpenAI-compatible endpoint the agent calls")
-    group.add_argument("--timeout", type=float, help="seconds (default: 1800)")
-    group.add_argument("--kill-grace", type=float, help="seconds from SIGTERM to SIGKILL (5)")
+    group.add_argument("--timeout", type=positive_seconds, help="seconds (default: 1800)")
+    group.add_argument("--kill-grace", type=seconds, help="seconds from SIGTERM to SIGKILL (5)")
     group.add_argument(
         "--log-dir", type=Path, help="where bundles go (default: env LOG_DIR, ./logs)"
     )

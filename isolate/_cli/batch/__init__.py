@@ -16,7 +16,14 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..options import EXIT_INTERRUPTED, UsageError, _agent_options, _key_options, read_api_key
+from ..options import (
+    EXIT_INTERRUPTED,
+    UsageError,
+    _agent_options,
+    _key_options,
+    positive_seconds,
+    read_api_key,
+)
 
 if TYPE_CHECKING:
     from .io import Records
@@ -72,7 +79,7 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     run.add_argument(
         "--status-interval",
-        type=float,
+        type=positive_seconds,
         metavar="SECONDS",
         help="progress refresh (default 0.5 on a terminal, else a plain line every 30)",
     )
@@ -99,8 +106,6 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--concurrency must be at least 1")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
-    if args.status_interval is not None and args.status_interval <= 0:
-        raise UsageError("--status-interval must be positive")
     if args.backend != "ray":
         given = [f for f in ("ray_address", "ray_local_cpus", "ray_memory") if getattr(args, f)]
         if given or args.ray_num_cpus != 1.0:

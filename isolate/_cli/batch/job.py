@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import socket
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from ..._core.config import EpisodeSpec
 from ..._core.launcher import _default_episode_id, run_episode
 from ..._core.outcome import EpisodeOutcome
 from ...workflow import episode_kwargs, episode_secret_env, episode_spec, resolve_agent_root
-from ..options import read_secret_env
+from ..options import UsageError, read_secret_env
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Plan:
     workflow's econfig, the record's own ``econfig`` overrides them."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        """Raises UsageError for flags that no record could run with."""
         flags = {
             "agent_root": args.agent_root,
             "python": args.python,
@@ -50,6 +52,8 @@ class Plan:
         self.econfig = {k: v for k, v in flags.items() if v is not None}
         # As the driver started: the Ray backend later drops variables that hold the key.
         self.environ = dict(os.environ)
+        #: Spec fields set by a flag of the same name, for messages that name the flag.
+        self.flags = {k for k in (*flags, "entrypoint", "timeout") if getattr(args, k) is not None}
         secret_names = getattr(args, "secret_env", None)
         if secret_names:
             read_secret_env(secret_names)  # a UsageError now, not one per record
@@ -60,6 +64,11 @@ class Plan:
         self.base_url: str | None = args.base_url
         # Absolute: Ray runs the episode in a worker whose working directory is not ours.
         self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
+        # What is wrong with the flags is wrong for every record: say it once, before any.
+        try:
+            self.build({} if self.base_url else {"base_url": "http://127.0.0.1/v1"})
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     def _econfig(self, record: dict[str, Any]) -> dict[str, Any]:
         econfig = dict(self.econfig)
@@ -76,9 +85,11 @@ class Plan:
     def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
         """Raises ValueError, with a one-line message, for a record that cannot run."""
         econfig = self._econfig(record)
+        own = record.get("econfig") or {}
         base_url = self.base_url or record.get("base_url")
         if not base_url:
             raise ValueError('--base-url is required (or "base_url" in the record)')
+        _check_url(str(base_url), "--base-url" if self.base_url else 'the record\'s "base_url"')
         try:
             kwargs = episode_kwargs(econfig, str(base_url))
             spec = episode_spec(econfig, self.agent_root, self.timeout, None)
@@ -87,12 +98,20 @@ class Plan:
                     {**spec.model_dump(), "entrypoint": self.entrypoint}
                 )
         except ValidationError as exc:
-            problems = (f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            problems = (f"{self._where(e['loc'], own)}: {_message(e)}" for e in exc.errors())
             raise ValueError("; ".join(problems)) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"econfig: {exc}") from None
         kwargs["result_dir"] = str(self.log_dir)
         return spec, kwargs
+
+    def _where(self, loc: tuple[int | str, ...], own: dict[str, Any]) -> str:
+        """What a user set to give the spec field at ``loc``: a flag, or the record's econfig
+        (which overrides the flags)."""
+        field = str(loc[0]) if loc else ""
+        if field in self.flags and field not in own:
+            return "--" + field.replace("_", "-")
+        return "econfig." + ".".join(map(str, loc))
 
     def check(self, record: dict[str, Any]) -> None:
         self.build(record)
@@ -102,6 +121,23 @@ class Plan:
         spec, kwargs = self.build(record)
         episode_id = _default_episode_id(record)
         return Job(record, spec, kwargs, episode_id, self.log_dir, self.secret_env(record))
+
+
+def _message(error: Any) -> str:
+    # pydantic prefixes the text of a ValueError raised by a validator.
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
+def _check_url(url: str, where: str) -> None:
+    """An episode whose endpoint is not an http(s) URL could only fail: refuse it now."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{where} {url!r} is not an http(s) URL such as http://127.0.0.1:8000/v1")
 
 
 async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
