@@ -332,14 +332,24 @@ def test_ctrl_c_tears_down_exits_130_and_the_next_run_resumes(agents: Agents) ->
         (["--ray-address", "auto"], "--ray-address needs --backend ray"),
         (["--backend", "ray", "--ray-memory", "lots"], "not a size"),
         (["--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+        # Once, as a usage error, not once per record as an invalid record.
+        (["--base-url", "nope"], "isolate: error: --base-url 'nope' is not an http(s) URL"),
+        (["--entrypoint", "x"], "isolate: error: --entrypoint: entrypoint must look like"),
+        (["--timeout", "nan"], "argument --timeout: must be a finite number of seconds"),
+        (["--status-interval", "nan"], "argument --status-interval: must be a finite number"),
     ],
 )
 def test_usage_errors(agents: Agents, extra: list[str], message: str) -> None:
-    records = write_records(agents.tmp / "records.jsonl", [record(agents, "u-1")])
-    proc = isolate_cli(*batch_args(agents, records, agents.tmp / "out.jsonl"), *extra, env=env())
+    lines = [record(agents, "u-1"), record(agents, "u-2")]
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    out = agents.tmp / "out.jsonl"
+    proc = isolate_cli(*batch_args(agents, records, out), *extra, env=env())
     assert proc.returncode == 2
-    assert message in proc.stderr
+    assert proc.stderr.count(message) == 1
+    assert "invalid record" not in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not out.exists() or out.read_bytes() == b""  # the key is read once it is needed
+    assert not agents.logs.exists()
 
 
 def test_setup_errors_are_not_final_and_each_cause_is_shown_once(agents: Agents) -> None:

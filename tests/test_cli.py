@@ -148,6 +148,32 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
         (["run", "/nonexistent/record.json", "--base-url", URL], "cannot read"),
         (["run", "{record}"], "--base-url is required"),
         (["run", "{record}", "--base-url", URL, "--timeout", "-1"], "timeout"),
+        (
+            ["run", "{record}", "--base-url", URL, "--timeout", "nan"],
+            "argument --timeout: must be a finite number of seconds greater than 0, not 'nan'",
+        ),
+        (
+            ["run", "{record}", "--base-url", URL, "--kill-grace", "inf"],
+            "argument --kill-grace: must be a finite number of seconds of 0 or more, not 'inf'",
+        ),
+        (
+            ["run", "{record}", "--base-url", URL, "--status-interval", "0"],
+            "argument --status-interval: must be a finite number of seconds greater than 0",
+        ),
+        (
+            ["run", "{record}", "--base-url", "not-a-url"],
+            "--base-url 'not-a-url' is not an http(s) URL",
+        ),
+        (["run", "{record}", "--base-url", "http://h:port/v1"], "is not an http(s) URL"),
+        # The flag, not the spec's field, is named.
+        (
+            ["run", "{record}", "--base-url", URL, "--entrypoint", "no-colon"],
+            "error: --entrypoint: entrypoint must look like 'package.module:function'",
+        ),
+        (
+            ["run", "{bad_grace}", "--base-url", URL, "--kill-grace", "1"],
+            "error: econfig.kill_grace: Input should be greater than or equal to 0",
+        ),
         (["run", "{record}", "--base-url", URL, "--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
         (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
         (["run", "--replay", "{tmp}"], "not a replay bundle"),
@@ -155,11 +181,14 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
 )
 def test_usage_errors(agents: Agents, args: list[str], message: str) -> None:
     record = write_record(agents)
-    args = [a.format(record=record, tmp=agents.tmp) for a in args]
-    proc = isolate_cli(*args)
+    bad_grace = agents.tmp / "bad-grace.json"
+    bad_grace.write_text(json.dumps({"instance_id": "g", "econfig": {"kill_grace": -1}}))
+    args = [a.format(record=record, tmp=agents.tmp, bad_grace=bad_grace) for a in args]
+    proc = isolate_cli(*args, "--log-dir", str(agents.logs))
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert not agents.logs.exists()  # refused before anything started
 
 
 def test_invalid_json_record(agents: Agents) -> None:
@@ -194,6 +223,28 @@ def test_replay_reruns_the_bundle_with_a_new_key(agents: Agents) -> None:
     report = json.loads((agents.logs / "cli-1.json").read_text())
     assert report["kwargs"]["agent_type"] == "cc"
     assert report["key_digest"] == hashlib.sha256(b"sk-second").hexdigest()
+
+
+def test_replay_without_a_key_option_says_it_uses_dummy(agents: Agents) -> None:
+    record = write_record(agents, report=True, key_digest=True)
+    first = isolate_cli(*run_args(agents, record, "--api-key-env", "K"), env=cli_env(K="sk-1"))
+    assert first.returncode == 0, first.stderr
+    assert "dummy" not in first.stderr
+    [bundle] = bundles(agents)
+    replay = isolate_cli("run", "--replay", str(bundle), "--log-dir", str(agents.logs))
+    assert replay.returncode == 0, replay.stderr
+    assert (
+        "isolate: no API key given (--api-key-file, --api-key-env, OPENAI_API_KEY) and stdin "
+        'is not a terminal to ask on: using "dummy"'
+    ) in replay.stderr
+    report = json.loads((agents.logs / "cli-1.json").read_text())
+    assert report["key_digest"] == hashlib.sha256(b"dummy").hexdigest()
+
+
+def test_help_tells_what_the_demo_runs() -> None:
+    proc = isolate_cli("--help")
+    assert proc.returncode == 0
+    assert "run three real episodes against a scripted LLM" in proc.stdout
 
 
 def test_plain_status_lines_when_not_a_terminal(agents: Agents) -> None:
@@ -319,6 +370,7 @@ def test_doctor_tells_stale_shim_bytecode(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--agent-root", "/nonexistent/root"], "agent root /nonexistent/root does not exist"),
+        (["--agent-root", __file__], f"agent root {__file__} is not a directory"),
         (
             ["--agent-root", str(SCRIPTED), "--entrypoint", "aweagent.lifecycle:nope"],
             "does not import",
@@ -334,6 +386,53 @@ def test_doctor_failures(args: list[str], message: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL" in proc.stdout
     assert message in proc.stdout
+
+
+def test_doctor_stops_quietly_when_its_reader_goes_away() -> None:
+    # `isolate doctor | head -1`, without the shell's timing: the reader closes after a line.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolate", "doctor", "--agent-root", str(SCRIPTED)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(PYTHONUNBUFFERED="1"),  # each line written as printed, as on a terminal
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(b"isolate doctor: ")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60 * SLOW)
+    assert proc.returncode == 141, err  # 128 + SIGPIPE, as `head` users expect
+    assert err == b""
+
+
+def test_doctor_shows_all_a_failing_interpreter_said(tmp_path: Path) -> None:
+    # As a pyenv shim for a version that is not selected: the reason is the first line.
+    python = tmp_path / "python3.7"
+    python.write_text(
+        "#!/bin/sh\n"
+        "echo 'pyenv: python3.7: command not found' >&2\n"
+        "echo >&2\n"
+        "echo 'Note: See pyenv help global for tips.' >&2\n"
+        "exit 127\n"
+    )
+    python.chmod(0o755)
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--python", str(python))
+    assert proc.returncode == 1
+    assert f"FAIL  interpreter: {python} exited with 127; its stderr:" in proc.stdout
+    assert "        pyenv: python3.7: command not found\n" in proc.stdout
+    assert "        Note: See pyenv help global for tips.\n" in proc.stdout
+    assert proc.stdout.endswith("isolate doctor: problems found\n")
+
+
+def test_doctor_stops_at_an_interpreter_older_than_3_9() -> None:
+    python = Path("~/.pyenv/versions/3.8.18/bin/python3.8").expanduser()
+    if not python.exists():
+        pytest.skip(f"{python} is not installed")
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--python", str(python))
+    assert proc.returncode == 1
+    verdicts = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+    assert verdicts == ["ok", "FAIL", "skip"], proc.stdout  # no check after it claims ok
+    assert "is Python 3.8.18; the shim needs 3.9+" in proc.stdout
 
 
 @pytest.mark.slow

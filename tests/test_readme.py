@@ -118,3 +118,15 @@ def test_the_first_example_runs(tmp_path: Path) -> None:
         _stop(server)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "ok 1.0\n"
+
+
+def test_the_run_synopsis_names_every_option_of_run() -> None:
+    proc = subprocess.run(
+        [str(SCRIPTS / "isolate"), "run", "--help"], capture_output=True, text=True, check=True
+    )
+    options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", proc.stdout)) - {"--help"}
+    assert {"--replay", "--status-interval", "--base-url", "--api-key-env"} <= options
+    start = README.index("- `isolate run RECORD.json")
+    synopsis = README[start : README.index("- `isolate doctor", start)]
+    missing = sorted(o for o in options if f"{o} " not in synopsis)
+    assert missing == [], f"README's `isolate run` synopsis lacks {missing}"
