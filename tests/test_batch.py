@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -116,6 +118,39 @@ def start(args: list[str], tmp: Path, env: dict[str, str] | None = None) -> subp
             text=True,
             env=env or cli_env(BATCH_KEY=KEY),
         )
+
+
+def stderr_on_a_terminal(
+    argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 60.0
+) -> tuple[int, str, str]:
+    """Run ``argv`` with stderr on a pseudo-terminal and stdout in a file, as a user at a
+    terminal who redirects the summary; its exit status, stdout and what the terminal got."""
+    main, secondary = pty.openpty()
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=secondary
+        )
+        os.close(secondary)
+        seen = b""
+        end = time.monotonic() + timeout * SLOW
+        try:
+            while time.monotonic() < end:
+                if select.select([main], [], [], 0.5)[0]:
+                    try:
+                        chunk = os.read(main, 65536)
+                    except OSError:  # EIO: the last writer closed the terminal
+                        break
+                    if not chunk:
+                        break
+                    seen += chunk
+            code = proc.wait(timeout=10 * SLOW)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(main)
+        out.seek(0)
+        return code, out.read().decode(), seen.decode("utf-8", "replace")
 
 
 def line_count(path: Path) -> int:
@@ -372,6 +407,25 @@ def test_setup_errors_are_not_final_and_each_cause_is_shown_once(agents: Agents)
     assert again.returncode == 1
     assert "already have a final result" not in again.stderr
     assert sorted(e["attempt"] for e in results(out)) == [1, 1, 1, 2, 2, 2]
+
+
+def test_on_a_terminal_with_rich_a_live_bar(agents: Agents) -> None:
+    pytest.importorskip("rich")  # a dev extra: the bar is drawn only where it is installed
+    records = write_records(
+        agents.tmp / "records.jsonl", [record(agents, f"b-{i}", sleep=0.3) for i in range(4)]
+    )
+    args = batch_args(agents, records, agents.tmp / "out.jsonl", "--status-interval", "0.1")
+    code, stdout, terminal = stderr_on_a_terminal(
+        [sys.executable, "-m", "isolate", *args], cwd=agents.tmp, env=env()
+    )
+    assert code == 0, terminal
+    assert "isolate batch" in terminal
+    assert "4/4" in terminal
+    assert "ETA" in terminal
+    assert "\x1b[" in terminal  # drawn in place, not printed line by line
+    assert "pip install rich" not in terminal
+    assert "episodes/s" not in terminal  # no plain lines beside the bar
+    assert " total " in stdout
 
 
 def test_off_a_terminal_batch_never_imports_rich(agents: Agents) -> None:

@@ -4,8 +4,6 @@ into a fresh venv, run from outside the checkout."""
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
 import shutil
 import subprocess
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import SLOW, Agents
+from .test_batch import stderr_on_a_terminal
 from .test_cli import cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,36 +150,8 @@ def test_batch_from_the_wheel_without_rich_on_a_terminal(
     argv += ["--agent-root", str(records_dir.parent / "agent_root"), "--base-url", url]
     argv += ["--timeout", "3", "--kill-grace", "0.5", "--status-interval", "0.5"]
     # stderr a terminal: the bar would be drawn there, but rich is not installed.
-    main, secondary = pty.openpty()
-    proc = subprocess.Popen(
-        argv,
-        cwd=agents.tmp,
-        env=_env(agents.tmp),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=secondary,
-    )
-    os.close(secondary)
-    err = b""
-    try:
-        while True:
-            try:
-                chunk = os.read(main, 4096)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not chunk:
-                break
-            err += chunk
-        assert proc.stdout is not None
-        stdout = proc.stdout.read().decode()
-        assert proc.wait(timeout=60 * SLOW) == 0, err.decode()
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
-        os.close(main)
-    stderr = err.decode()
+    code, stdout, stderr = stderr_on_a_terminal(argv, cwd=agents.tmp, env=_env(agents.tmp))
+    assert code == 0, stderr
     assert "pip install rich for a live bar" in stderr
     assert "episodes/s" in stderr  # the plain progress lines
     assert "Traceback" not in stderr
