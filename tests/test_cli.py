@@ -10,6 +10,7 @@ import pty
 import py_compile
 import select
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -433,6 +434,20 @@ def test_doctor_stops_at_an_interpreter_older_than_3_9() -> None:
     verdicts = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("  ")]
     assert verdicts == ["ok", "FAIL", "skip"], proc.stdout  # no check after it claims ok
     assert "is Python 3.8.18; the shim needs 3.9+" in proc.stdout
+
+
+def test_scripted_llm_on_a_taken_port_says_so() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = isolate_cli("scripted-llm", "--port", str(port))
+    assert proc.returncode == 1
+    assert f"isolate scripted-llm: error: cannot listen on 127.0.0.1:{port}: " in proc.stderr
+    assert "Traceback" not in proc.stderr
+    bad = isolate_cli("scripted-llm", "--port", "70000")
+    assert bad.returncode == 2
+    assert "argument --port: '70000' is not a port number (0 to 65535)" in bad.stderr
 
 
 @pytest.mark.slow
