@@ -179,6 +179,56 @@ def _scale(res: dict[str, Any]) -> list[str]:
     return ["## 4. Scale", "", note, ""] + _table(head, rows)
 
 
+def _fdlimit(res: dict[str, Any]) -> list[str]:
+    runs = res["runs"]
+    names = list(runs)
+
+    def limit(run: dict[str, Any]) -> str:
+        soft, hard = run["limit_at_start"]
+        return f"{soft} / {hard} → {run['limit_in_run'][0]}"
+
+    rows = [
+        ["RLIMIT_NOFILE soft / hard → in the run", *[limit(runs[n]) for n in names]],
+        ["episodes ok", *[f"{runs[n]['ok']}/{runs[n]['episodes']}" for n in names]],
+        ["all started, s", *[_n(runs[n]["all_started_s"], 1, 1) for n in names]],
+        ["wall, s", *[_n(runs[n]["wall_s"], 1, 1) for n in names]],
+        ["episodes running at once, peak", *[str(runs[n]["running_peak"]) for n in names]],
+        ["episodes waiting for fds, peak", *[str(runs[n]["waiting_peak"]) for n in names]],
+        ["loop lag p50 / p99 / max, ms", *[
+            " / ".join(_n(runs[n]["lag_ms"][k], 1, 1) for k in ("p50", "p99", "max"))
+            for n in names]],
+        ["peak fds", *[str(runs[n]["fds_peak"]) for n in names]],
+        ["fds per running episode (peak)", *[_n(runs[n]["fds_per_running_episode"], 1, 2)
+                                             for n in names]],
+        ["parent RSS growth per episode, KiB", *[_n(runs[n]["rss_growth_kib_per_episode"])
+                                                 for n in names]],
+        ["… per episode running at the peak, KiB",
+         *[_n(runs[n]["rss_growth_kib_per_running_episode"]) for n in names]],
+        ["admission wait p50 / p99 / max, s", *[
+            " / ".join(_n(runs[n]["admission_s"][k], 1, 2) for k in ("p50", "p99", "max"))
+            for n in names]],
+        ["start-slot wait p50 / p99, s", *[
+            " / ".join(_n(runs[n]["start_wait_s"][k], 1, 2) for k in ("p50", "p99"))
+            for n in names]],
+        ["spawn → hello p50 / p99, ms", *[
+            " / ".join(_n(runs[n]["start_s"][k], 1000, 0) for k in ("p50", "p99"))
+            for n in names]],
+        ["fds / zombies left", *[f"{runs[n]['fds_left']} / {runs[n]['zombies_left']}"
+                                 for n in names]],
+        ["load average before → after (1 min)", *[
+            f"{runs[n]['loadavg_before'][0]:.1f} → {runs[n]['loadavg_after'][0]:.1f}"
+            for n in names]],
+    ]  # fmt: skip
+    levels = sorted({lv for n in names for lv in runs[n]["containment"]})
+    note = (
+        f"{res['episodes']} concurrent episodes, each {res['sleep_s']:g} s asleep (a line of "
+        "stderr before and after, logged to a file), in a fresh process per column, one run "
+        f"each; isolate containment: {', '.join(levels)}."
+    )
+    head = ["metric", *[f"`{n}`" for n in names]]
+    return ["## 4b. Past the open-file limit", "", note, ""] + _table(head, rows)
+
+
 def _footprint(res: dict[str, Any]) -> list[str]:
     head = ["process", "RSS KiB", "× bare", "USS KiB", "× bare", "PSS KiB", "× bare"]
     rows = []
@@ -224,6 +274,7 @@ def render(results: dict[str, Any]) -> str:
         ("throughput", _throughput),
         ("teardown", _teardown),
         ("scale", _scale),
+        ("fdlimit", _fdlimit),
         ("footprint", _footprint),
         ("layers", _layers),
     ):
@@ -231,7 +282,7 @@ def render(results: dict[str, Any]) -> str:
             launch = s.get("launch")
             if launch and "rows" in launch:
                 lines += _launch(launch, s.get("large") if "rows" in s.get("large", {}) else None)
-        if name in s and "rows" in s[name]:
+        if name in s and ("rows" in s[name] or "runs" in s[name]):
             lines += fn(s[name])
     for name, sec in s.items():
         if "error" in sec:

@@ -46,4 +46,19 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
         left = max(r["fds_left"]["max"], 0) + r["zombies_left"]["max"]
         add("scale: no fd or zombie left (any run)", left, 0, f"fds {r['fds_left']['max']:+.0f}, "
             f"zombies {r['zombies_left']['max']:.0f}")  # fmt: skip
+    if "runs" in sections.get("fdlimit", {}):
+        fd = sections["fdlimit"]
+        n = fd["episodes"]
+        for name, run in fd["runs"].items():
+            add(f"fdlimit `{name}`: {n}/{n} ok", n - run["ok"], 0, f"{run['ok']}/{n}")
+            p99 = run["lag_ms"]["p99"]
+            add(f"fdlimit `{name}`: loop lag p99 ≤ 20 ms", p99, 20.0, f"{p99:.1f} ms")
+            left = max(run["fds_left"], 0) + run["zombies_left"]
+            add(f"fdlimit `{name}`: no fd or zombie left", left, 0,
+                f"fds {run['fds_left']:+d}, zombies {run['zombies_left']}")  # fmt: skip
+        default = fd["runs"].get("default")
+        if default is not None:
+            rss = default["rss_growth_kib_per_episode"]
+            add(f"fdlimit `default`: ≤ 64 KiB parent RSS per episode ({n} at once)", rss, 64.0,
+                f"{rss:.1f} KiB")  # fmt: skip
     return out

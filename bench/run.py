@@ -26,11 +26,12 @@ from ._context import Context
 from ._report import render
 from ._targets import targets
 
-SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "footprint", "layers")
+SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "fdlimit", "footprint", "layers")
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "throughput": throughput.run,
     "teardown": teardown.run,
     "scale": scale.run,
+    "fdlimit": scale.run_fdlimit,
     "footprint": footprint.run,
     "layers": layers.run,
 }

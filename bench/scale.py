@@ -7,10 +7,16 @@ that was *blocked* (CPU busy) from one that was *starved* (runnable, but the CPU
 
 Side by side, in alternating runs: isolate (stderr logged to a file) and the same body as bare
 ``python -I`` children through ``anyio.open_process`` (stderr drained and dropped).
+
+``run_fdlimit`` (section ``fdlimit``): 1,000 concurrent sleeping episodes in a fresh process
+at this machine's open-file limit, and the same under ``ulimit -n 1024`` (soft and hard), where
+the fd budget makes most of them wait (``bench/_fdlimit_worker.py``).
 """
 
 from __future__ import annotations
 
+import json
+import resource
 import subprocess
 import sys
 import time
@@ -22,6 +28,7 @@ import isolate
 
 from ._common import (
     MARK_ENV,
+    REPO,
     open_fds,
     paired_ratio,
     percentile,
@@ -182,3 +189,50 @@ async def _main(ctx: Context) -> dict[str, Any]:
 def run(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = anyio.run(_main, ctx)
     return result
+
+
+# --- fdlimit: 1,000 concurrent episodes, at the default open-file limit and under ulimit -n 1024
+
+#: Sets the interpreter's own RLIMIT_NOFILE (soft and hard), then becomes the worker.
+_LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "n > 0 and resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def run_fdlimit(ctx: Context) -> dict[str, Any]:
+    """The same N sleeping episodes in two fresh processes, side by side: one at this machine's
+    open-file limit (which isolate raises to the hard limit), one under ``ulimit -n 1024``."""
+    if ctx.quick:
+        episodes, seconds, low = 24, 0.5, 64
+    else:
+        episodes, seconds, low = 1000, 60.0, 1024
+    limits = {"default": 0, f"ulimit -n {low}": low}
+    runs: dict[str, Any] = {}
+    for name, limit in limits.items():
+        cfg = {
+            "workdir": str(ctx.workdir / f"fdlimit-{limit}"),
+            "episodes": episodes,
+            "seconds": seconds,
+            "env": {MARK_ENV: ctx.run_id},
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", _LIMITED, str(limit), "-m", "bench._fdlimit_worker"]
+            + [json.dumps(cfg)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=episodes * seconds + 600,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} run failed: {proc.stderr[-2000:]}")
+        runs[name] = json.loads(proc.stdout.splitlines()[-1])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {
+        "episodes": episodes,
+        "sleep_s": seconds,
+        "low_limit": low,
+        "machine_limit": [soft, hard],
+        "runs": runs,
+    }

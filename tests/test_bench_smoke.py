@@ -19,7 +19,7 @@ from isolate._core import containment as _containment
 from .conftest import SLOW
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "footprint", "layers")
+SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "fdlimit", "footprint", "layers")
 
 
 def _positive(summary: dict[str, Any]) -> bool:
@@ -114,6 +114,21 @@ def test_scale_figures(results: dict[str, Any]) -> None:
             assert run["fds_left"] <= 0
             assert run["ticks"] > 0
             assert run["wall_s"] >= section["sleep_s"]
+
+
+def test_fdlimit_figures(results: dict[str, Any]) -> None:
+    section = results["sections"]["fdlimit"]
+    low = section["runs"][f"ulimit -n {section['low_limit']}"]
+    assert low["limit_in_run"][0] == section["low_limit"]
+    for run in section["runs"].values():
+        assert run["ok"] == section["episodes"], run["problems"]
+        assert run["fds_left"] <= 0
+        assert run["zombies_left"] == 0
+        assert run["fds_peak"] > 0
+    # Under the low limit the budget holds episodes back; they wait, none fails.
+    assert low["waiting_peak"] > 0
+    assert low["admission_s"]["max"] > 0
+    assert low["fds_peak"] <= section["low_limit"]
 
 
 def test_footprint_figures(results: dict[str, Any]) -> None:
