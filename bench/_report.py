@@ -202,7 +202,7 @@ def _fdlimit(res: dict[str, Any]) -> list[str]:
                                              for n in names]],
         ["parent RSS growth per episode, KiB", *[_n(runs[n]["rss_growth_kib_per_episode"])
                                                  for n in names]],
-        ["… per episode running at the peak, KiB",
+        ["… divided by the episodes running at the peak, KiB",
          *[_n(runs[n]["rss_growth_kib_per_running_episode"]) for n in names]],
         ["admission wait p50 / p99 / max, s", *[
             " / ".join(_n(runs[n]["admission_s"][k], 1, 2) for k in ("p50", "p99", "max"))
