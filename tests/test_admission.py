@@ -243,6 +243,35 @@ def test_batch_progress_says_waiting_for_file_descriptors(agents: Agents, tmp_pa
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {e["status"] for e in final(out).values()} == {"ok"}
+    assert max(e["admission_s"] for e in final(out).values()) > 0
     assert len(final(out)) == 20
     assert "waiting for file descriptors" in proc.stderr
     assert KEY not in proc.stderr + proc.stdout
+
+
+@pytest.mark.anyio
+async def test_held_fds_count_and_a_cancelled_wait_gives_its_place_back(agents: Agents) -> None:
+    """``hold_fds`` (a template's control socket, say) shrinks what episodes may take at once;
+    an episode cancelled while it waits for admission leaves nothing behind in the budget."""
+    spec = agents.spec(AGENT)
+    assert (await isolate.run_episode(spec, {})).status == "ok"  # this loop's budget exists
+    budget = admission._budget()
+    waiting_before = admission.waiting()
+    hold = admission.hold_fds(budget.capacity - budget.used - 1, "test hold")
+    with anyio.move_on_after(0.3 * SLOW):
+        await isolate.run_episode(spec, {})
+        pytest.fail("admitted despite the hold")
+    assert admission.waiting() == waiting_before  # the cancelled one left the queue
+    outcome: list[isolate.EpisodeOutcome] = []
+
+    async def run() -> None:
+        outcome.append(await isolate.run_episode(spec, {}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await wait_until(lambda: admission.waiting() > waiting_before)
+        await anyio.sleep(0.2)
+        hold.release()
+    assert outcome[0].status == "ok", outcome[0].summary()
+    assert outcome[0].timings.admission_s >= 0.2
+    assert budget.used == 0

@@ -177,6 +177,7 @@ def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
         "status": outcome.status,
         "reward": outcome.reward,
         "duration_s": round(outcome.duration_s, 3),
+        "admission_s": round(outcome.timings.admission_s, 3),  # of it, waiting for fds
         "exit": outcome.exit_description,
         "exit_code": outcome.exit_code,
         "signal": outcome.signal,
