@@ -282,6 +282,8 @@ def test_without_the_stronger_layers_episodes_run_and_doctor_says_what_is_missin
     assert f"ok    containment auto: {used}\n" in out
     assert f"containment {used})" in out  # the shim's round trip ran there
     assert f"warn  at {used} an agent can still, whatever it runs:" in out
+    # Root inside that user namespace is the host's root: its file access is not walled.
+    assert "warn  the trainer runs as root, and so does the agent" in out
     assert "info  to add pidns: PID namespaces: allow user namespaces" in out
     assert "info  to add cgroup: a delegated cgroup v2 subtree" in out
     if landlock:

@@ -183,6 +183,9 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         return None
     used = found[0]
     report.line("ok", f"containment {requested}" + (f": {used}" if used != requested else ""))
+    caveat = _containment.root_caveat()
+    if caveat is not None:
+        report.line("warn", caveat)
     left = _containment.exposure(used)
     if not left:
         report.line(

@@ -369,6 +369,18 @@ def exposure(containment: str) -> list[str]:
     return left
 
 
+def root_caveat() -> str | None:
+    """What no layer walls off when the trainer, and so the agent, runs as root; else None."""
+    if os.geteuid() != 0:
+        return None
+    return (
+        "the trainer runs as root, and so does the agent: no layer walls off root's file "
+        "access, so it can still write 1 into the trainer's cgroup.kill under /sys/fs/cgroup or "
+        "reboot the machine through /proc/sysrq-trigger; for untrusted agents run the trainer "
+        "as an unprivileged user"
+    )
+
+
 def remedy(layer: str) -> str:
     """How to give this machine the containment layer ``layer``."""
     if layer == "pidns":
