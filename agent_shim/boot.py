@@ -15,4 +15,6 @@ finally:
     del sys.path[0]
 # The agent may have a module called shim of its own.
 del sys.modules["shim"]
-sys.exit(shim.main())
+# Under any other name (say multiprocessing's __mp_main__) this file must not run an episode.
+if __name__ == "__main__":
+    sys.exit(shim.main())

@@ -48,8 +48,9 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
-# the parent promises its tree is gone within 2 s of its own death.
+# the parent promises its tree is gone within cancel_grace + 2 s of its own death.
 PARENT_GONE_GRACE = 1.0
+CANCEL = b"cancel\n"  # what the parent writes on stdin, after the handshake, to cancel
 
 
 def load_part(name):
@@ -176,20 +177,20 @@ def to_json(value):
 
 
 def read_handshake(fd):
+    """The handshake line, and what came after it (a cancel request, or nothing)."""
     chunks, size = [], 0
     while True:
         chunk = os.read(fd, 65536)
         if not chunk:
-            return None  # parent gone before the handshake was complete
+            return None, b""  # parent gone before the handshake was complete
         newline = chunk.find(b"\n")
         if newline >= 0:
-            # Anything after the newline is unused; the parent writes nothing more.
             chunks.append(chunk[:newline])
-            return b"".join(chunks)
+            return b"".join(chunks), chunk[newline + 1 :]
         chunks.append(chunk)
         size += len(chunk)
         if size > MAX_HANDSHAKE_BYTES:
-            return None
+            return None, b""
 
 
 _c_functions = {}
@@ -264,6 +265,8 @@ def check_handshake(hs):
         ("secret_env", is_env),
         ("deadline", lambda v: is_number(v) and v > 0),
         ("kill_grace", lambda v: is_number(v) and v >= 0),
+        ("cancel_grace", lambda v: is_number(v) and v >= 0),
+        ("exit_grace", lambda v: is_number(v) and v >= 0),
         ("max_info_bytes", lambda v: type(v) is int and v >= 0),
         ("containment", is_containment),
         ("userns", lambda v: isinstance(v, bool)),
@@ -510,7 +513,11 @@ def worker(hs, channel):
     # keeps that one), but in os.environ for the agent's SDKs and its subprocesses.
     secret_env = hs.pop("secret_env", None) or {}
     os.environ.update(secret_env)
+    look_like_a_program(hs["entrypoint"])
     try:
+        # Cancellation arrives as SIGINT (blocked since before the fork, so none is lost).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         target = load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
     except BaseException as exc:
         text = format_exc()
@@ -531,9 +538,7 @@ def worker(hs, channel):
         value = target(hs["data"], **kwargs)
         del kwargs
         if hasattr(value, "__await__"):
-            import asyncio
-
-            value = asyncio.run(_await(value))
+            value = load_part("cancel").run_async(value)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are the agent's too
         text = format_exc()
         sys.stderr.write(text)  # the log keeps it too
@@ -575,8 +580,19 @@ def format_exc():
     return traceback.format_exc()
 
 
-async def _await(awaitable):
-    return await awaitable
+_boot_main = []  # the shim's own __main__, kept alive once the agent's replaces it
+
+
+def look_like_a_program(entrypoint):
+    """Give the agent what an ordinary program has: ``sys.argv == [entrypoint]`` and an empty
+    ``__main__`` (no ``__file__``, ``__spec__`` None, as under ``python -c``). multiprocessing's
+    spawn and forkserver children re-run ``__main__.__file__``: with the shim's, each would run
+    the shim again."""
+    main = type(sys)("__main__")
+    main.__builtins__ = sys.modules["builtins"]
+    _boot_main.append(sys.modules.get("__main__"))
+    sys.modules["__main__"] = main
+    sys.argv = [entrypoint]
 
 
 def _exc_message(exc):
@@ -732,36 +748,69 @@ def kill_tree(worker_pid, status, grace, reaper):
         delay = min(delay * 2, 0.02)
 
 
-def supervise(hs, channel, parent_fd, worker_pid, wake_fd, flags, reaper):
+def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reaper, pending):
+    """Wait for the worker to exit (bounded by ``exit_grace`` once it said its final frame is
+    out), for the deadline, a cancel request, SIGTERM or the parent's death; at an early end
+    cancel the agent first (``cancel_grace``); then kill the tree and send ``done``."""
     deadline = time.monotonic() + float(hs.get("deadline", 1e9))
     grace = float(hs.get("kill_grace", 5.0))
     poller = select.poll()
     poller.register(parent_fd, select.POLLIN)
     poller.register(wake_fd, select.POLLIN)
-    status, why = None, "exited"
-    while True:
+    poller.register(exit_fd, select.POLLIN)
+    status, why = None, "cancelled" if CANCEL in pending else "exited"
+    exit_by = None  # when the worker's normal exit must be over (monotonic)
+    while why == "exited":
         status, _ = reap(worker_pid, status)
         if status is not None:
             break
         if flags.get("terminated"):
             why, grace = "terminated", min(grace, PARENT_GONE_GRACE)
             break
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        if exit_by is not None and now >= exit_by:
+            sys.stderr.write(
+                "isolate shim: the agent's exit took longer than exit_grace (%g s): killed; "
+                "its result stands\n" % float(hs.get("exit_grace", 10.0))
+            )
+            signal_all([worker_pid], signal.SIGKILL)
+            exit_by = None
+        remaining = deadline - now
         if remaining <= 0:
             why = "deadline"
             break
+        if exit_by is not None:
+            remaining = min(remaining, exit_by - now)
         for fd, _ in poller.poll(min(remaining, 3600.0) * 1000):
             if fd == wake_fd:
                 try:
                     os.read(wake_fd, 4096)
                 except BlockingIOError:
                     pass
-            elif not os.read(parent_fd, 4096):
-                why, grace = "parent gone", min(grace, PARENT_GONE_GRACE)
-                poller.unregister(parent_fd)
-                break
-        if why != "exited":
-            break
+            elif fd == exit_fd:
+                if not os.read(exit_fd, 16):
+                    poller.unregister(exit_fd)  # EOF: the worker is gone
+                elif exit_by is None:
+                    exit_by = time.monotonic() + float(hs.get("exit_grace", 10.0))
+            else:
+                data = os.read(parent_fd, 4096)
+                if not data:
+                    why, grace = "parent gone", min(grace, PARENT_GONE_GRACE)
+                    poller.unregister(parent_fd)
+                elif CANCEL in data:
+                    why = "cancelled"
+    cancel_grace = float(hs.get("cancel_grace", 0.0))
+    if why not in ("exited", "terminated") and exit_by is None and cancel_grace > 0:
+        # Cancel first: the agent releases its sandboxes in its own finally: blocks.
+        status, _ = reap(worker_pid, status)
+        if status is None:
+            part = load_part("cancel")
+            status, how = part.cancel_worker(worker_pid, status, cancel_grace, wake_fd, flags, reap)
+            if why != "parent gone":
+                try:
+                    channel.send("cleanup", how=how)
+                except OSError:
+                    pass
     killed, status = kill_tree(worker_pid, status, grace, reaper)
     done = {"why": why, "killed": killed, "exit_code": None, "signal": None}
     if status is not None:
@@ -796,7 +845,7 @@ def main():
         # Explicit, so nothing the agent printed is lost on a crash, whatever the env says.
         stream.reconfigure(line_buffering=True, write_through=True)
     parent_fd = os.dup(0)
-    raw = read_handshake(parent_fd)
+    raw, pending = read_handshake(parent_fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -836,11 +885,15 @@ def main():
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
+    exit_r, exit_w = os.pipe()  # the worker writes a byte once its final frame is out
     flags = {}
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, lambda *_: flags.update(terminated=True))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal is not our business
+    # SIGINT is how the worker is cancelled; the supervisor never takes it. Blocked before
+    # the fork, so that one sent before the worker has set its handler waits for it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
     supervisor = os.getpid()
     pid = os.fork()
@@ -856,27 +909,24 @@ def main():
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
-            for fd in (wake_r, wake_w, parent_fd):
+            for fd in (wake_r, wake_w, parent_fd, exit_r):
                 os.close(fd)
             code = worker(hs, channel)
+            os.write(exit_w, b"x")
         except BaseException:
             import traceback
 
             traceback.print_exc()  # a bug of the shim itself: leave a trace in the log
-        finally:
-            # Skip the agent's atexit hooks and non-daemon threads: the frame is sent, and a
-            # hung interpreter shutdown must not turn a result into a timeout.
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
             os._exit(code)
+        # The final frame is out: exit the normal way, as plain python would (atexit hooks,
+        # flushed files, finalizers, joined threads). The supervisor bounds it by exit_grace.
+        raise SystemExit(code)
+    os.close(exit_w)
     hs.pop("secrets", None)
     hs.pop("secret_env", None)
     hs.pop("data", None)
     reaper = subreaper or supervisor == 1  # PID 1 of a namespace needs no prctl
-    return supervise(hs, channel, parent_fd, pid, wake_r, flags, reaper)
+    return supervise(hs, channel, parent_fd, pid, wake_r, exit_r, flags, reaper, pending)
 
 
 if __name__ == "__main__":

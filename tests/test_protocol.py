@@ -281,6 +281,7 @@ def fake_spec(tmp_path: Path, **overrides: Any) -> isolate.EpisodeSpec:
         "entrypoint": "fake:run",  # never imported: the fake shim ignores it
         "timeout": 20.0,
         "kill_grace": 0.5,
+        "cancel_grace": 1.0,  # the fakes never answer a cancel request
         "log_dir": tmp_path / "logs",
     }
     fields.update(overrides)
@@ -321,7 +322,8 @@ async def test_fake_shim(tmp_path: Path, name: str) -> None:
         assert re.search(pattern, log), (pattern, log)
     if "time.sleep(60)" in fake.body:
         # Killed at the deadline, not when the fake's sleep ran out.
-        assert spec.timeout <= elapsed < (spec.timeout + spec.kill_grace + 5.0) * SLOW
+        bound = spec.timeout + spec.cancel_grace + spec.kill_grace + 5.0
+        assert spec.timeout <= elapsed < bound * SLOW
     if fake.status == "ok":
         assert "protocol violation" not in log
 

@@ -165,6 +165,7 @@ async def test_result_survives_unflushed_exit(agents: Agents) -> None:
             return 1.0, {"unbuffered": os.environ.get("PYTHONUNBUFFERED")}
         """,
         inherit_env=("PATH", "HOME"),
+        exit_grace=0.5,  # the thread never ends: the exit is cut short
     )
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "ok", outcome.summary()

@@ -95,7 +95,9 @@ async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS, pids
     assert not agents.left()
-    assert outcome.killed >= TREE_PIDS
+    # The worker, cancelled, exits by itself; the other ten are killed.
+    assert outcome.cleanup == "finished"
+    assert outcome.killed >= TREE_PIDS - 1
     assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
 
 
@@ -114,7 +116,10 @@ async def test_leftovers_after_a_normal_return_are_killed_and_counted(agents: Ag
     assert outcome.duration_s < 0.5 + 3.0 * SLOW
 
 
-async def test_stopped_processes_still_die(agents: Agents) -> None:
+@pytest.mark.parametrize("cancel_grace", [0.0, 30.0])
+async def test_stopped_processes_still_die(agents: Agents, cancel_grace: float) -> None:
+    """A stopped agent is woken to be cancelled, and cleans up; without cancellation it is
+    killed with its stopped child."""
     spec = agents.spec(
         f"""
         import os, signal, subprocess, time
@@ -127,13 +132,17 @@ async def test_stopped_processes_still_die(agents: Agents) -> None:
         """,
         timeout=2.0,
         kill_grace=1.0,
+        cancel_grace=cancel_grace,
     )
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "timeout"
     pids = agents.pid_files()
     assert set(pids) == {"stopped", "worker"}
     assert not agents.left()
-    assert outcome.killed == 2
+    if cancel_grace:
+        assert (outcome.cleanup, outcome.killed) == ("finished", 1), outcome.summary()
+    else:
+        assert (outcome.cleanup, outcome.killed) == (None, 2), outcome.summary()
 
 
 @pytest.mark.parametrize("point", ["before the spawn", "at the spawn", "while the tree grows"])

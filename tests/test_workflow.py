@@ -15,7 +15,7 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
-from isolate.workflow import PASSTHROUGH_ENV, SWEAgentWorkflow, default_agent_root
+from isolate.workflow import PASSTHROUGH_ENV, SWEAgentWorkflow, default_agent_root, episode_spec
 
 from .conftest import Agents
 
@@ -282,11 +282,27 @@ async def test_timeout_kills_the_tree_and_raises_timeout_error(
     ):
         await wf.run(record("slow-1", spawn=3, sleep=60), base_url=URL)
     assert isinstance(info.value, isolate.EpisodeTimeout)
-    assert info.value.outcome.killed >= 4
+    # The agent, cancelled, exits by itself; its three sleeps are killed.
+    assert info.value.outcome.cleanup == "finished"
+    assert info.value.outcome.killed >= 3
     assert len(agents.pid_files()) == 3  # the control: the children did start
     assert agents.left() == []
     assert "TIMEOUT: Instance slow-1 exceeded 1.5s (elapsed: " in caplog.text
     assert "Discarding trajectory" in caplog.text
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
+    assert json.loads(lines[0].removeprefix("episode "))["cleanup"] == "finished"
+
+
+async def test_econfig_cancel_grace_reaches_the_episode(agents: Agents) -> None:
+    """cancel_grace=0 from econfig: the old teardown, no clean-up, SIGTERM at the deadline."""
+    wf = SWEAgentWorkflow(econfig=econfig(agents, timeout=1.0, cancel_grace=0, exit_grace=2.5))
+    with pytest.raises(TimeoutError) as info:
+        await wf.run(record("slow-2", sleep=60), base_url=URL)
+    assert isinstance(info.value, isolate.EpisodeTimeout)
+    assert info.value.outcome.cleanup is None
+    assert info.value.outcome.signal == "SIGTERM"
+    spec = episode_spec(econfig(agents, cancel_grace=7, exit_grace=2.5), SCRIPTED, 10.0, None)
+    assert (spec.cancel_grace, spec.exit_grace) == (7.0, 2.5)
 
 
 async def test_agent_error_is_zero_with_the_traceback_logged(
@@ -378,6 +394,7 @@ async def test_logs_per_episode_and_one_structured_line(
     assert fields["reward"] == 1.0
     assert fields["exit"] == "exited with 0"
     assert fields["killed"] == 0
+    assert fields["cleanup"] is None
     log = Path(fields["log"])
     assert log.parent == clean_env / "isolate"
     assert log.name.startswith("django__django-1.")

@@ -102,6 +102,12 @@ class EpisodeSpec(BaseModel):
     """Wall-clock seconds from spawn until the whole tree is killed and the status is timeout."""
     kill_grace: Seconds = Field(default=5.0, ge=0)
     """Seconds between SIGTERM and SIGKILL during teardown."""
+    cancel_grace: Seconds = Field(default=30.0, ge=0)
+    """Seconds the agent gets to clean up after it is cancelled inside its own process, at an
+    early end (deadline, cancellation, parent's death), before SIGTERM; 0: no cancellation."""
+    exit_grace: Seconds = Field(default=10.0, ge=0)
+    """Seconds the agent's process gets to exit the normal way (atexit, flushes, finalizers,
+    non-daemon threads) after its result; then it is killed and the result stands."""
     cwd: Path | None = None
     """Working directory of the child; default: the parent's."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import secrets as _secrets
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +26,15 @@ from . import protocol as proto
 from .config import EPISODE_ENV, EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
-from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings, describe_exit, signal_name
+from .outcome import (
+    Cleanup,
+    EpisodeOutcome,
+    ErrorInfo,
+    Status,
+    Timings,
+    describe_exit,
+    signal_name,
+)
 from .redact import Redactor
 from .shim import _boot_path
 from .tail import Tail
@@ -43,6 +52,14 @@ _SHIM_DEADLINE_MARGIN_S = 2.0
 _READ_CHUNK = 64 * 1024
 #: Frames larger than this are parsed in a worker thread, not on the event loop (bytes).
 _BIG_FRAME = 256 * 1024
+#: How much longer than ``cancel_grace`` the parent waits for the shim to report how the
+#: agent's clean-up went, before it terminates the tree itself (seconds). The shim counts the
+#: grace itself and reports at once; this only matters for a shim that cannot answer.
+_CANCEL_MARGIN_S = 0.5
+#: After that report the shim terminates the tree itself (SIGTERM, kill_grace, SIGKILL) and
+#: counts what it killed; the parent gives it this long beyond kill_grace before it takes over
+#: (seconds).
+_SHIM_TEARDOWN_MARGIN_S = 1.0
 
 
 async def run_episode(
@@ -67,9 +84,10 @@ async def run_episode(
     the record's ``instance_id`` plus a random suffix). ``on_start`` is called with the
     shim's pid once it is running.
 
-    **Cancellation:** if the calling task is cancelled, the episode's whole process tree is
-    torn down exactly as on timeout (SIGTERM, ``spec.kill_grace`` seconds, SIGKILL, until no
-    process is left), shielded from the cancellation, and then the cancellation propagates.
+    **Cancellation:** if the calling task is cancelled, the episode ends exactly as on timeout,
+    shielded from the cancellation: the agent is cancelled inside its process and gets up to
+    ``spec.cancel_grace`` seconds to clean up, then the tree gets SIGTERM, ``spec.kill_grace``
+    seconds, SIGKILL, until no process is left. Then the cancellation propagates.
     """
     run = _Run(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
     return await run.run(on_start)
@@ -148,6 +166,8 @@ class _Run:
             "kwargs": dict(kwargs),
             "deadline": spec.timeout + spec.kill_grace + _SHIM_DEADLINE_MARGIN_S,
             "kill_grace": spec.kill_grace,
+            "cancel_grace": spec.cancel_grace,
+            "exit_grace": spec.exit_grace,
             "max_info_bytes": spec.max_info_bytes,
         }
         try:
@@ -183,6 +203,9 @@ class _Run:
         self.noise = 0
         self.splitter = proto.LineSplitter(spec.max_frame_bytes)
         self.timed_out = False
+        self.cancel_until: float | None = None  # set once the agent was asked to cancel
+        self.cleanup: Cleanup | None = None
+        self.cleanup_seen = anyio.Event()
         self.swept_live = False
         self.killed = 0
         self.term_deadline: float | None = None
@@ -411,7 +434,7 @@ class _Run:
             if self.popen.returncode is None:
                 # Deadline. A final frame that made it in time still counts.
                 self.timed_out = self.final is None
-                await self._sweep(live=True)
+                await self._end_early()
                 await self._wait_exit()
             # The done frame is written before the shim exits: read stdout to EOF first.
             with anyio.move_on_after(_DRAIN_S):
@@ -461,11 +484,69 @@ class _Run:
         self.swept_live = self.swept_live or live
         self.killed += await self.tree.kill(self.spec.kill_grace, self.term_deadline)
 
+    async def _end_early(self) -> None:
+        """Cancel first, then terminate: the agent cleans up (``cancel_grace``), then the tree
+        gets SIGTERM, ``kill_grace``, SIGKILL, until nothing is left."""
+        assert self.popen is not None
+        if self.final is None:
+            await self._cancel()
+        if self.cleanup_seen.is_set() and self.popen.returncode is None:
+            # The shim answered: it terminates the tree itself and says what it killed.
+            with anyio.move_on_after(self.spec.kill_grace + _SHIM_TEARDOWN_MARGIN_S):
+                await self._wait_exit()
+            if self.popen.returncode is None and self.term_deadline is None:
+                self.term_deadline = time.monotonic()  # the grace is spent: SIGKILL at once
+        await self._sweep(live=self.popen.returncode is None)
+
+    async def _cancel(self) -> None:
+        """Cancel first: ask the shim to cancel the agent inside its process, then wait until
+        the shim says how its clean-up went (``cancel_grace`` at most) or exits. Only once the
+        agent is running and has sent no final frame; resumes an earlier, interrupted wait."""
+        assert self.popen is not None
+        if self.cancel_until is None:
+            if (
+                self.spec.cancel_grace <= 0
+                or self.final is not None
+                or self.hello is None  # the agent may not be running: nothing to cancel
+                or self.handshake  # not all of it written: the shim cannot have started it
+                or self.popen.returncode is not None
+            ):
+                return
+            try:
+                os.write(self._fd("stdin"), proto.CANCEL)
+            except OSError:
+                return  # the shim is gone: its exit says how the episode ended
+            try:
+                os.kill(self.popen.pid, signal.SIGCONT)  # a stopped shim could not act on it
+            except OSError:
+                pass
+            self.cancel_until = time.monotonic() + self.spec.cancel_grace + _CANCEL_MARGIN_S
+            self._note(f"cancelling the agent; it has {self.spec.cancel_grace:g} s to clean up")
+        with anyio.move_on_after(self.cancel_until - time.monotonic()):
+            async with anyio.create_task_group() as tg:
+
+                async def exited() -> None:
+                    await self._wait_exit()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(exited)
+                await self.cleanup_seen.wait()
+                tg.cancel_scope.cancel()
+        if self.cleanup is None and self.popen.returncode is None:
+            self.cleanup = "cut short"  # the shim did not answer within the grace
+
     async def _abort(self) -> None:
-        """Teardown after cancellation or an unexpected error: kill the tree, reap the shim."""
+        """Teardown after cancellation or an unexpected error: cancel the agent, kill the
+        tree, reap the shim."""
         if self.popen is None or self.tree is None:
             return
-        await self._sweep(live=True)
+        # The pumps went with the cancelled task group: the agent's clean-up must not block on
+        # a full pipe, and the shim's report must be read.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._pump, self._fd("stdout"), self._on_stdout, anyio.Event())
+            tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, anyio.Event())
+            await self._end_early()
+            tg.cancel_scope.cancel()
         with anyio.move_on_after(self.spec.kill_grace + 5.0):
             await self._wait_exit()
 
@@ -611,6 +692,11 @@ class _Run:
                 self._violate(f"a second final frame ({frame.t!r} after {self.final.t!r})")
             else:
                 self.final = frame
+        elif isinstance(frame, proto.Cleanup):
+            if self.cleanup is None:
+                self.cleanup = frame.how
+                self._note(f"the agent's clean-up {frame.how}")
+            self.cleanup_seen.set()
         elif isinstance(frame, proto.Done):
             if self.done is not None:
                 self._violate("a second done frame")
@@ -786,6 +872,7 @@ class _Run:
             reason=reason,
             oom_kills=self.oom_kills,
             timings=self._timings(),
+            cleanup=self.cleanup,
         )
         if self.log is not None:
             try:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import errors as _errors
 
+Cleanup = Literal["finished", "cut short"]
+
 Status = Literal["ok", "agent_error", "crashed", "timeout", "protocol_error", "setup_error"]
 
 STATUSES: tuple[Status, ...] = (
@@ -104,6 +106,9 @@ class EpisodeOutcome(BaseModel):
     """Processes of the episode the kernel OOM-killed; None where no cgroup counts them."""
     timings: Timings = Timings()
     """Waits and start-up inside ``duration_s``: fd admission, start slot, interpreter start."""
+    cleanup: Cleanup | None = None
+    """After the agent was cancelled (see ``EpisodeSpec.cancel_grace``): ``"finished"`` if it
+    exited within the grace, ``"cut short"`` if it had to be terminated; None: not cancelled."""
 
     @property
     def exit_description(self) -> str:
@@ -119,7 +124,8 @@ class EpisodeOutcome(BaseModel):
         elif self.error is not None:
             text += f": {self.error.type}: {self.error.message}"
         text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed"
-        return text + f", containment {self.containment})"
+        text += f", containment {self.containment}"
+        return text + (f", clean-up {self.cleanup})" if self.cleanup is not None else ")")
 
     def raise_for_status(self) -> EpisodeOutcome:
         """Return self if ``ok``, else raise the matching :class:`EpisodeError`."""

@@ -64,11 +64,19 @@ class Progress(_Frame):
     t: Literal["progress"]
 
 
+class Cleanup(_Frame):
+    """After a cancel request: the worker exited within ``cancel_grace`` (``finished``), or
+    the grace ran out (``cut short``). Sent before teardown goes on."""
+
+    t: Literal["cleanup"]
+    how: Literal["finished", "cut short"]
+
+
 class Done(_Frame):
     """Last frame: the worker's exit and how many leftovers the supervisor killed."""
 
     t: Literal["done"]
-    why: Literal["exited", "deadline", "terminated"]
+    why: Literal["exited", "deadline", "terminated", "cancelled"]
     killed: int = Field(ge=0)
     exit_code: int | None
     signal: int | None
@@ -76,7 +84,7 @@ class Done(_Frame):
     """CPU seconds the worker used (user + system)."""
 
 
-Frame = Annotated[Hello | Result | Error | Progress | Done, Field(discriminator="t")]
+Frame = Annotated[Hello | Result | Error | Progress | Cleanup | Done, Field(discriminator="t")]
 _FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)
 
 
@@ -189,6 +197,10 @@ class LineSplitter:
         if self._oversize:
             return self._oversize
         return bytes(self._buf) if self._buf else None
+
+
+#: What the parent writes on the shim's stdin, after the handshake, to cancel the agent.
+CANCEL = b"cancel\n"
 
 
 def encode_handshake(

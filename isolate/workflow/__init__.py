@@ -210,6 +210,8 @@ def episode_spec(
         python=str(econfig.get("python") or sys.executable),
         timeout=timeout,
         kill_grace=float(econfig.get("kill_grace", 5.0)),
+        cancel_grace=float(econfig.get("cancel_grace", 30.0)),
+        exit_grace=float(econfig.get("exit_grace", 10.0)),
         env=dict(econfig.get("env") or {}),
         inherit_env=inherit_env_of(econfig),
         log_dir=log_dir,
@@ -228,8 +230,8 @@ class SWEAgentWorkflow:
             ``sandbox_backend``, ``harness_timeout``, ``eval_timeout``,
             ``session_idle_timeout``, ``session_poll_interval``, ``terminal_exit_grace``,
             ``opencode_config``, ``max_tokens``, ``max_completion_tokens``, forwarded only
-            when present), plus ``python`` (the agent's interpreter), ``kill_grace``
-            (seconds), ``env``, ``inherit_env`` (default :data:`PASSTHROUGH_ENV`),
+            when present), plus ``python`` (the agent's interpreter), ``kill_grace``,
+            ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``, ``inherit_env`` (default :data:`PASSTHROUGH_ENV`),
             ``containment`` and ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
             variables of this process passed as ``run_episode(secret_env=...)``) and
             ``on_crash`` (``"zero"`` or ``"raise"``).
@@ -320,6 +322,7 @@ class SWEAgentWorkflow:
             "duration_s": round(outcome.duration_s, 3),
             "exit": outcome.exit_description,
             "killed": outcome.killed,
+            "cleanup": outcome.cleanup,
             "containment": outcome.containment,
             "log": str(outcome.log_path) if outcome.log_path else None,
         }

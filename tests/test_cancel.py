@@ -1,0 +1,377 @@
+"""Cancel first, then terminate: at every early end the agent is cancelled inside its own process
+and its clean-up runs (shown by a marker file the clean-up writes), bounded by cancel_grace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import isolate
+from isolate._core import containment as _containment
+
+from .conftest import SLOW, Agents, episode_processes, wait_for, wait_until
+
+pytestmark = pytest.mark.anyio
+
+PY39 = os.path.expanduser("~/.pyenv/versions/3.9.18/bin/python3.9")
+PY310 = os.path.expanduser("~/.pyenv/versions/3.10.13/bin/python3.10")
+PY313 = os.path.expanduser("~/.pyenv/versions/3.13.0/bin/python3.13")
+
+
+def interpreters(*paths: str) -> list[object]:
+    """This Python and each of ``paths``, skipped (with the reason) where it is missing."""
+    found: list[object] = [pytest.param(sys.executable, id="project")]
+    for path in paths:
+        name = os.path.basename(path)
+        missing = pytest.mark.skip(reason=f"{path} is not installed")
+        found.append(pytest.param(path, id=name, marks=() if os.path.exists(path) else missing))
+    return found
+
+
+def levels() -> list[Any]:
+    """Each containment level, skipped (with the reason) where this machine lacks it."""
+    found: list[object] = []
+    for name in _containment.LEVELS:
+        problem = _containment.level_problem(name)
+        marks = pytest.mark.skip(reason=f"containment {name!r}: {problem}") if problem else ()
+        found.append(pytest.param(name, id=name, marks=marks))
+    return found
+
+
+# Each agent writes "ready" once it waits, and the clean-up writes "cleaned" (with what it saw).
+HELPERS = """
+import asyncio, os, signal, subprocess, sys, time
+
+def mark(name, text=""):
+    path = os.path.join(os.environ["PID_DIR"], name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text or str(os.getpid()))
+    os.rename(path + ".tmp", path)
+"""
+
+ASYNC_SLEEP = (
+    HELPERS
+    + """
+async def run(data, **kwargs):
+    try:
+        mark("ready")
+        await asyncio.sleep(300)
+    finally:
+        mark("cleaned", "async")
+"""
+)
+
+SYNC_SLEEP = (
+    HELPERS
+    + """
+def run(data):
+    try:
+        mark("ready")
+        time.sleep(300)
+    finally:
+        mark("cleaned", "sync")
+"""
+)
+
+
+@pytest.mark.parametrize("level", levels())
+async def test_async_clean_up_runs_at_timeout(agents: Agents, level: str) -> None:
+    spec = agents.spec(ASYNC_SLEEP, timeout=1.0, kill_grace=0.5, containment=level)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.containment == level
+    assert (agents.pids / "cleaned").read_text() == "async"
+    assert outcome.cleanup == "finished"
+    assert "clean-up finished" in outcome.summary()
+    assert "CancelledError" in outcome.stderr_tail  # the agent's side of it is in the log
+    assert outcome.duration_s < 2.0 + 2.0 * SLOW
+
+
+@pytest.mark.parametrize("python", interpreters(PY39, PY310, PY313))
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_clean_up_runs_under_every_python(agents: Agents, python: str, kind: str) -> None:
+    """Python < 3.11 handles SIGINT in asyncio.run differently: the same outcome everywhere."""
+    spec = agents.spec(
+        ASYNC_SLEEP if kind == "async" else SYNC_SLEEP, timeout=1.0, kill_grace=0.5, python=python
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert (agents.pids / "cleaned").read_text() == kind
+    assert outcome.cleanup == "finished"
+
+
+@pytest.mark.parametrize(
+    "blocked",
+    [
+        "time.sleep(300)",
+        "os.read(os.pipe()[0], 1)",
+        "subprocess.Popen(['sleep', '300']).wait()",
+        "os.kill(os.getpid(), signal.SIGSTOP)",
+    ],
+    ids=["sleep", "read", "subprocess.wait", "stopped"],
+)
+async def test_a_sync_agent_is_interrupted_wherever_it_waits(agents: Agents, blocked: str) -> None:
+    code = (
+        HELPERS
+        + f"""
+def run(data):
+    try:
+        mark("ready")
+        {blocked}
+    finally:
+        mark("cleaned", "yes")
+"""
+    )
+    spec = agents.spec(code, timeout=1.0, kill_grace=0.5)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert (agents.pids / "cleaned").read_text() == "yes"
+    assert outcome.cleanup == "finished"
+
+
+async def test_clean_up_runs_at_cancellation_of_the_caller(agents: Agents) -> None:
+    spec = agents.spec(ASYNC_SLEEP, kill_grace=1.0)
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_ready() -> None:
+            await wait_until((agents.pids / "ready").exists)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_ready)
+        await isolate.run_episode(spec, {})
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert tg.cancel_scope.cancelled_caught
+    assert (agents.pids / "cleaned").read_text() == "async"
+
+
+async def test_the_clean_up_may_start_processes_and_its_own_keep_running(agents: Agents) -> None:
+    """Only the worker is told: a subprocess it started is still alive during its clean-up,
+    and the clean-up can run a command of its own."""
+    code = (
+        HELPERS
+        + """
+def run(data):
+    child = subprocess.Popen(["sleep", "300"])
+    try:
+        mark("ready")
+        time.sleep(300)
+    finally:
+        alive = child.poll() is None
+        out = subprocess.run(["sh", "-c", "echo released"], capture_output=True, text=True)
+        mark("cleaned", "%s %s" % (alive, out.stdout.strip()))
+"""
+    )
+    spec = agents.spec(code, timeout=1.0, kill_grace=0.5)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert (agents.pids / "cleaned").read_text() == "True released"
+    assert outcome.cleanup == "finished"
+    assert outcome.killed == 1  # the sleep, once the clean-up had finished
+
+
+HANGS = (
+    HELPERS
+    + """
+def run(data):
+    try:
+        mark("ready")
+        time.sleep(300)
+    finally:
+        subprocess.Popen(["sleep", "300"])
+        mark("cleaning")
+        time.sleep(300)
+"""
+)
+
+SWALLOWS_SYNC = (
+    HELPERS
+    + """
+def run(data):
+    mark("ready")
+    while True:
+        try:
+            time.sleep(300)
+        except KeyboardInterrupt:
+            mark("swallowed")
+"""
+)
+
+SWALLOWS_ASYNC = (
+    HELPERS
+    + """
+async def run(data):
+    mark("ready")
+    while True:
+        try:
+            await asyncio.sleep(300)
+        except asyncio.CancelledError:
+            mark("swallowed")
+"""
+)
+
+
+@pytest.mark.parametrize("python", interpreters(PY39))
+@pytest.mark.parametrize(
+    "code", [HANGS, SWALLOWS_SYNC, SWALLOWS_ASYNC], ids=["hangs", "sync", "async"]
+)
+async def test_a_clean_up_that_does_not_end_is_cut_short(
+    agents: Agents, code: str, python: str
+) -> None:
+    spec = agents.spec(code, timeout=1.0, cancel_grace=1.0, kill_grace=0.5, python=python)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.cleanup == "cut short"
+    assert "clean-up cut short" in outcome.summary()
+    assert {"cleaning", "swallowed"} & set(os.listdir(agents.pids))
+    bound = spec.timeout + spec.cancel_grace + spec.kill_grace
+    assert outcome.duration_s <= bound + 1.5 * SLOW, outcome.summary()
+    assert not episode_processes(f"PID_DIR={agents.pids}".encode())
+
+
+@pytest.mark.parametrize("python", interpreters(PY39))
+async def test_a_result_after_cancellation_is_still_a_timeout(agents: Agents, python: str) -> None:
+    code = (
+        HELPERS
+        + """
+def run(data):
+    try:
+        time.sleep(300)
+    except KeyboardInterrupt:
+        mark("caught")
+        return 1.0
+"""
+    )
+    spec = agents.spec(code, timeout=1.0, kill_grace=0.5, python=python)
+    outcome = await isolate.run_episode(spec, {})
+    assert (agents.pids / "caught").exists()
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.reward is None
+    assert outcome.cleanup == "finished"
+
+
+async def test_an_error_during_clean_up_goes_to_the_log_not_the_status(agents: Agents) -> None:
+    code = (
+        HELPERS
+        + """
+def run(data):
+    try:
+        time.sleep(300)
+    finally:
+        raise RuntimeError("release failed: sandbox-17")
+"""
+    )
+    spec = agents.spec(code, timeout=1.0, kill_grace=0.5)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.error is not None
+    assert outcome.error.type == "EpisodeTimeout"
+    assert outcome.log_path is not None
+    assert "release failed: sandbox-17" in outcome.log_path.read_text()
+
+
+async def test_cancel_grace_zero_is_the_old_teardown(agents: Agents) -> None:
+    spec = agents.spec(SYNC_SLEEP, timeout=1.0, kill_grace=0.5, cancel_grace=0)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert not (agents.pids / "cleaned").exists()  # SIGTERM's default action: no finally
+    assert outcome.cleanup is None
+    assert outcome.signal == "SIGTERM"
+    assert "clean-up" not in outcome.summary()
+
+
+async def test_no_cleanup_value_when_the_agent_was_not_cancelled(agents: Agents) -> None:
+    spec = agents.spec("def run(data):\n    return 1.0\n")
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.cleanup is None
+
+
+# --- the parent's death and Ctrl-C ------------------------------------------------------------
+
+PARENT = """
+import anyio, isolate, sys
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+anyio.run(isolate.run_episode, spec, {})
+"""
+
+
+@pytest.mark.parametrize(
+    ("python", "level"),
+    [pytest.param(sys.executable, p.values[0], id=p.id, marks=p.marks) for p in levels()]
+    + [pytest.param(PY39, "auto", id="python3.9")],
+)
+def test_clean_up_runs_after_the_parent_is_killed(agents: Agents, python: str, level: str) -> None:
+    code = (
+        HELPERS
+        + """
+def run(data):
+    child = subprocess.Popen(["sleep", "300"])
+    mark("child", str(child.pid))
+    try:
+        mark("ready")
+        time.sleep(300)
+    finally:
+        time.sleep(0.5)  # a release that takes a moment
+        mark("cleaned", str(child.poll() is None))
+"""
+    )
+    if not os.path.exists(python):
+        pytest.skip(f"{python} is not installed")
+    spec = agents.spec(
+        code, timeout=120.0, kill_grace=1.0, cancel_grace=10.0, python=python, containment=level
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the agent to be ready")
+        os.kill(parent.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        parent.wait()
+        wait_for(lambda: (agents.pids / "cleaned").exists(), 5.0, "the clean-up")
+        assert (agents.pids / "cleaned").read_text() == "True"
+        marker = f"PID_DIR={agents.pids}".encode()
+        # The child too (its recorded pid is the namespace's at pidns: judge by the env tag).
+        wait_for(lambda: not episode_processes(marker), 3.0, "the episode to be gone")
+        # The clean-up's 0.5 s, then the old bound of the parent's death (2 s).
+        assert time.monotonic() - killed_at <= 0.5 + 2.0 * SLOW
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_clean_up_runs_at_ctrl_c_of_isolate_run(agents: Agents) -> None:
+    spec = agents.spec(ASYNC_SLEEP)
+    record = agents.tmp / "record.json"
+    record.write_text(json.dumps({"instance_id": "ctrl-c", "econfig": {"env": spec.env}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "LOG_DIR")}
+    args = ["--agent-root", str(agents.root), "--entrypoint", spec.entrypoint]
+    args += ["--base-url", "http://127.0.0.1:9/v1", "--log-dir", str(agents.logs)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolate", "run", str(record), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the agent to be ready")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20 * SLOW)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert (agents.pids / "cleaned").read_text() == "async"
+    logs = list(Path(agents.logs).rglob("*.log"))
+    assert any("clean-up finished" in p.read_text() for p in logs), logs

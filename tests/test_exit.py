@@ -1,0 +1,118 @@
+"""The agent's process as an ordinary program: after its result it exits the normal way
+(atexit, flushes, finalizers, threads joined), bounded by exit_grace; sys.argv and __main__
+look like a program's, not the shim's."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import isolate
+
+from .conftest import SLOW, Agents, episode_processes
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
+    out = agents.tmp / "out"
+    out.mkdir()
+    spec = agents.spec(
+        """
+        import atexit, logging, os, tempfile
+        OUT = os.environ["OUT"]
+        def run(data):
+            trajectory = open(os.path.join(OUT, "trajectory.jsonl"), "w")
+            trajectory.write('{"step": 1}\\n' * 100)  # buffered, never closed
+            atexit.register(lambda: open(os.path.join(OUT, "atexit"), "w").write("ran"))
+            global scratch
+            scratch = tempfile.TemporaryDirectory(dir=OUT)
+            open(os.path.join(OUT, "scratch"), "w").write(scratch.name)
+            handler = logging.FileHandler(os.path.join(OUT, "agent.log"), delay=True)
+            log = logging.getLogger("agent")
+            log.addHandler(handler)
+            log.warning("last record")
+            return 1.0
+        """,
+        env={"PID_DIR": str(agents.pids), "OUT": str(out)},
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert (out / "trajectory.jsonl").read_text() == '{"step": 1}\n' * 100
+    assert (out / "atexit").read_text() == "ran"
+    scratch = (out / "scratch").read_text()
+    assert scratch.startswith(str(out))
+    assert Path(scratch).name not in {p.name for p in out.iterdir()}
+    assert (out / "agent.log").read_text() == "last record\n"
+    assert outcome.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "hang",
+    [
+        "import atexit\natexit.register(lambda: time.sleep(300))",
+        "threading.Thread(target=time.sleep, args=(300,)).start()",
+    ],
+    ids=["atexit", "thread"],
+)
+async def test_an_exit_that_hangs_is_cut_at_exit_grace_and_the_result_stands(
+    agents: Agents, hang: str
+) -> None:
+    code = "import threading, time\n\ndef run(data):\n"
+    code += "".join(f"    {line}\n" for line in hang.splitlines())
+    code += "    return 0.5, {'kept': True}\n"
+    spec = agents.spec(code, exit_grace=1.0, kill_grace=0.5)
+    started = time.monotonic()
+    outcome = await isolate.run_episode(spec, {})
+    elapsed = time.monotonic() - started
+    assert outcome.status == "ok", outcome.summary()
+    assert (outcome.reward, outcome.info) == (0.5, {"kept": True})
+    assert outcome.signal == "SIGKILL"
+    assert "exit took longer than exit_grace (1 s)" in outcome.stderr_tail
+    assert 1.0 <= elapsed <= 1.0 + 1.5 * SLOW, elapsed
+    assert not episode_processes(f"PID_DIR={agents.pids}".encode())
+
+
+async def test_an_error_frame_is_followed_by_the_normal_exit_too(agents: Agents) -> None:
+    marker = agents.tmp / "atexit"
+    spec = agents.spec(
+        f"""
+        import atexit
+        def run(data):
+            atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))
+            raise ValueError("nope")
+        """
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "agent_error", outcome.summary()
+    assert marker.read_text() == "ran"
+
+
+async def test_the_agent_sees_an_ordinary_program(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import sys, __main__
+        seen_at_import = (list(sys.argv), getattr(__main__, "__file__", None))
+        def run(data):
+            main = sys.modules["__main__"]
+            return 1.0, {
+                "argv": sys.argv,
+                "at_import": seen_at_import,
+                "main_file": getattr(main, "__file__", None),
+                "main_spec": repr(main.__spec__),
+                "main_names": sorted(n for n in vars(main) if n != "__builtins__"),
+                "has_builtins": hasattr(main, "__builtins__"),
+            }
+        """
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    info = outcome.info
+    assert info["argv"] == [spec.entrypoint]
+    assert info["at_import"] == [[spec.entrypoint], None]
+    assert info["main_file"] is None
+    assert info["main_spec"] == "None"
+    assert info["main_names"] == ["__doc__", "__loader__", "__name__", "__package__", "__spec__"]
+    assert info["has_builtins"]
