@@ -338,6 +338,11 @@ def run(data):
         os.kill(parent.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         parent.wait()
+        if level == "cgroup":
+            # The next isolate to start cleans the dead parent's leaves: not this one, whose
+            # shim is still at work.
+            groups = _containment.cgroups()
+            _containment.clean_stale(r for r in [groups.v2, *groups.v1.values()] if r)
         wait_for(lambda: (agents.pids / "cleaned").exists(), 5.0, "the clean-up")
         assert (agents.pids / "cleaned").read_text() == "True"
         marker = f"PID_DIR={agents.pids}".encode()

@@ -661,6 +661,23 @@ def _procs(leaf: Path) -> list[int]:
         return []
 
 
+def _shim_alive(leaf: Path) -> bool:
+    """Whether the episode's shim is still in the leaf: after its parent's death it cancels
+    the agent, waits for its clean-up (cancel_grace) and kills the rest, leaving the leaf empty.
+    The shim is the one session leader running agent_shim (the parent starts it in a session
+    of its own); the agent's processes forked from it lead no session of the shim's."""
+    for pid in _procs(leaf):
+        try:
+            if os.getsid(pid) != pid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"agent_shim" in f.read() and _start_time(pid) is not None:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _populated(leaf: Path) -> bool:
     return bool(_counter(leaf / "cgroup.events", "populated"))
 
@@ -707,6 +724,8 @@ def clean_stale(roots: Iterable[Path]) -> int:
             if _start_time(pid) == start:
                 continue
             for leaf in [p for p in owner.iterdir() if p.is_dir()]:
+                if _shim_alive(leaf):
+                    continue  # tearing its episode down by itself: its agent is cleaning up
                 end = time.monotonic() + _EMPTY_WAIT_S
                 while (_populated(leaf) or _procs(leaf)) and time.monotonic() < end:
                     _kill_leaf(leaf)
