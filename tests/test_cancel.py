@@ -321,7 +321,7 @@ def run(data):
         mark("ready")
         time.sleep(300)
     finally:
-        time.sleep(0.5)  # a release that takes a moment
+        time.sleep(0.1)  # a release that takes a moment
         mark("cleaned", str(child.poll() is None))
 """
     )
@@ -348,8 +348,8 @@ def run(data):
         marker = f"PID_DIR={agents.pids}".encode()
         # The child too (its recorded pid is the namespace's at pidns: judge by the env tag).
         wait_for(lambda: not episode_processes(marker), 3.0, "the episode to be gone")
-        # The clean-up's 0.5 s, then the old bound of the parent's death (2 s).
-        assert time.monotonic() - killed_at <= 0.5 + 2.0 * SLOW
+        # The clean-up's 0.1 s, then the old bound of the parent's death (2 s).
+        assert time.monotonic() - killed_at <= 0.1 + 2.0 * SLOW
     finally:
         parent.kill()
         parent.wait()
