@@ -231,8 +231,9 @@ class SWEAgentWorkflow:
             ``session_idle_timeout``, ``session_poll_interval``, ``terminal_exit_grace``,
             ``opencode_config``, ``max_tokens``, ``max_completion_tokens``, forwarded only
             when present), plus ``python`` (the agent's interpreter), ``kill_grace``,
-            ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``, ``inherit_env`` (default :data:`PASSTHROUGH_ENV`),
-            ``containment`` and ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
+            ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``,
+            ``inherit_env`` (default :data:`PASSTHROUGH_ENV`), ``containment`` and
+            ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
             variables of this process passed as ``run_episode(secret_env=...)``) and
             ``on_crash`` (``"zero"`` or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
