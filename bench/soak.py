@@ -3,7 +3,8 @@
     python -m bench.soak [--episodes 1000] [--concurrency 64] [--containment auto] [--json F]
 
 Injects a known mix of episode kinds (below), runs them all through ``run_episode`` at the
-given concurrency, and checks that each status count equals what was injected and that no
+given concurrency, and checks that each status count and each ``outcome.cleanup`` count equals
+what was injected, that every clean-up and every normal exit left its mark, and that no
 process, zombie, fd, temporary file, cgroup leaf or log handle is left afterwards. Prints
 the figures; exits 1 if any check failed. Not part of CI (the tests run a short version).
 """
@@ -81,6 +82,45 @@ KINDS: dict[str, tuple[str, str]] = {
         """,
         "ok",
     ),
+    # Timeouts whose agents clean up (cancel first): one whose async clean-up runs a command
+    # and leaves a mark, one whose sync clean-up hangs and is cut short at cancel_grace.
+    "timeout_cleanup": (
+        """
+        import asyncio, os, subprocess
+        async def run(data):
+            try:
+                await asyncio.sleep(300)
+            finally:
+                me = os.environ["ISOLATE_EPISODE_ID"]
+                mark = os.path.join(os.environ["SOAK_MARKS"], "cleaned." + me)
+                subprocess.run(["sh", "-c", 'echo released > "$0"', mark], check=True)
+        """,
+        "timeout",
+    ),
+    "timeout_cut_short": (
+        """
+        import time
+        def run(data):
+            try:
+                time.sleep(300)
+            finally:
+                time.sleep(300)
+        """,
+        "timeout",
+    ),
+    # A normal exit loses nothing: a buffered file never closed, an atexit hook.
+    "ok_exit": (
+        """
+        import atexit, os
+        def run(data):
+            marks, me = os.environ["SOAK_MARKS"], os.environ["ISOLATE_EPISODE_ID"]
+            f = open(os.path.join(marks, "exited." + me), "w")
+            f.write("buffered")
+            atexit.register(lambda: open(os.path.join(marks, "atexit." + me), "w").close())
+            return 1.0
+        """,
+        "ok",
+    ),
     # Started through a wrapper that reads nothing for a while, then becomes the real shim;
     # the record is 1 MB, so the parent's handshake write fills the pipe and has to wait.
     "slow_reader": ("def run(data):\n    return float(len(data['blob']) > 0)\n", "ok"),
@@ -92,6 +132,12 @@ time.sleep(0.3)
 os.execv(sys.executable, [sys.executable, "-I", {shim!r}])
 """
 MARK = "ISOLATE_SOAK_RUN"
+#: kind -> the ``outcome.cleanup`` it must end with (None for every kind not listed).
+CLEANUP = {
+    "timeout_tree": "finished",
+    "timeout_cleanup": "finished",
+    "timeout_cut_short": "cut short",
+}
 
 
 def plan(episodes: int, seed: int, only: list[str] | None = None) -> list[str]:
@@ -180,6 +226,7 @@ async def soak(
     for kind, (body, _) in KINDS.items():
         (root / f"soak_{kind}.py").write_text(textwrap.dedent(body))
     (work / "cwd").mkdir()
+    (work / "marks").mkdir()
     (work / "parent-tmp").mkdir()
     tempfile.tempdir = str(work / "parent-tmp")  # anything isolate itself left would show
     wrapper = work / "slow_reader_shim.py"
@@ -194,14 +241,15 @@ async def soak(
         cwd=work / "cwd",
         log_dir=work / "logs",
         stderr_tail_bytes=4096,  # the outcomes are all kept: keep the parent's RSS about isolate
-        env={MARK: run_id, "TMPDIR": str(work / "episode-tmp")},
+        env={MARK: run_id, "TMPDIR": str(work / "episode-tmp"), "SOAK_MARKS": str(work / "marks")},
         containment=containment,  # type: ignore[arg-type]
         limits=isolate.Limits(core_dumps=False, log_bytes=256 * 1024),
     )
     specs = {
         kind: base.model_copy(
             update={"entrypoint": f"soak_{kind}:run"}
-            | ({"timeout": 2.0} if kind == "timeout_tree" else {})
+            | ({"timeout": 2.0} if kind.startswith("timeout") else {})
+            | ({"cancel_grace": 1.0} if kind == "timeout_cut_short" else {})
         )
         for kind in KINDS
     }
@@ -239,7 +287,28 @@ async def soak(
         done.set()
     wall = time.monotonic() - started
     after = await anyio.to_thread.run_sync(_settled, run_id, work, before)
-    return report(kinds, results, wall, lags, before, after, episodes, concurrency)
+    marks = Counter(name.split(".")[0] for name in os.listdir(work / "marks"))
+    figures = report(kinds, results, wall, lags, before, after, episodes, concurrency)
+    figures["marks"] = dict(marks)
+    # Each clean-up that finished left its mark; each normal exit flushed its file and ran
+    # its atexit hook.
+    expected = {
+        "cleaned": kinds.count("timeout_cleanup"),
+        "exited": kinds.count("ok_exit"),
+        "atexit": kinds.count("ok_exit"),
+    }
+    unflushed = [
+        name
+        for name in os.listdir(work / "marks")
+        if name.startswith("exited.")
+        and "atexit" not in name
+        and (work / "marks" / name).read_text() != "buffered"
+    ]
+    figures["marks_expected"] = expected
+    figures["exact"] = (
+        figures["exact"] and {k: marks.get(k, 0) for k in expected} == expected and not unflushed
+    )
+    return figures
 
 
 def _settled(run_id: str, work: Path, before: dict[str, Any]) -> dict[str, Any]:
@@ -266,10 +335,12 @@ def report(
     injected = Counter(KINDS[k][1] for k in kinds)
     got = Counter(o.status for _, o in results)
     wrong = [
-        f"{o.episode_id}: expected {KINDS[k][1]}, got {o.summary()}"
+        f"{o.episode_id}: expected {KINDS[k][1]}, clean-up {CLEANUP.get(k)}, got {o.summary()}"
         for k, o in results
-        if o.status != KINDS[k][1]
+        if (o.status, o.cleanup) != (KINDS[k][1], CLEANUP.get(k))
     ]
+    cleanup_injected = Counter(str(CLEANUP.get(k)) for k in kinds)
+    cleanup_got = Counter(str(o.cleanup) for _, o in results)
     durations: dict[str, list[float]] = {}
     for kind, outcome in results:
         durations.setdefault(kind, []).append(outcome.duration_s)
@@ -290,7 +361,14 @@ def report(
         "episodes_per_s": episodes / wall if wall else 0.0,
         "injected": dict(injected),
         "got": dict(got),
-        "exact": injected == got and not wrong and len(results) == episodes,
+        "cleanup_injected": dict(cleanup_injected),
+        "cleanup_got": dict(cleanup_got),
+        "exact": (
+            injected == got
+            and cleanup_injected == cleanup_got
+            and not wrong
+            and len(results) == episodes
+        ),
         "wrong": wrong[:20],
         "median_s": {k: statistics.median(v) for k, v in sorted(durations.items())},
         "loop_lag_p99_ms": 1000 * ordered_lags[int(0.99 * (len(ordered_lags) - 1))],
@@ -314,6 +392,18 @@ def show(figures: dict[str, Any]) -> None:
         n, m = figures["injected"].get(status, 0), figures["got"].get(status, 0)
         if n or m:
             print(f"{status:<16}{n:>9}{m:>6}")
+    print(f"{'clean-up':<16}{'injected':>9}{'got':>6}")
+    for value in ("finished", "cut short", "None"):
+        n, m = figures["cleanup_injected"].get(value, 0), figures["cleanup_got"].get(value, 0)
+        if n or m:
+            print(f"{value:<16}{n:>9}{m:>6}")
+    if "marks" in figures:
+        expected, marks = figures["marks_expected"], figures["marks"]
+        print(
+            f"clean-ups that left their mark: {marks.get('cleaned', 0)} of "
+            f"{expected['cleaned']}; normal exits: files flushed {marks.get('exited', 0)}, "
+            f"atexit hooks run {marks.get('atexit', 0)}, of {expected['exited']}"
+        )
     print("accounting: " + ("exact" if figures["exact"] else "WRONG"))
     for line in figures["wrong"]:
         print(f"  {line}")

@@ -46,6 +46,12 @@ def test_a_short_soak_accounts_for_every_episode_and_leaves_nothing(tmp_path: Pa
     assert figures["episodes"] == episodes
     assert sum(figures["got"].values()) == episodes
     assert figures["got"] == figures["injected"]
+    # Timeouts whose agents clean up (cancel first), counted by outcome.cleanup, and the marks
+    # their clean-ups and the normal exits left.
+    assert figures["cleanup_got"] == figures["cleanup_injected"]
+    assert set(figures["cleanup_got"]) == {"finished", "cut short", "None"}
+    assert figures["marks"] == figures["marks_expected"]
+    assert figures["marks"]["cleaned"] >= 4
     assert set(figures["got"]) == {"ok", "agent_error", "crashed", "timeout"}
     assert figures["wrong"] == []
     assert figures["left"] == {
@@ -57,9 +63,10 @@ def test_a_short_soak_accounts_for_every_episode_and_leaves_nothing(tmp_path: Pa
         "cgroup_leaves": 0,
     }
     assert set(figures["median_s"]) == set(KINDS)
-    # Teardown had work to do: at least each timed-out worker (and, unless the machine was too
-    # slow for them to start in time, a sleep and a setsid daemon each).
-    assert figures["killed"] >= figures["injected"]["timeout"]
+    # Teardown had work to do: at least each worker whose clean-up was cut short (and, unless
+    # the machine was too slow for them to start in time, a sleep and a setsid daemon for each
+    # timeout_tree; cancelled workers that finished their clean-up exit by themselves).
+    assert figures["killed"] >= figures["cleanup_got"]["cut short"]
     # Logs are capped (limits.log_bytes) although some episodes wrote 10 MB.
     logs = list((tmp_path / "work" / "logs").iterdir())
     assert len(logs) == episodes
