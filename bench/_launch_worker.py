@@ -14,6 +14,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import anyio
 
 import isolate
+from isolate._core import launcher as _launcher
 
 from . import _noop
 from ._common import MARK_ENV, rss_bytes
@@ -37,7 +39,34 @@ CONTENDERS = (
     "inprocess",
     "isolate_plain",
     "bare_plain",
+    "isolate_os_exit",
+    "isolate_heavy",
+    "isolate_heavy_os_exit",
 )
+#: Pairs that price the worker's normal exit after its result (atexit, flushes, finalizers):
+#: the same episode with a shim whose worker leaves by ``os._exit`` instead, as it once did.
+EXIT_PAIRS = {"isolate": "isolate_os_exit", "isolate_heavy": "isolate_heavy_os_exit"}
+#: An agent module that imports what a small real agent does before it runs.
+HEAVY_AGENT = (
+    "import asyncio, json, logging, email.message, http.client, decimal, dataclasses, typing\n"
+    "def run(data, **kwargs):\n    return 1.0\n"
+)
+
+
+def os_exit_shim(workdir: Path) -> Path:
+    """A copy of the shim whose worker leaves by ``os._exit`` right after its final frame."""
+    source = Path(isolate.shim_path()).parent
+    target = workdir / "os_exit_shim"
+    shutil.copytree(
+        source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    shim = target / "shim.py"
+    text = shim.read_text()
+    normal = "        raise SystemExit(code)\n"
+    if text.count(normal) != 1:
+        raise RuntimeError("the shim's normal exit is not where bench expects it")
+    shim.write_text(text.replace(normal, "        os._exit(code)\n"))
+    return target / "boot.py"
 
 
 class _Parent:
@@ -51,6 +80,9 @@ class _Parent:
         )
         self.plain_python = plain_python
         self.plain_spec = self.spec.model_copy(update={"python": plain_python})
+        (agent_root / "heavy_agent.py").write_text(HEAVY_AGENT)
+        self.heavy_spec = self.spec.model_copy(update={"entrypoint": "heavy_agent:run"})
+        self.os_exit_shim = os_exit_shim(agent_root.parent)
         self.spawn = multiprocessing.get_context("spawn")
         self.pool = ProcessPoolExecutor(max_workers=2)  # AReaL subproc: default (fork) context
         self.pool_env = {"OPENAI_API_KEY": "sk-bench", "OPENAI_BASE_URL": "http://127.0.0.1:1"}
@@ -62,16 +94,28 @@ class _Parent:
     async def isolate_plain(self, k: int) -> float:
         return await self._episodes(self.plain_spec, k)
 
+    async def isolate_os_exit(self, k: int) -> float:
+        return await self._episodes(self.spec, k, self.os_exit_shim)
+
+    async def isolate_heavy(self, k: int) -> float:
+        return await self._episodes(self.heavy_spec, k)
+
+    async def isolate_heavy_os_exit(self, k: int) -> float:
+        return await self._episodes(self.heavy_spec, k, self.os_exit_shim)
+
     async def bare(self, k: int) -> float:
         return await self._bare(sys.executable, k)
 
     async def bare_plain(self, k: int) -> float:
         return await self._bare(self.plain_python, k)
 
-    async def _episodes(self, spec: isolate.EpisodeSpec, k: int) -> float:
+    async def _episodes(self, spec: isolate.EpisodeSpec, k: int, shim: Path | None = None) -> float:
         t0 = time.perf_counter()
         for _ in range(k):
-            outcome = await isolate.run_episode(spec, {"instance_id": "noop"})
+            if shim is None:
+                outcome = await isolate.run_episode(spec, {"instance_id": "noop"})
+            else:
+                outcome = await _launcher._run_with_shim(spec, {"instance_id": "noop"}, shim)
             if outcome.status != "ok":
                 raise RuntimeError(f"no-op episode failed: {outcome.summary()}")
             self.containment.add(str(outcome.containment))

@@ -13,6 +13,9 @@ LABELS = {
     "inprocess": "in-process coroutine (seed)",
     "isolate_plain": "isolate, agent in a plain venv",
     "bare_plain": "bare `python -I -c pass`, plain venv (its floor)",
+    "isolate_os_exit": "isolate, worker leaves by `os._exit` (no normal exit)",
+    "isolate_heavy": "isolate, agent importing asyncio, json, logging, http, …",
+    "isolate_heavy_os_exit": "same agent, worker leaves by `os._exit`",
 }
 
 
@@ -89,7 +92,26 @@ def _launch(res: dict[str, Any], large: dict[str, Any] | None) -> list[str]:
     )
     head_lines = ["## 1 + 2b. Launch overhead of a no-op episode (sequential)", "", note + ".", ""]
     tail = [plain, ""] if "isolate_plain" in res["rows"] else []
-    return head_lines + _table(head, rows) + tail
+    return head_lines + _table(head, rows) + tail + _exit_cost(res)
+
+
+def _exit_cost(res: dict[str, Any]) -> list[str]:
+    """The normal exit's price: each episode against the same with ``os._exit``."""
+    costs = res.get("exit_cost")
+    if not costs:
+        return []
+    lines = [
+        "The worker's normal exit after its result (atexit hooks, flushed files, finalizers, "
+        "joined threads, bounded by `exit_grace`), priced against the same episode with a shim "
+        "whose worker leaves by `os._exit` as it once did:",
+        "",
+    ]
+    for name, cost in costs.items():
+        lines.append(
+            f"- {LABELS.get(name, name)}: +{_range(cost['extra_s'], 1000, 2)} ms per episode, "
+            f"{_ratio(cost['ratio'])} of the `os._exit` one"
+        )
+    return lines + [""]
 
 
 def _throughput(res: dict[str, Any]) -> list[str]:

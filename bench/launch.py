@@ -16,7 +16,7 @@ from typing import Any
 
 from ._common import REPO, paired_ratio, summary
 from ._context import Context
-from ._launch_worker import CONTENDERS
+from ._launch_worker import CONTENDERS, EXIT_PAIRS
 
 BASELINE = "bare"
 #: The plain-venv contenders are compared with that venv's own bare interpreter.
@@ -106,6 +106,14 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
             rows[name]["samples"] = times[label][name]
             baseline = BASELINES.get(name, BASELINE)
             rows[name]["ratio"] = paired_ratio(times[label][name], times[label][baseline])
+        # What the worker's normal exit costs: the same episode against os._exit, per round.
+        exit_cost = {}
+        for name, old in EXIT_PAIRS.items():
+            new_t, old_t = times[label][name], times[label][old]
+            exit_cost[name] = {
+                "ratio": paired_ratio(new_t, old_t),
+                "extra_s": summary([a - b for a, b in zip(new_t, old_t, strict=False)]),
+            }
         out["launch" if label == "small" else "large"] = {
             "unit": "s/episode",
             "baseline": BASELINE,
@@ -114,6 +122,7 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
             "parent_rss_mib": max(rss[label]) / 2**20,
             "containment": sorted(levels),
             "rows": rows,
+            "exit_cost": exit_cost,
         }
     if with_large:
         out["large"]["ballast_mib"] = large_mib

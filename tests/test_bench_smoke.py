@@ -73,6 +73,11 @@ def test_launch_figures(results: dict[str, Any]) -> None:
             assert _positive(row["ratio"]), (parent, name)
         assert rows["bare"]["ratio"]["median"] == pytest.approx(1.0)
         assert rows["isolate"]["median"] > rows["inprocess"]["median"]
+        # The normal exit's price, against the same episode whose worker uses os._exit.
+        for name in ("isolate", "isolate_heavy"):
+            cost = results["sections"][parent]["exit_cost"][name]
+            assert _positive(cost["ratio"]), (parent, name)
+            assert cost["extra_s"]["n"] == len(rows[name]["samples"])
     large = results["sections"]["large"]
     assert large["parent_rss_mib"] > results["sections"]["launch"]["parent_rss_mib"] + 48
     assert _positive(large["vs_small"]["isolate"])
