@@ -16,8 +16,9 @@ environment, an argv, a log or RESULTS.jsonl. A local instance started here does
 environment variable that holds the key.
 
 **Cancellation:** Ctrl-C cancels the running tasks (``ray.cancel``: KeyboardInterrupt in the
-worker, which tears the episode down as a cancelled ``run_episode`` does) and waits up to
-``kill_grace`` + 5 s for them, then disconnects (and stops a local instance).
+worker, which ends the episode as a cancelled ``run_episode`` does: the agent cleans up, then
+the tree is killed) and waits up to ``cancel_grace`` + ``kill_grace`` + 5 s for them, then
+disconnects (and stops a local instance).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class RayBackend:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(ray.cancel, ref)
-                with anyio.move_on_after(job.spec.kill_grace + 5.0):
+                with anyio.move_on_after(job.spec.cancel_grace + job.spec.kill_grace + 5.0):
                     await _result(ref)
             raise
 
