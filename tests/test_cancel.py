@@ -298,6 +298,28 @@ async def test_no_cleanup_value_when_the_agent_was_not_cancelled(agents: Agents)
     assert outcome.cleanup is None
 
 
+async def test_after_its_clean_up_the_cancelled_agent_exits_the_normal_way(agents: Agents) -> None:
+    """atexit hooks and unclosed files of a cancelled agent are not lost either."""
+    code = (
+        HELPERS
+        + """
+import atexit
+def run(data):
+    trajectory = open(os.path.join(os.environ["PID_DIR"], "trajectory"), "w")
+    trajectory.write("steps so far")  # buffered, never closed
+    globals()["kept"] = trajectory
+    atexit.register(mark, "atexit", "ran")
+    time.sleep(300)
+"""
+    )
+    spec = agents.spec(code, timeout=1.0, kill_grace=0.5)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert outcome.cleanup == "finished"
+    assert (agents.pids / "atexit").read_text() == "ran"
+    assert (agents.pids / "trajectory").read_text() == "steps so far"
+
+
 # --- the parent's death and Ctrl-C ------------------------------------------------------------
 
 PARENT = """
