@@ -71,7 +71,7 @@ async def test_an_exit_that_hangs_is_cut_at_exit_grace_and_the_result_stands(
     assert (outcome.reward, outcome.info) == (0.5, {"kept": True})
     assert outcome.signal == "SIGKILL"
     assert "exit took longer than exit_grace (1 s)" in outcome.stderr_tail
-    assert 1.0 <= elapsed <= 1.0 + 1.5 * SLOW, elapsed
+    assert 1.0 <= elapsed <= 1.0 + 3.0 * SLOW, elapsed
     assert not episode_processes(f"PID_DIR={agents.pids}".encode())
 
 
