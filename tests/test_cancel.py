@@ -112,6 +112,34 @@ async def test_clean_up_runs_under_every_python(agents: Agents, python: str, kin
     assert outcome.cleanup == "finished"
 
 
+NESTED_ASYNCIO_RUN = (
+    HELPERS
+    + """
+async def main():
+    try:
+        mark("ready")
+        await asyncio.sleep(300)
+    finally:
+        mark("cleaned", "nested")
+
+def run(data):
+    return asyncio.run(main())
+"""
+)
+
+
+@pytest.mark.parametrize("python", interpreters(PY39))
+async def test_a_sync_entrypoint_running_its_own_event_loop_cleans_up(
+    agents: Agents, python: str
+) -> None:
+    """A sync wrapper around asyncio.run, as many agents have: its coroutine's finally runs."""
+    spec = agents.spec(NESTED_ASYNCIO_RUN, timeout=1.0, kill_grace=0.5, python=python)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout", outcome.summary()
+    assert (agents.pids / "cleaned").read_text() == "nested"
+    assert outcome.cleanup == "finished"
+
+
 @pytest.mark.parametrize(
     "blocked",
     [
