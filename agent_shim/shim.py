@@ -760,6 +760,7 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
     poller.register(exit_fd, select.POLLIN)
     status, why = None, "cancelled" if CANCEL in pending else "exited"
     exit_by = None  # when the worker's normal exit must be over (monotonic)
+    exiting = False  # the worker's final frame is out: nothing left to cancel
     while why == "exited":
         status, _ = reap(worker_pid, status)
         if status is not None:
@@ -790,8 +791,8 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
             elif fd == exit_fd:
                 if not os.read(exit_fd, 16):
                     poller.unregister(exit_fd)  # EOF: the worker is gone
-                elif exit_by is None:
-                    exit_by = time.monotonic() + float(hs.get("exit_grace", 10.0))
+                elif not exiting:
+                    exiting, exit_by = True, time.monotonic() + float(hs.get("exit_grace", 10.0))
             else:
                 data = os.read(parent_fd, 4096)
                 if not data:
@@ -800,7 +801,7 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
                 elif CANCEL in data:
                     why = "cancelled"
     cancel_grace = float(hs.get("cancel_grace", 0.0))
-    if why not in ("exited", "terminated") and exit_by is None and cancel_grace > 0:
+    if why not in ("exited", "terminated") and not exiting and cancel_grace > 0:
         # Cancel first: the agent releases its sandboxes in its own finally: blocks.
         status, _ = reap(worker_pid, status)
         if status is None:
