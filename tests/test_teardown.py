@@ -226,7 +226,8 @@ async def test_cancel_during_the_grace_period(agents: Agents, tmp_path: Path) ->
     shim = tmp_path / "term_noting_shim.py"
     shim.write_text(TERM_NOTING_SHIM)
     grace = 4.0
-    spec = agents.spec("def run(data):\n    pass\n", timeout=1.0, kill_grace=grace)
+    # No cancel first: the fake shim would not answer it, and this is about the kill grace.
+    spec = agents.spec("def run(data):\n    pass\n", timeout=1.0, kill_grace=grace, cancel_grace=0)
     term_seen = cancelled_at = 0.0
     async with anyio.create_task_group() as tg:
 
