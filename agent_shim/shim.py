@@ -272,6 +272,7 @@ def check_handshake(hs):
         ("userns", lambda v: isinstance(v, bool)),
         ("cgroups", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
         ("rlimits", lambda v: isinstance(v, dict) and all(is_rlimit(*x) for x in v.items())),
+        ("sandbox", lambda v: isinstance(v, dict)),
     ]
     for name, ok in checks:
         if name in hs or name in ("entrypoint", "data"):
@@ -514,6 +515,15 @@ def worker(hs, channel):
     secret_env = hs.pop("secret_env", None) or {}
     os.environ.update(secret_env)
     look_like_a_program(hs["entrypoint"])
+    sandbox = hs.get("sandbox")
+    if sandbox is not None:
+        # Last before the agent's import: the shim's own parts are loaded by now.
+        missing = load_part("sandbox").enter(sandbox, load_part("landlock"))
+        if missing and not sandbox.get("best_effort"):
+            message = "sandbox: cannot enforce " + "; ".join(missing)
+            channel.send("error", kind="setup", type="SandboxError", message=message)
+            return 1
+        channel.send("sandbox", missing=missing)
     try:
         # Cancellation arrives as SIGINT (blocked since before the fork, so none is lost).
         signal.signal(signal.SIGINT, signal.default_int_handler)

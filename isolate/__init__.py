@@ -22,6 +22,7 @@ from ._core.errors import (
 from ._core.launcher import run_episode
 from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
 from ._core.protocol import PROTOCOL_VERSION
+from ._core.sandbox import Sandbox, SandboxReport
 from ._core.shim import shim_path
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ProtocolError",
     "STATUSES",
+    "Sandbox",
+    "SandboxReport",
     "SetupError",
     "Status",
     "Timings",

@@ -38,6 +38,8 @@ EXPORTED = [
     "PROTOCOL_VERSION",
     "ProtocolError",
     "STATUSES",
+    "Sandbox",
+    "SandboxReport",
     "SetupError",
     "Status",
     "Timings",

@@ -10,6 +10,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .sandbox import Sandbox
+
 #: Environment names a child inherits from the parent by default. Patterns use fnmatch syntax.
 DEFAULT_INHERIT_ENV: tuple[str, ...] = (
     "PATH",
@@ -130,6 +132,9 @@ class EpisodeSpec(BaseModel):
     provides. A layer the machine cannot provide is a ``setup_error`` that says why."""
     limits: Limits | None = None
     """Resource limits; an episode that hits one ends ``crashed`` with a ``reason``."""
+    sandbox: Sandbox | None = None
+    """What the agent may read, write and connect to (see README, "Sandbox"); None: whatever
+    its user may."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> EpisodeSpec:

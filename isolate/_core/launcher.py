@@ -23,6 +23,7 @@ from pydantic import SecretStr
 from . import admission as _admission
 from . import containment as _containment
 from . import protocol as proto
+from . import sandbox as _sandbox
 from .config import EPISODE_ENV, EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
@@ -216,6 +217,8 @@ class _Run:
         self.hello_at: float | None = None
         self.stdout_eof = anyio.Event()
         self.stderr_eof = anyio.Event()
+        self.sandbox: _sandbox.Prepared | None = None
+        self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
 
     # --- the episode ------------------------------------------------------------------------
 
@@ -253,6 +256,9 @@ class _Run:
             if self.leaves is not None:
                 with anyio.CancelScope(shield=True):
                     await self._remove_leaves()
+            if self.sandbox is not None:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, self.sandbox.tmpdir)
         return self._conclude()
 
     def _prepare(self) -> str | None:
@@ -277,6 +283,10 @@ class _Run:
         problem = self._contain()
         if problem is not None:
             return problem
+        if spec.sandbox is not None:
+            problem = self._prepare_sandbox(spec.sandbox)
+            if problem is not None:
+                return problem
         _admission.child_rlimits(self.public)
         return None
 
@@ -305,6 +315,9 @@ class _Run:
             withheld.pop(name, None)
         env.update(self.spec.env)
         env[EPISODE_ENV] = self.episode_id
+        if self.sandbox is not None:  # the only place it may write temporary files
+            tmp = self.sandbox.tmpdir
+            env.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
         self.env = env
         if withheld:
             self._note(describe_withheld(withheld))
@@ -354,6 +367,22 @@ class _Run:
             if problem is not None:
                 return problem
             self.public["cgroups"] = self.leaves.join()
+        return None
+
+    def _prepare_sandbox(self, sandbox: _sandbox.Sandbox) -> str | None:
+        """The private TMPDIR and the rules the worker enforces; a problem, or None."""
+        found = _sandbox.prepare(
+            sandbox,
+            episode_id=self.episode_id,
+            cwd=str(self.spec.cwd) if self.spec.cwd is not None else os.getcwd(),
+            child_env=self.spec.env,  # its HOME, if it sets one; homes() adds ours
+            mountns="pidns" in self.level.split("+"),
+            can_unshare=not _containment.needs_userns(),
+        )
+        if isinstance(found, str):
+            return found
+        self.sandbox = found
+        self.public["sandbox"] = found.handshake
         return None
 
     async def _remove_leaves(self) -> None:
@@ -697,6 +726,8 @@ class _Run:
                 self.cleanup = frame.how
                 self._note(f"the agent's clean-up {frame.how}")
             self.cleanup_seen.set()
+        elif isinstance(frame, proto.Sandboxed):
+            self.sandbox_missing = frame.missing
         elif isinstance(frame, proto.Done):
             if self.done is not None:
                 self._violate("a second done frame")
@@ -733,6 +764,12 @@ class _Run:
             self.log = None
 
     # --- the outcome ------------------------------------------------------------------------
+
+    def _sandbox_report(self) -> _sandbox.SandboxReport | None:
+        if self.sandbox is None:
+            return None
+        missing = self.sandbox_missing or []
+        return self.sandbox.report([self.redact.text(m) for m in missing], _sandbox.landlock_abi())
 
     def _conclude(self) -> EpisodeOutcome:
         self._keep(self.redact.flush())
@@ -873,6 +910,7 @@ class _Run:
             oom_kills=self.oom_kills,
             timings=self._timings(),
             cleanup=self.cleanup,
+            sandbox=self._sandbox_report(),
         )
         if self.log is not None:
             try:

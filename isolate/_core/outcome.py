@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import errors as _errors
+from .sandbox import SandboxReport
 
 Cleanup = Literal["finished", "cut short"]
 
@@ -109,6 +110,8 @@ class EpisodeOutcome(BaseModel):
     cleanup: Cleanup | None = None
     """After the agent was cancelled (see ``EpisodeSpec.cancel_grace``): ``"finished"`` if it
     exited within the grace, ``"cut short"`` if it had to be terminated; None: not cancelled."""
+    sandbox: SandboxReport | None = None
+    """What the episode's sandbox enforced (and what it could not); None without one."""
 
     @property
     def exit_description(self) -> str:

@@ -72,6 +72,14 @@ class Cleanup(_Frame):
     how: Literal["finished", "cut short"]
 
 
+class Sandboxed(_Frame):
+    """The worker entered the episode's sandbox, before importing the agent."""
+
+    t: Literal["sandbox"]
+    missing: list[str] = []
+    """What it could not enforce (best_effort), one line each."""
+
+
 class Done(_Frame):
     """Last frame: the worker's exit and how many leftovers the supervisor killed."""
 
@@ -84,7 +92,9 @@ class Done(_Frame):
     """CPU seconds the worker used (user + system)."""
 
 
-Frame = Annotated[Hello | Result | Error | Progress | Cleanup | Done, Field(discriminator="t")]
+Frame = Annotated[
+    Hello | Result | Error | Progress | Cleanup | Sandboxed | Done, Field(discriminator="t")
+]
 _FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)
 
 

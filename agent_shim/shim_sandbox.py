@@ -1,0 +1,134 @@
+"""The episode's file-system and network sandbox, entered by the worker before it imports the
+agent. Loaded with ``load_part("sandbox")``; standard library only, Python 3.9+.
+
+The parent computed the plan (``isolate/_core/sandbox.py``): Landlock rules as ``[path, kind]``
+pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
+
+1. a mount namespace of our own, if the episode has none (``unshare_mounts``), private, so
+   nothing mounted here reaches the machine;
+2. the mounts: ``pin`` binds a directory onto itself (a mount point cannot be renamed or
+   removed), ``ro`` binds a path read-only onto itself, ``hide-dir`` puts an empty read-only
+   tmpfs over a directory, ``hide-file`` binds ``/dev/null`` read-only over a file;
+3. no_new_privs, and one Landlock domain: every file-system right this kernel knows is handled
+   (so denied unless a rule allows it), and TCP connect when there are ports. A domain also
+   refuses the agent mount and umount, so it cannot take the mounts away.
+
+``enter(plan, landlock)`` returns what could not be done, one line each; the caller decides
+whether that ends the episode (``best_effort``).
+"""
+
+import os
+
+CLONE_NEWNS = 0x20000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs flags with the same meaning as mount flags. A remount must repeat those the mount
+# has (in a user namespace they are locked: leaving one out is EPERM).
+_KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
+_KEPT += ((1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
+
+
+def enter(plan, landlock):
+    problems = []
+    mount = None
+    if plan.get("unshare_mounts") or plan.get("mounts"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+        def mount(source, target, fstype, flags, data=None):
+            args = [None if x is None else os.fsencode(x) for x in (source, target, fstype)]
+            if libc.mount(args[0], args[1], args[2], flags, data) != 0:
+                return os.strerror(ctypes.get_errno())
+            return None
+
+        if plan.get("unshare_mounts"):
+            problem = None
+            if libc.unshare(CLONE_NEWNS) != 0:
+                problem = "unshare(mount): " + os.strerror(ctypes.get_errno())
+            else:
+                problem = mount(None, "/", None, MS_REC | MS_PRIVATE)
+            if problem is not None:
+                problems.append("mounts: no mount namespace of our own: %s" % problem)
+                mount = None
+    if mount is not None:
+        for op, path in plan.get("mounts", ()):
+            problem = _mount_one(mount, op, path)
+            if problem is not None:
+                problems.append("mount %s %s: %s" % (op, path, problem))
+    elif plan.get("mounts"):
+        problems.append("mounts: none made (no mount namespace)")
+    problems.extend(_landlock(plan, landlock))
+    return problems
+
+
+def _mount_one(mount, op, path):
+    if not os.path.lexists(path):
+        return None  # gone since the parent looked: nothing left to protect or hide
+    if op == "pin":
+        return mount(path, path, None, MS_BIND | MS_REC)
+    if op == "ro":
+        problem = mount(path, path, None, MS_BIND | MS_REC)
+    elif op == "hide-dir":
+        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        return mount("tmpfs", path, "tmpfs", flags, b"size=4k,nr_inodes=1,mode=500")
+    elif op == "hide-file":
+        problem = mount("/dev/null", path, None, MS_BIND)
+    else:
+        return "unknown mount operation"
+    if problem is not None:
+        return problem
+    kept = os.statvfs(path).f_flag
+    flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+    for bit, flag in _KEPT:
+        if kept & bit:
+            flags |= flag
+    return mount(None, path, None, flags)
+
+
+def _landlock(plan, ll):
+    problems = []
+    try:
+        ll.no_new_privs()
+    except OSError as exc:
+        problems.append("no_new_privs: %s" % exc.strerror)
+    abi = ll.abi()
+    if abi < 1:
+        return problems + ["file-system rules: this kernel has no Landlock"]
+    handled = max(mask for version, mask in ll.FS_BY_ABI.items() if version <= abi)
+    read_dir = ll.FS_EXECUTE | ll.FS_READ_FILE | ll.FS_READ_DIR
+    file_rights = ll.FS_EXECUTE | ll.FS_READ_FILE | ll.FS_WRITE_FILE | ll.FS_TRUNCATE
+    access = {
+        "ld": ll.FS_READ_DIR,
+        "rd": read_dir,
+        "rf": ll.FS_EXECUTE | ll.FS_READ_FILE,
+        "wd": handled,
+        "wf": file_rights | ll.FS_IOCTL_DEV,
+        "dev": ll.FS_READ_FILE | ll.FS_WRITE_FILE | ll.FS_TRUNCATE | ll.FS_IOCTL_DEV,
+    }
+    ports = plan.get("ports")
+    net = ll.NET_CONNECT_TCP if ports is not None and abi >= 4 else 0
+    if ports is not None and not net:
+        problems.append("TCP connect ports: need Landlock ABI 4, this kernel has %d" % abi)
+    try:
+        ruleset = ll.create_ruleset(fs=handled, net=net)
+    except OSError as exc:
+        return problems + ["Landlock ruleset: %s" % exc.strerror]
+    try:
+        for path, kind in plan.get("rules", ()):
+            try:
+                ll.add_path_rule(ruleset, path, access[kind] & handled)
+            except FileNotFoundError:
+                pass  # gone since the parent looked
+            except OSError as exc:
+                problems.append("Landlock rule for %s: %s" % (path, exc.strerror))
+        for port in ports if net else ():
+            ll.add_port_rule(ruleset, port, ll.NET_CONNECT_TCP)
+        ll.restrict_self(ruleset)
+    except OSError as exc:
+        problems.append("Landlock: %s" % exc.strerror)
+    finally:
+        os.close(ruleset)
+    return problems

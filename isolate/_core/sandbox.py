@@ -1,0 +1,479 @@
+"""The optional file-system and network sandbox of an episode: :class:`Sandbox`, and the plan
+the shim's worker enforces (``agent_shim/shim_sandbox.py``) before it imports the agent.
+
+Landlock allows, it never subtracts: a rule on a directory grants its rights to everything
+beneath. So "read everything but ``~/.ssh``" is built by *carving*: every directory above a
+hidden path gets a rule for each of its entries but the way down to that path, and none for
+itself (only listing). Writable paths get full rights. What Landlock cannot express (a
+read-only ``.git/hooks`` inside a writable working directory, a hidden path inside a writable
+one) is done with mounts, where the episode has a mount namespace; where it has none, it is
+reported as missing.
+
+Rules are computed here, in the parent's worker thread, and sent in the handshake as
+``[path, kind]`` pairs; kinds are ``rd``/``rf`` (read a directory tree / a file), ``wd``/``wf``
+(read and write), ``dev`` (a device: read, write, ioctl). Mounts are ``[op, path]`` pairs: ``pin``
+(bind a directory onto itself: it can no longer be renamed or removed), ``ro`` (bind read-only
+onto itself), ``hide-dir`` (an empty read-only tmpfs over it) and ``hide-file`` (``/dev/null``
+over it, read-only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pwd
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+#: Devices an agent may open for reading and writing (and ioctl: terminals).
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "ptmx")
+#: Directories under /dev the agent may write: pseudo-terminals, POSIX shared memory and
+#: message queues (multiprocessing's locks live in /dev/shm).
+DEVICE_DIRS = ("pts", "shm", "mqueue")
+#: Files under a writable path that stay read-only: a shell or git reads them and runs what
+#: they say, outside the sandbox, when the trainer's user next opens a shell or runs git there.
+PROTECTED = (
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".bash_logout",
+    ".profile",
+    ".zshrc",
+    ".zshenv",
+    ".zprofile",
+    ".zlogin",
+    ".git/hooks",
+    ".git/config",
+)
+
+
+class Sandbox(BaseModel):
+    """What an episode's agent may read, write and connect to (Linux, Landlock; see README,
+    "Sandbox"). Reads are allowed everywhere but ``DEFAULT_HIDE`` and ``hide``; writes only in
+    the working directory, a private ``TMPDIR``, ``/dev/null`` and its like, and ``write``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    DEFAULT_HIDE: ClassVar[tuple[str, ...]] = (
+        "~/.ssh",
+        "~/.aws/credentials",
+        "~/.netrc",
+        "~/.docker/config.json",
+        "~/.kube/config",
+        "~/.cache/huggingface/token",
+        "~/.ray",
+        "~/.gnupg",
+        "~/.config/gcloud",
+        "~/.git-credentials",
+        "~/.pypirc",
+        "~/.config/gh",
+    )
+
+    hide: tuple[str, ...] = ()
+    """Paths hidden in addition to ``DEFAULT_HIDE``; ``~`` is each home: the agent's ``HOME``,
+    the parent's, and the user's from the password database."""
+    write: tuple[Path, ...] = ()
+    """Directories (or files) the agent may write besides its working directory and TMPDIR;
+    each must exist."""
+    connect: tuple[int, ...] | None = None
+    """TCP ports the agent may connect to (Landlock ABI 4); None leaves the network alone."""
+    best_effort: bool = False
+    """Run even where the machine cannot enforce part of this; ``outcome.sandbox`` says what
+    was. By default such an episode is a ``setup_error`` naming what is missing."""
+
+    @field_validator("hide")
+    @classmethod
+    def _check_hide(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not (path.startswith("/") or path == "~" or path.startswith("~/")):
+                raise ValueError(f"hide: {path!r} must be absolute or start with '~/'")
+            if "\x00" in path:
+                raise ValueError("hide: paths cannot contain NUL")
+        return value
+
+    @field_validator("write")
+    @classmethod
+    def _check_write(cls, value: tuple[Path, ...]) -> tuple[Path, ...]:
+        for path in value:
+            if "\x00" in str(path):
+                raise ValueError("write: paths cannot contain NUL")
+        return value
+
+    @field_validator("connect")
+    @classmethod
+    def _check_connect(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        for port in value:
+            if not 0 < port < 65536:
+                raise ValueError(f"connect: {port} is not a TCP port (1-65535)")
+        return tuple(sorted(set(value)))
+
+
+class SandboxReport(BaseModel):
+    """What the sandbox of one episode enforced (``outcome.sandbox``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    landlock_abi: int
+    """The kernel's Landlock ABI version; 0: no Landlock."""
+    mounts: bool
+    """Whether the episode had a mount namespace for read-only and hiding mounts."""
+    enforced: tuple[str, ...] = ()
+    """What was enforced, one line each."""
+    missing: tuple[str, ...] = ()
+    """What the profile asked for and this machine could not enforce (best_effort only)."""
+    tmpdir: Path | None = None
+    """The episode's private TMPDIR (removed at teardown)."""
+
+
+@dataclass
+class Plan:
+    """What the shim's worker does for one episode's sandbox."""
+
+    rules: list[list[str]] = field(default_factory=list)
+    mounts: list[list[str]] = field(default_factory=list)
+    ports: list[int] | None = None
+    unshare_mounts: bool = False
+    """The worker makes its own mount namespace (the episode has none)."""
+    enforced: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    def handshake(self, best_effort: bool) -> dict[str, Any]:
+        return {
+            "rules": self.rules,
+            "mounts": self.mounts,
+            "ports": self.ports,
+            "unshare_mounts": self.unshare_mounts,
+            "best_effort": best_effort,
+        }
+
+
+def homes(child_env: dict[str, str]) -> list[str]:
+    """Every directory ``~`` can mean to an agent: its HOME, the parent's, the password one."""
+    found = [child_env.get("HOME"), os.environ.get("HOME")]
+    try:
+        found.append(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        pass
+    out: list[str] = []
+    for home in found:
+        if home and home.startswith("/"):
+            real = os.path.realpath(home)
+            if real not in out:
+                out.append(real)
+    return out
+
+
+def hidden_paths(sandbox: Sandbox, home_dirs: Iterable[str]) -> list[str]:
+    """The real paths to hide (existing or not: a path created later stays hidden)."""
+    out: list[str] = []
+    for path in Sandbox.DEFAULT_HIDE + sandbox.hide:
+        expanded = [path] if path.startswith("/") else [h + path[1:] for h in home_dirs]
+        for one in expanded:
+            for real in {os.path.normpath(one), os.path.realpath(one)}:
+                if real not in out and real != "/":
+                    out.append(real)
+    return out
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def plan(
+    sandbox: Sandbox,
+    *,
+    cwd: str,
+    tmpdir: str,
+    home_dirs: list[str],
+    abi: int,
+    mountns: bool,
+    can_unshare: bool,
+) -> Plan:
+    """The rules and mounts for one episode. ``abi``: the kernel's Landlock version;
+    ``mountns``: the episode has a mount namespace of its own; ``can_unshare``: the worker may
+    make one. Blocking (lists the directories above each hidden path)."""
+    out = Plan()
+    mounts = mountns or can_unshare
+    out.unshare_mounts = mounts and not mountns
+    hidden = hidden_paths(sandbox, home_dirs)
+    writable = [os.path.realpath(cwd), os.path.realpath(tmpdir)]
+    writable += [os.path.realpath(p) for p in sandbox.write]
+    writable = list(dict.fromkeys(writable))
+
+    # Reads: carve every existing directory above a hidden path, and /dev (raw disks).
+    carved = {"/dev"}
+    for path in hidden:
+        parent = os.path.dirname(path)
+        while True:
+            if os.path.isdir(parent):
+                carved.add(parent)
+            if parent == "/":
+                break
+            parent = os.path.dirname(parent)
+    for directory in sorted(carved):
+        out.rules.append([directory, "ld"])  # listing only (READ_DIR)
+        for entry, is_dir in _entries(directory):
+            path = os.path.join(directory, entry)
+            # /dev/stdout and the like lead into /proc, which has a rule of its own.
+            if directory == "/dev" and entry not in DEVICE_DIRS + DEVICES:
+                continue
+            real = os.path.realpath(path)
+            # A symlink is granted at its target: never one that leads into or above a hidden
+            # path (``~/keys -> ~/.ssh``), nor to a carved directory (it has its own rules).
+            if real in carved or any(_under(real, h) or _under(h, real) for h in hidden):
+                continue
+            if directory == "/dev" and entry in DEVICES:
+                out.rules.append([path, "dev"])
+            elif directory == "/dev" and entry in DEVICE_DIRS:
+                out.rules.append([path, "wd"])
+            else:
+                out.rules.append([path, "rd" if is_dir else "rf"])
+    out.rules.extend([p, "wd" if os.path.isdir(p) else "wf"] for p in writable)
+    out.enforced.append(f"reads: {len(hidden)} paths hidden")
+    out.enforced.append("writes: only " + ", ".join(writable) + " and /dev/null and its like")
+
+    if abi < 1:
+        out.missing.append("file-system rules: this kernel has no Landlock")
+        out.enforced.clear()
+    elif abi < 3:
+        out.missing.append(
+            f"truncate() of files outside the writable paths: needs Landlock ABI 3, "
+            f"this kernel has {abi}"
+        )
+
+    # What Landlock cannot subtract from a writable path: mounts, or missing.
+    inside = [h for h in hidden if any(_under(h, w) for w in writable) and os.path.lexists(h)]
+    protect = [
+        os.path.join(w, name)
+        for w in writable
+        if os.path.isdir(w)
+        for name in PROTECTED
+        if os.path.lexists(os.path.join(w, name)) and not os.path.islink(os.path.join(w, name))
+    ]
+    if mounts:
+        for w in writable:
+            git = os.path.join(w, ".git")
+            if os.path.isdir(git) and not os.path.islink(git):
+                out.mounts.append(["pin", git])
+        out.mounts.extend(["ro", p] for p in protect)
+        for path in hidden:
+            if os.path.isdir(path) and not os.path.islink(path):
+                out.mounts.append(["hide-dir", path])
+            elif os.path.isfile(path) and not os.path.islink(path):
+                out.mounts.append(["hide-file", path])
+        if protect:
+            out.enforced.append("read-only: " + ", ".join(protect))
+        out.enforced.append("hidden paths read as empty (mounts)")
+    else:
+        if protect:
+            out.missing.append(
+                "read-only " + ", ".join(protect) + " inside a writable path: needs a mount "
+                "namespace (containment with pidns, or root)"
+            )
+        if inside:
+            out.missing.append(
+                "hidden " + ", ".join(inside) + " inside a writable path: needs a mount namespace"
+            )
+
+    for path in hidden:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if not os.path.isdir(path) and st.st_nlink > 1:
+            out.missing.append(
+                f"hidden {path} has {st.st_nlink - 1} other hard link(s), readable where they are"
+            )
+
+    if sandbox.connect is not None:
+        if abi >= 4:
+            out.ports = list(sandbox.connect)
+            ports = ", ".join(map(str, sandbox.connect)) or "none"
+            out.enforced.append(f"TCP connect only to ports {ports}")
+        else:
+            out.missing.append(
+                f"TCP connect ports: need Landlock ABI 4, this kernel has {abi or 'no Landlock'}"
+            )
+    out.enforced.append("no_new_privs")
+    return out
+
+
+def _entries(directory: str) -> list[tuple[str, bool]]:
+    try:
+        with os.scandir(directory) as it:
+            return [(e.name, _is_dir(e)) for e in it]
+    except OSError:
+        return []
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def write_paths_problem(sandbox: Sandbox) -> str | None:
+    """A ``write`` path that does not exist (the agent could not create it either)."""
+    for path in sandbox.write:
+        if not path.exists():
+            return f"sandbox write path {path} does not exist"
+    return None
+
+
+def ports_of_url(url: str) -> int | None:
+    """The TCP port a URL connects to: explicit, else 80/443 by scheme."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        if parts.port is not None:
+            return parts.port
+    except ValueError:
+        return None
+    return {"http": 80, "https": 443}.get(parts.scheme)
+
+
+_abi_lock = threading.Lock()
+_abi: list[int] = []
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none), asked once per process through the shim's
+    own wrapper (``agent_shim/shim_landlock.py``)."""
+    with _abi_lock:
+        if not _abi:
+            module = importlib.import_module("agent_shim.shim_landlock")
+            _abi.append(int(module.abi()))
+        return _abi[0]
+
+
+@dataclass
+class Prepared:
+    """One episode's sandbox, ready to spawn: the handshake part and the private TMPDIR."""
+
+    plan: Plan
+    tmpdir: str
+    handshake: dict[str, Any]
+
+    def report(self, missing_in_child: Iterable[str], abi: int) -> SandboxReport:
+        missing = list(self.plan.missing) + [m for m in missing_in_child if m]
+        return SandboxReport(
+            landlock_abi=abi,
+            mounts=bool(self.plan.mounts) or self.plan.unshare_mounts,
+            enforced=tuple(self.plan.enforced),
+            missing=tuple(dict.fromkeys(missing)),
+            tmpdir=Path(self.tmpdir),
+        )
+
+
+def prepare(
+    sandbox: Sandbox,
+    *,
+    episode_id: str,
+    cwd: str,
+    child_env: dict[str, str],
+    mountns: bool,
+    can_unshare: bool,
+) -> Prepared | str:
+    """Make the private TMPDIR and the plan; a problem when the machine cannot enforce the
+    profile and ``best_effort`` is off. Blocking."""
+    problem = write_paths_problem(sandbox)
+    if problem is not None:
+        return problem
+    abi = landlock_abi()
+    tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.")
+    try:
+        found = plan(
+            sandbox,
+            cwd=cwd,
+            tmpdir=tmpdir,
+            home_dirs=homes(child_env),
+            abi=abi,
+            mountns=mountns,
+            can_unshare=can_unshare,
+        )
+    except BaseException:
+        remove_tmpdir(tmpdir)
+        raise
+    if found.missing and not sandbox.best_effort:
+        remove_tmpdir(tmpdir)
+        return (
+            "sandbox: this machine cannot enforce "
+            + "; ".join(found.missing)
+            + " (Sandbox(best_effort=True) runs without it)"
+        )
+    return Prepared(found, tmpdir, found.handshake(sandbox.best_effort))
+
+
+def remove_tmpdir(path: str) -> None:
+    """Remove an episode's TMPDIR, whatever modes the agent left on what is inside."""
+
+    def retry(func: Any, name: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(name), 0o700)
+            if os.path.isdir(name) and not os.path.islink(name):
+                os.chmod(name, 0o700)
+                shutil.rmtree(name, ignore_errors=True)
+            else:
+                func(name)
+        except OSError:
+            pass
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=retry)
+    else:
+        shutil.rmtree(path, onerror=retry)
+
+
+def doctor_lines() -> list[str]:
+    """What this machine can enforce of a sandbox, for ``isolate doctor``. Blocking."""
+    from . import containment
+
+    abi = landlock_abi()
+    if abi == 0:
+        landlock = "none: Sandbox() is a setup_error here (best_effort runs it unconfined)"
+    else:
+        lacks = ["truncate() rules (ABI 3)"] if abi < 3 else []
+        lacks += ["TCP connect rules (ABI 4)"] if abi < 4 else []
+        landlock = f"ABI {abi}" + (f", without {' and '.join(lacks)}" if lacks else "")
+    userns = _userns_problem()
+    mountns = containment.pidns_problem() is None or not containment.needs_userns()
+    return [
+        f"sandbox: Landlock {landlock}",
+        "sandbox: user namespaces " + ("available" if userns is None else f"not: {userns}"),
+        "sandbox: mount namespaces "
+        + (
+            "available (hidden paths read as empty; .git/hooks, .git/config, rc files read-only)"
+            if mountns
+            else "not available: a checkout's .git and rc files cannot be made read-only"
+        ),
+    ]
+
+
+def _userns_problem() -> str | None:
+    import subprocess
+
+    from .shim import shim_path
+
+    argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns", "userns"]
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, env={}
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else f"exit {done.returncode}"

@@ -1,0 +1,136 @@
+"""The Sandbox model and its plan: validation, what is hidden and granted, and what a machine
+without a feature reports as missing (the plan takes the machine's features as arguments, so
+every kernel is covered here; tests/test_redteam.py runs the attacks on this one)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from pathlib import Path
+
+import anyio
+import pytest
+from pydantic import ValidationError
+
+import isolate
+from isolate._core.sandbox import Plan, hidden_paths, plan, ports_of_url
+
+from .conftest import Agents
+
+
+def test_defaults() -> None:
+    box = isolate.Sandbox()
+    assert box.connect is None
+    assert box.write == ()
+    assert box.hide == ()
+    assert not box.best_effort
+    assert "~/.ssh" in isolate.Sandbox.DEFAULT_HIDE
+    assert "~/.ray" in isolate.Sandbox.DEFAULT_HIDE
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"connect": [0]}, "0 is not a TCP port"),
+        ({"connect": [70000]}, "70000 is not a TCP port"),
+        ({"hide": ["relative/path"]}, "must be absolute or start with '~/'"),
+        ({"hide": ["~user/x"]}, "must be absolute or start with '~/'"),
+        ({"writes": ["/tmp"]}, "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_fields_are_rejected(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        isolate.Sandbox(**fields)  # type: ignore[arg-type]
+
+
+def test_frozen_and_ports_normalised() -> None:
+    box = isolate.Sandbox(connect=[443, 80, 443])
+    assert box.connect == (80, 443)
+    with pytest.raises(ValidationError):
+        box.best_effort = True  # type: ignore[misc]
+
+
+def test_hide_extends_the_defaults_for_every_home(tmp_path: Path) -> None:
+    box = isolate.Sandbox(hide=["~/.config/wandb", "/srv/secrets"])
+    found = hidden_paths(box, [str(tmp_path / "a"), str(tmp_path / "b")])
+    for home in ("a", "b"):
+        assert str(tmp_path / home / ".ssh") in found
+        assert str(tmp_path / home / ".config/wandb") in found
+    assert "/srv/secrets" in found
+
+
+def _plan(tmp_path: Path, box: isolate.Sandbox | None = None, **machine: object) -> Plan:
+    home, cwd, tmp = tmp_path / "home", tmp_path / "cwd", tmp_path / "tmp"
+    for path in (home / ".ssh", cwd, tmp):
+        path.mkdir(parents=True, exist_ok=True)
+    args: dict[str, object] = {"abi": 7, "mountns": True, "can_unshare": False}
+    args.update(machine)
+    return plan(
+        box or isolate.Sandbox(),
+        cwd=str(cwd),
+        tmpdir=str(tmp),
+        home_dirs=[str(home)],
+        **args,  # type: ignore[arg-type]
+    )
+
+
+def test_carving_grants_the_rest_of_the_home_but_not_a_link_into_a_hidden_path(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    (home / "project").mkdir(parents=True)
+    (home / ".ssh").mkdir()
+    (home / "keys").symlink_to(home / ".ssh")
+    (home / "up").symlink_to(tmp_path)
+    found = {path: kind for path, kind in _plan(tmp_path).rules}
+    assert found[str(home / "project")] == "rd"
+    assert found[str(home)] == "ld"  # listing only
+    for path in (home / ".ssh", home / "keys", home / "up"):
+        assert str(path) not in found
+    assert found[str(tmp_path / "cwd")] == "wd"
+    assert found["/dev/null"] == "dev"
+    assert not any(path.startswith("/dev/sd") or path == "/dev/mem" for path in found)
+
+
+def test_what_each_kernel_cannot_enforce_is_named(tmp_path: Path) -> None:
+    assert _plan(tmp_path).missing == []
+    assert "this kernel has no Landlock" in _plan(tmp_path, abi=0).missing[0]
+    assert "truncate() of files outside" in _plan(tmp_path, abi=2).missing[0]
+    box = isolate.Sandbox(connect=[443])
+    assert "TCP connect ports: need Landlock ABI 4, this kernel has 3" in (
+        _plan(tmp_path, box, abi=3).missing
+    )
+    assert _plan(tmp_path, box, abi=4).ports == [443]
+
+
+def test_without_a_mount_namespace_a_checkouts_git_is_named(tmp_path: Path) -> None:
+    no_mounts = {"mountns": False, "can_unshare": False}
+    assert _plan(tmp_path, **no_mounts).missing == []  # nothing under the writable paths
+    (tmp_path / "cwd" / ".git" / "hooks").mkdir(parents=True)
+    (tmp_path / "cwd" / ".git" / "config").write_text("")
+    missing = _plan(tmp_path, **no_mounts).missing
+    assert len(missing) == 1
+    assert ".git/hooks" in missing[0]
+    assert "mount namespace" in missing[0]
+    with_mounts = _plan(tmp_path, mountns=False, can_unshare=True)
+    assert with_mounts.missing == []
+    assert with_mounts.unshare_mounts
+    assert ["ro", str(tmp_path / "cwd" / ".git" / "hooks")] in with_mounts.mounts
+
+
+def test_ports_of_url() -> None:
+    assert ports_of_url("http://127.0.0.1:8000/v1") == 8000
+    assert ports_of_url("https://api.example.com/v1") == 443
+    assert ports_of_url("http://proxy/v1") == 80
+    assert ports_of_url("unix:///x") is None
+
+
+def test_a_write_path_that_does_not_exist_is_a_setup_error(agents: Agents, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    spec = agents.spec("def run(data):\n    return 1.0\n", sandbox=isolate.Sandbox(write=[missing]))
+    outcome = anyio.run(isolate.run_episode, spec, {})
+    assert outcome.status == "setup_error"
+    assert outcome.error is not None
+    assert outcome.error.message == f"sandbox write path {missing} does not exist"
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"isolate-{outcome.episode_id}.*"))
