@@ -483,3 +483,24 @@ def test_console_script_help() -> None:
         "14 setup_error",
     ):
         assert code in proc.stdout.replace("\n", " ").replace("  ", " ")
+
+
+def test_run_with_the_sandbox(agents: Agents) -> None:
+    from isolate._core.sandbox import landlock_abi
+
+    if landlock_abi() < 3:
+        pytest.skip("the default Sandbox() needs Landlock ABI 3 here")
+    extra_dir = agents.tmp / "extra"
+    extra_dir.mkdir()
+    record = write_record(agents, report=True, reward=0.25)
+    proc = isolate_cli(
+        *run_args(agents, record, "--sandbox-write", str(extra_dir)), env=cli_env(LOG_DIR="")
+    )
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert outcome["reward"] == 0.25
+    enforced = "\n".join(outcome["sandbox"]["enforced"])
+    assert str(extra_dir) in enforced
+    assert str(agents.logs.resolve()) in enforced  # result_dir: where the agent's report goes
+    assert outcome["sandbox"]["missing"] == []
+    assert (agents.logs / "cli-1.json").exists()

@@ -15,7 +15,13 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
-from isolate.workflow import PASSTHROUGH_ENV, SWEAgentWorkflow, default_agent_root, episode_spec
+from isolate.workflow import (
+    PASSTHROUGH_ENV,
+    SWEAgentWorkflow,
+    default_agent_root,
+    episode_spec,
+    sandbox_of,
+)
 
 from .conftest import Agents
 
@@ -652,3 +658,24 @@ async def test_a_per_record_timeout_counts_for_that_record(
     assert agents.left() == []
     # Another record of the same workflow keeps the workflow's timeout.
     assert await wf.run(record("long-1", sleep=1.5), base_url=URL) == 1.0
+
+
+async def test_sandbox_from_econfig_writes_result_dir_and_allows_base_url(
+    agents: Agents, clean_env: Path
+) -> None:
+    if isolate._core.sandbox.landlock_abi() < 4:
+        pytest.skip("the sandbox's TCP rules need Landlock ABI 4")
+    wf = SWEAgentWorkflow(econfig=econfig(agents, sandbox={"connect": [22]}))
+    assert await wf.run(record("box-1", report=True), base_url=URL) == 1.0
+    assert report(clean_env, "box-1")["kwargs"]["result_dir"] == str(clean_env)
+    box = sandbox_of({"sandbox": {"connect": [22]}}, str(clean_env), "http://127.0.0.1:9/v1")
+    assert box is not None
+    assert box.connect == (9, 22)
+    assert box.write == (clean_env,)
+    assert sandbox_of({"sandbox": True}, None, URL) == isolate.Sandbox()  # connect None stays
+    assert sandbox_of({}, str(clean_env), URL) is None
+
+
+def test_invalid_sandbox_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match="connect"):
+        SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "sandbox": {"connect": [0]}})

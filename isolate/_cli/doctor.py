@@ -17,6 +17,7 @@ from .._core.config import LAYERS, EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
 from .._core.protocol import PROTOCOL_VERSION
+from .._core.sandbox import doctor_lines as sandbox_lines
 from .._core.shim import shim_path
 from ..workflow import ENTRYPOINT, resolve_agent_root
 
@@ -277,4 +278,6 @@ def doctor(
     versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")
     _withheld(report)
+    for text in sandbox_lines():
+        report.line("info", text)
     return report.end()

@@ -77,6 +77,20 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-dir", type=Path, help="where bundles go (default: env LOG_DIR, ./logs)"
     )
+    group.add_argument(
+        "--sandbox",
+        action="store_const",
+        const=True,
+        help="run the agent in the default Sandbox(): hidden credentials, writes only to its "
+        "cwd, TMPDIR and the log dir (see README, Sandbox)",
+    )
+    group.add_argument(
+        "--sandbox-write",
+        action="append",
+        type=Path,
+        metavar="PATH",
+        help="also let the sandboxed agent write PATH (repeatable; implies --sandbox)",
+    )
 
 
 def _key_options(parser: argparse.ArgumentParser) -> None:

@@ -103,6 +103,8 @@ _AGENT_FLAGS = (
     "base_url",
     "timeout",
     "kill_grace",
+    "sandbox",
+    "sandbox_write",
 )
 
 

@@ -38,6 +38,7 @@ from .._core.config import EpisodeSpec, is_env_name
 from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
+from .._core.sandbox import Sandbox, ports_of_url
 
 __all__ = ["PASSTHROUGH_ENV", "SWEAgentWorkflow", "resolve_agent_root"]
 
@@ -200,8 +201,35 @@ def timeout_of(econfig: dict[str, Any], default: float) -> float:
         raise ValueError(f"econfig.timeout must be a number of seconds, got {value!r}") from None
 
 
+def sandbox_of(
+    econfig: dict[str, Any], result_dir: str | None = None, base_url: str | None = None
+) -> Sandbox | None:
+    """econfig ``sandbox`` (True, or a dict of Sandbox's fields) with the episode's
+    ``result_dir`` writable and, when ``connect`` limits ports, ``base_url``'s port allowed."""
+    raw = econfig.get("sandbox")
+    if raw is None or raw is False:
+        return None
+    box = Sandbox() if raw is True else Sandbox.model_validate(raw)
+    update: dict[str, Any] = {}
+    if result_dir is not None:
+        path = Path(result_dir).expanduser().absolute()
+        try:
+            path.mkdir(parents=True, exist_ok=True)  # the agent could not make it itself
+        except OSError as exc:
+            raise ValueError(f"cannot create result_dir {path}: {exc.strerror or exc}") from None
+        update["write"] = (*box.write, path)
+    port = ports_of_url(base_url) if base_url is not None else None
+    if box.connect is not None and port is not None:
+        update["connect"] = (*box.connect, port)
+    return Sandbox.model_validate({**box.model_dump(), **update}) if update else box
+
+
 def episode_spec(
-    econfig: dict[str, Any], agent_root: Path, timeout: float, log_dir: Path | None
+    econfig: dict[str, Any],
+    agent_root: Path,
+    timeout: float,
+    log_dir: Path | None,
+    sandbox: Sandbox | None = None,
 ) -> EpisodeSpec:
     """The spec for one episode from the isolation keys of ``econfig``."""
     return EpisodeSpec(
@@ -217,6 +245,7 @@ def episode_spec(
         log_dir=log_dir,
         containment=econfig.get("containment", "auto"),
         limits=econfig.get("limits"),
+        sandbox=sandbox if sandbox is not None else sandbox_of(econfig),
     )
 
 
@@ -234,7 +263,9 @@ class SWEAgentWorkflow:
             ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``,
             ``inherit_env`` (default :data:`PASSTHROUGH_ENV`), ``containment`` and
             ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
-            variables of this process passed as ``run_episode(secret_env=...)``) and
+            variables of this process passed as ``run_episode(secret_env=...)``), ``sandbox``
+            (True, or a dict of :class:`~isolate.Sandbox`'s fields; ``result_dir`` is added
+            to ``write``, and ``base_url``'s port to ``connect`` when that is set) and
             ``on_crash`` (``"zero"`` or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
         timeout: seconds per episode; ``econfig["timeout"]`` overrides it, and a record's
@@ -297,7 +328,9 @@ class SWEAgentWorkflow:
         # A record's econfig timeout counts for that record, as its other keys do (AReaL's
         # in-process workflow ignores it; a per-record deadline that is silently dropped is
         # worse than one that applies).
-        spec = episode_spec(econfig, self.agent_root, timeout_of(econfig, self.timeout), log_dir)
+        box = sandbox_of(econfig, kwargs["result_dir"], str(base_url))
+        timeout = timeout_of(econfig, self.timeout)
+        spec = episode_spec(econfig, self.agent_root, timeout, log_dir, box)
         logger.info(
             "Starting %s episode: instance_id=%s, config=%s",
             kwargs["agent_type"],

@@ -18,7 +18,13 @@ from pydantic import SecretStr, ValidationError
 from ..._core.config import EpisodeSpec
 from ..._core.launcher import _default_episode_id, run_episode
 from ..._core.outcome import EpisodeOutcome
-from ...workflow import episode_kwargs, episode_secret_env, episode_spec, resolve_agent_root
+from ...workflow import (
+    episode_kwargs,
+    episode_secret_env,
+    episode_spec,
+    resolve_agent_root,
+    sandbox_of,
+)
 from ..options import UsageError, read_secret_env
 
 
@@ -58,6 +64,8 @@ class Plan:
         if secret_names:
             read_secret_env(secret_names)  # a UsageError now, not one per record
             self.econfig["secret_env"] = secret_names
+        if args.sandbox or args.sandbox_write:
+            self.econfig["sandbox"] = {"write": [str(p) for p in args.sandbox_write or ()]}
         self.agent_root = resolve_agent_root(self.econfig)
         self.timeout = args.timeout if args.timeout is not None else 1800.0
         self.entrypoint: str | None = args.entrypoint
@@ -92,7 +100,8 @@ class Plan:
         _check_url(str(base_url), "--base-url" if self.base_url else 'the record\'s "base_url"')
         try:
             kwargs = episode_kwargs(econfig, str(base_url))
-            spec = episode_spec(econfig, self.agent_root, self.timeout, None)
+            box = sandbox_of(econfig, str(self.log_dir), str(base_url))
+            spec = episode_spec(econfig, self.agent_root, self.timeout, None, box)
             if self.entrypoint:
                 spec = EpisodeSpec.model_validate(
                     {**spec.model_dump(), "entrypoint": self.entrypoint}
