@@ -9,7 +9,7 @@ outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall
     abi()                                  -> the kernel's ABI version; 0: no Landlock
     errata()                               -> bit mask of the kernel's fixed errata
     create_ruleset(fs=0, net=0, scoped=0)  -> ruleset fd; the access rights it handles
-    add_path_rule(ruleset, path, access)   -> allow ``access`` (FS_*) beneath ``path``
+    add_path_rule(ruleset, path, access, follow=True) -> allow ``access`` (FS_*) beneath ``path``
     add_port_rule(ruleset, port, access)   -> allow ``access`` (NET_*) on TCP ``port``
     restrict_self(ruleset, flags=0)        -> enter the domain (sets no_new_privs if needed)
     no_new_privs()                         -> prctl(PR_SET_NO_NEW_PRIVS)
@@ -126,9 +126,11 @@ def create_ruleset(fs=0, net=0, scoped=0):
     return _syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), _flags(0))
 
 
-def add_path_rule(ruleset, path, access):
-    """Allow ``access`` (FS_* bits, each handled by the ruleset) beneath ``path``."""
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+def add_path_rule(ruleset, path, access, follow=True):
+    """Allow ``access`` (FS_* bits, each handled by the ruleset) beneath ``path``. With
+    ``follow=False`` a symlink at ``path`` is not followed: the rule lands on the link itself,
+    which grants nothing (a path swapped for a link after it was chosen cannot redirect it)."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
         attr = _PathBeneathAttr(access, fd)
         _add_rule(ruleset, _RULE_PATH_BENEATH, attr)

@@ -119,7 +119,8 @@ def _landlock(plan, ll):
     try:
         for path, kind in plan.get("rules", ()):
             try:
-                ll.add_path_rule(ruleset, path, access[kind] & handled)
+                # The parent sent real paths: never follow a link that appeared since.
+                ll.add_path_rule(ruleset, path, access[kind] & handled, follow=False)
             except FileNotFoundError:
                 pass  # gone since the parent looked
             except OSError as exc:

@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
+from pydantic import SecretStr
 
 import isolate
 from isolate._core.containment import level_problem
@@ -512,3 +513,36 @@ def test_sandbox_none_changes_nothing(agents: Agents, tmp_path: Path) -> None:
     outcome = anyio.run(isolate.run_episode, spec, {})
     assert outcome.status == "ok"
     assert outcome.sandbox is None
+
+
+@needs_net
+async def test_the_demos_agent_works(world: World, tmp_path: Path) -> None:
+    # The demo's real loop (LLM calls, bash, git apply, eval script) under the workflow's
+    # sandbox: result_dir writable, only the LLM's port reachable.
+    from isolate._cli.demo import EXAMPLES as DEMO_EXAMPLES
+    from isolate._cli.demo import _setup
+    from isolate._cli.demo.scripted_llm import ScriptedLLM, demo_script
+    from isolate.workflow import episode_kwargs, episode_spec, sandbox_of
+
+    records, _ = _setup()
+    results = tmp_path / "results"
+    with ScriptedLLM() as llm:
+        key = SecretStr("sk-demo-" + "x" * 20)
+        llm.add_session(key, demo_script("demo__calc-1"))
+        kwargs = episode_kwargs({"agent_type": "swe"}, llm.base_url)
+        kwargs["result_dir"] = str(results)
+        econfig = {"kill_grace": 1.0, "env": {"HOME": str(world.home)}, "sandbox": {"connect": []}}
+        box = sandbox_of(econfig, str(results), llm.base_url)
+        assert box is not None
+        assert box.connect is not None
+        assert len(box.connect) == 1
+        spec = episode_spec(econfig, DEMO_EXAMPLES / "agent_root", 60.0, None, box)
+        outcome = await isolate.run_episode(
+            spec, records["demo__calc-1"], kwargs=kwargs, secrets={"override_api_key": key}
+        )
+        served = llm.served(key)
+    assert outcome.status == "ok", outcome.summary() + outcome.stderr_tail[-3000:]
+    assert outcome.reward == 1.0
+    assert served == 4
+    assert outcome.sandbox is not None
+    assert outcome.sandbox.missing == ()

@@ -220,18 +220,26 @@ def plan(
             if parent == "/":
                 break
             parent = os.path.dirname(parent)
+    hidden_set = set(hidden)
     for directory in sorted(carved):
         out.rules.append([directory, "ld"])  # listing only (READ_DIR)
-        for entry, is_dir in _entries(directory):
+        for entry, is_dir, is_link in _entries(directory):
             path = os.path.join(directory, entry)
             # /dev/stdout and the like lead into /proc, which has a rule of its own.
             if directory == "/dev" and entry not in DEVICE_DIRS + DEVICES:
                 continue
-            real = os.path.realpath(path)
-            # A symlink is granted at its target: never one that leads into or above a hidden
-            # path (``~/keys -> ~/.ssh``), nor to a carved directory (it has its own rules).
-            if real in carved or any(_under(real, h) or _under(h, real) for h in hidden):
-                continue
+            if not is_link:
+                # Carved directories are real paths, so is this entry; only a hidden path or
+                # a carved directory (it has rules of its own) can be it.
+                if path in hidden_set or path in carved:
+                    continue
+            else:
+                # A symlink is granted at its target (the shim never follows a rule's path):
+                # never one that leads into or above a hidden path (``~/keys -> ~/.ssh``).
+                path = os.path.realpath(path)
+                if path in carved or any(_under(path, h) or _under(h, path) for h in hidden):
+                    continue
+                is_dir = os.path.isdir(path)
             if directory == "/dev" and entry in DEVICES:
                 out.rules.append([path, "dev"])
             elif directory == "/dev" and entry in DEVICE_DIRS:
@@ -308,17 +316,18 @@ def plan(
     return out
 
 
-def _entries(directory: str) -> list[tuple[str, bool]]:
+def _entries(directory: str) -> list[tuple[str, bool, bool]]:
+    """(name, is a directory, is a symlink) of each entry."""
     try:
         with os.scandir(directory) as it:
-            return [(e.name, _is_dir(e)) for e in it]
+            return [(e.name, _is_dir(e), e.is_symlink()) for e in it]
     except OSError:
         return []
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
-        return entry.is_dir()
+        return entry.is_dir(follow_symlinks=False)
     except OSError:
         return False
 
@@ -418,6 +427,13 @@ def prepare(
 
 def remove_tmpdir(path: str) -> None:
     """Remove an episode's TMPDIR, whatever modes the agent left on what is inside."""
+    try:
+        os.rmdir(path)  # most often empty: one system call instead of rmtree's walk
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
 
     def retry(func: Any, name: str, _exc: Any) -> None:
         try:
