@@ -519,12 +519,11 @@ def test_sandbox_none_changes_nothing(agents: Agents, tmp_path: Path) -> None:
 async def test_the_demos_agent_works(world: World, tmp_path: Path) -> None:
     # The demo's real loop (LLM calls, bash, git apply, eval script) under the workflow's
     # sandbox: result_dir writable, only the LLM's port reachable.
-    from isolate._cli.demo import EXAMPLES as DEMO_EXAMPLES
-    from isolate._cli.demo import _setup
+    from isolate._cli.demo import AGENT_ROOT, load_records
     from isolate._cli.demo.scripted_llm import ScriptedLLM, demo_script
     from isolate.workflow import episode_kwargs, episode_spec, sandbox_of
 
-    records, _ = _setup()
+    records = load_records()
     results = tmp_path / "results"
     with ScriptedLLM() as llm:
         key = SecretStr("sk-demo-" + "x" * 20)
@@ -536,7 +535,7 @@ async def test_the_demos_agent_works(world: World, tmp_path: Path) -> None:
         assert box is not None
         assert box.connect is not None
         assert len(box.connect) == 1
-        spec = episode_spec(econfig, DEMO_EXAMPLES / "agent_root", 60.0, None, box)
+        spec = episode_spec(econfig, AGENT_ROOT, 60.0, None, box)
         outcome = await isolate.run_episode(
             spec, records["demo__calc-1"], kwargs=kwargs, secrets={"override_api_key": key}
         )
