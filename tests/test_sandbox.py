@@ -134,3 +134,14 @@ def test_a_write_path_that_does_not_exist_is_a_setup_error(agents: Agents, tmp_p
     assert outcome.error is not None
     assert outcome.error.message == f"sandbox write path {missing} does not exist"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"isolate-{outcome.episode_id}.*"))
+
+
+def test_a_working_directory_of_slash_is_refused(agents: Agents) -> None:
+    # A trainer started in / (a container's WORKDIR) would hand the agent the whole machine.
+    spec = agents.spec("def run(data):\n    return 1.0\n", cwd="/", sandbox=isolate.Sandbox())
+    outcome = anyio.run(isolate.run_episode, spec, {})
+    assert outcome.status == "setup_error"
+    assert outcome.error is not None
+    assert "working directory / would make everything beneath it writable" in (
+        outcome.error.message
+    )

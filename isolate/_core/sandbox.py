@@ -332,11 +332,20 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def write_paths_problem(sandbox: Sandbox) -> str | None:
-    """A ``write`` path that does not exist (the agent could not create it either)."""
+def write_paths_problem(sandbox: Sandbox, cwd: str) -> str | None:
+    """A ``write`` path that does not exist (the agent could not create it either), or a
+    writable path that would open the whole machine: ``/``, or a parent of the home."""
     for path in sandbox.write:
         if not path.exists():
             return f"sandbox write path {path} does not exist"
+    writable = [("the working directory", cwd)] + [("write path", str(p)) for p in sandbox.write]
+    for what, where in writable:
+        real = os.path.realpath(where)
+        if real == "/" or any(_under(home, real) and home != real for home in homes({})):
+            return (
+                f"sandbox: {what} {real} would make everything beneath it writable, the home "
+                "included; give the episode a working directory of its own (EpisodeSpec.cwd)"
+            )
     return None
 
 
@@ -397,7 +406,7 @@ def prepare(
 ) -> Prepared | str:
     """Make the private TMPDIR and the plan; a problem when the machine cannot enforce the
     profile and ``best_effort`` is off. Blocking."""
-    problem = write_paths_problem(sandbox)
+    problem = write_paths_problem(sandbox, cwd)
     if problem is not None:
         return problem
     abi = landlock_abi()
