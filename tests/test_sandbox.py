@@ -145,3 +145,26 @@ def test_a_working_directory_of_slash_is_refused(agents: Agents) -> None:
     assert "working directory / would make everything beneath it writable" in (
         outcome.error.message
     )
+
+
+def test_the_private_tmpdir_is_removed_after_a_timeout(agents: Agents, tmp_path: Path) -> None:
+    code = """
+        import os, tempfile, time
+        def run(data):
+            os.makedirs(os.path.join(tempfile.gettempdir(), "deep", "er"))
+            with open(os.path.join(tempfile.gettempdir(), "deep", "er", "f"), "w") as f:
+                f.write("x")
+            os.chmod(os.path.join(tempfile.gettempdir(), "deep"), 0o500)
+            with open(os.path.join(data["cwd"], "started"), "w") as f:
+                f.write(os.environ["TMPDIR"])
+            time.sleep(60)
+        """
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    spec = agents.spec(code, cwd=cwd, timeout=3.0, kill_grace=0.5, sandbox=isolate.Sandbox())
+    outcome = anyio.run(isolate.run_episode, spec, {"cwd": str(cwd)})
+    assert outcome.status == "timeout", outcome.summary() + outcome.stderr_tail
+    assert outcome.sandbox is not None
+    assert outcome.sandbox.tmpdir is not None
+    assert (cwd / "started").read_text() == str(outcome.sandbox.tmpdir)
+    assert not outcome.sandbox.tmpdir.exists()
