@@ -518,7 +518,7 @@ def worker(hs, channel):
     sandbox = hs.get("sandbox")
     if sandbox is not None:
         # Last before the agent's import: the shim's own parts are loaded by now.
-        missing = load_part("sandbox").enter(sandbox, load_part("landlock"))
+        missing = load_part("sandbox").enter(sandbox, load_part("landlock"), c_call)
         if missing and not sandbox.get("best_effort"):
             message = "sandbox: cannot enforce " + "; ".join(missing)
             channel.send("error", kind="setup", type="SandboxError", message=message)

@@ -1,6 +1,7 @@
 """Landlock for the shim: small wrappers over the kernel's three system calls (Linux 5.13+).
 
-Loaded with ``load_part("landlock")``; standard library only (ctypes), Python 3.9+. A process
+Loaded with ``load_part("landlock")``; standard library only, Python 3.9+; calls the kernel
+through the shim's ``c_call`` (``use()``), else through ctypes. A process
 restricts itself, and every process it starts afterwards inherits the restriction; it can never
 be lifted. Whatever the ruleset, the kernel refuses a process in a domain ptrace of any process
 outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall``; ``environ``,
@@ -14,6 +15,7 @@ outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall
     restrict_self(ruleset, flags=0)        -> enter the domain (sets no_new_privs if needed)
     no_new_privs()                         -> prctl(PR_SET_NO_NEW_PRIVS)
     refused(abi_version, fs, net, scoped)  -> the part of those masks this ABI lacks
+    use(c_call)                            -> make the calls without importing ctypes
 
 Each raises ``OSError`` (with errno) on failure; callers decide what a missing feature means.
 Everything handled and not allowed by a rule is denied: an fs mask with no rule denies those
@@ -22,7 +24,6 @@ rights everywhere. Rights a kernel's ABI does not know are rejected (EINVAL): ma
 domain, SCOPE_ABSTRACT_UNIX_SOCKET refuses connecting to abstract unix sockets made outside it.
 """
 
-import ctypes
 import os
 
 # Same numbers on every architecture but alpha (asm-generic table, Linux 5.13).
@@ -61,42 +62,40 @@ NET_BY_ABI = {4: NET_BIND_TCP | NET_CONNECT_TCP}
 SCOPED_BY_ABI = {6: SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL}
 
 
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),  # ABI 4
-        ("scoped", ctypes.c_uint64),  # ABI 6
-    ]
+_call = None
 
 
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1  # the kernel's struct is packed: 12 bytes
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+def use(c_call):
+    """Make the system calls through ``c_call(name, *args) -> (result, errno)``, which takes
+    ints, bytes (``char *``) and None (NULL): the shim's, built on ctypes' C core. Without it
+    the module imports ctypes itself, which costs every episode ~1.7 ms."""
+    global _call
+    _call = c_call
 
 
-class _NetPortAttr(ctypes.Structure):
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64)]
+def _ctypes_call(name, *args):
+    import ctypes
 
-
-_libc = None
+    func = getattr(ctypes.CDLL(None, use_errno=True), name)
+    return func(*args), ctypes.get_errno()
 
 
 def _syscall(number, *args):
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    result = _libc.syscall(ctypes.c_long(number), *args)
+    """The structs travel as bytes (little-endian: every Landlock architecture here is)."""
+    result, errno = (_call or _ctypes_call)("syscall", number, *args)
     if result < 0:
-        errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
     return result
+
+
+def _u64(*values):
+    return b"".join(v.to_bytes(8, "little") for v in values)
 
 
 def abi():
     """The Landlock ABI version of the running kernel; 0 where it has none or it is off."""
     try:
-        return _syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), _flags(1))
+        return _syscall(_SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION)
     except (OSError, AttributeError):  # ENOSYS, EOPNOTSUPP; no syscall() in this libc
         return 0
 
@@ -104,7 +103,7 @@ def abi():
 def errata():
     """Bit mask of the Landlock errata this kernel has fixed (0 before Linux 6.15)."""
     try:
-        return _syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), _flags(2))
+        return _syscall(_SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_ERRATA)
     except (OSError, AttributeError):
         return 0
 
@@ -121,9 +120,8 @@ def refused(abi_version, fs=0, net=0, scoped=0):
 def create_ruleset(fs=0, net=0, scoped=0):
     """A new ruleset handling these access masks; its fd (close-on-exec). Older kernels take
     only the struct's leading fields: they get no bigger one than the masks need."""
-    attr = _RulesetAttr(fs, net, scoped)
-    size = ctypes.sizeof(attr) if scoped else 16 if net else 8
-    return _syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), _flags(0))
+    attr = _u64(fs, net, scoped)[: 24 if scoped else 16 if net else 8]
+    return _syscall(_SYS_CREATE_RULESET, attr, len(attr), 0)
 
 
 def add_path_rule(ruleset, path, access, follow=True):
@@ -132,30 +130,22 @@ def add_path_rule(ruleset, path, access, follow=True):
     which grants nothing (a path swapped for a link after it was chosen cannot redirect it)."""
     fd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
-        attr = _PathBeneathAttr(access, fd)
-        _add_rule(ruleset, _RULE_PATH_BENEATH, attr)
+        # struct landlock_path_beneath_attr is packed: u64 allowed_access, s32 parent_fd.
+        attr = _u64(access) + fd.to_bytes(4, "little", signed=True)
+        _syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, attr, 0)
     finally:
         os.close(fd)
 
 
 def add_port_rule(ruleset, port, access):
     """Allow ``access`` (NET_* bits, each handled by the ruleset) on TCP ``port``."""
-    attr = _NetPortAttr(access, port)
-    _add_rule(ruleset, _RULE_NET_PORT, attr)
-
-
-def _add_rule(ruleset, rule_type, attr):
-    _syscall(
-        _SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(rule_type), ctypes.byref(attr), _flags(0)
-    )
+    _syscall(_SYS_ADD_RULE, ruleset, _RULE_NET_PORT, _u64(access, port), 0)
 
 
 def no_new_privs():
     """No exec of this process or its descendants gains privileges (set-uid, file caps)."""
-    if _libc is None:
-        abi()  # loads the C library
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
+    result, errno = (_call or _ctypes_call)("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if result != 0:
         raise OSError(errno, os.strerror(errno))
 
 
@@ -164,13 +154,9 @@ def restrict_self(ruleset, flags=0):
     no_new_privs or CAP_SYS_ADMIN for it: without the capability, no_new_privs is set first.
     Call it before starting threads: other threads of the process stay outside."""
     try:
-        _syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), _flags(flags))
+        _syscall(_SYS_RESTRICT_SELF, ruleset, flags)
     except OSError as exc:
         if exc.errno != 1:  # EPERM: neither no_new_privs nor the capability
             raise
         no_new_privs()
-        _syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), _flags(flags))
-
-
-def _flags(value):
-    return ctypes.c_uint32(value)
+        _syscall(_SYS_RESTRICT_SELF, ruleset, flags)
