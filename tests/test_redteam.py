@@ -366,6 +366,29 @@ async def test_rename_a_file_out_of_the_working_directory(world: World) -> None:
     assert (world.cwd / "pkg2" / "module.py").read_text() == "x = 1\n"
 
 
+@needs_landlock
+async def test_write_into_sys_and_proc(world: World) -> None:
+    # What a root agent would use against the trainer: its cgroup files (here a harmless one,
+    # moving itself into the cgroup it is already in), and /proc (its own thread name).
+    found = await world.attempt(
+        """
+        cgroup = read("/proc/self/cgroup").splitlines()[-1].split(":", 2)[2]
+        # cgroup v2 at /sys/fs/cgroup, or at /sys/fs/cgroup/unified on a hybrid host
+        where = [m + cgroup.rstrip("/") + "/cgroup.procs"
+                 for m in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+        procs = ([p for p in where if os.path.exists(p)] or where)[0]
+        out["exists"] = os.path.exists(procs)
+        out["cgroup"] = try_(write, procs, str(os.getpid()))
+        out["comm"] = try_(write, "/proc/self/comm", "renamed")
+        out["read"] = try_(read, "/proc/self/status")[:5]
+        """
+    )
+    assert found["exists"], found  # cgroup v2 is mounted on every machine this suite runs on
+    assert _denied(found["cgroup"]), found
+    assert _denied(found["comm"]), found
+    assert found["read"] == "Name:"
+
+
 # --- network --------------------------------------------------------------------------------
 
 
