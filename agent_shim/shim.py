@@ -544,12 +544,16 @@ def worker(hs, channel):
     kwargs = dict(hs.get("kwargs") or {})
     secrets = hs.pop("secrets", None) or {}
     kwargs.update(secrets)
+    # Freed when the agent's code raises: under a memory limit, the room to report its
+    # MemoryError (traceback, frame). Without it, that report itself could fail, by chance.
+    reserve = bytearray(1 << 20)
     try:
         value = target(hs["data"], **kwargs)
         del kwargs
         if hasattr(value, "__await__"):
             value = load_part("cancel").run_async(value)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are the agent's too
+        del reserve
         text = format_exc()
         sys.stderr.write(text)  # the log keeps it too
         code = 1
