@@ -854,6 +854,9 @@ def main():
         return probe_pidns(sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
         return probe_landlock()
+    if sys.argv[1:2] == ["--template"]:
+        # A preloaded template (isolate preload=True): each of its forks calls main() again.
+        return load_part("template").serve(main, load_entrypoint)
     frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
     os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
     for stream in (sys.stdout, sys.stderr):

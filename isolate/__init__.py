@@ -24,6 +24,7 @@ from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
 from ._core.protocol import PROTOCOL_VERSION
 from ._core.sandbox import Sandbox, SandboxReport
 from ._core.shim import shim_path
+from ._core.templates import close_templates
 
 __all__ = [
     "AgentError",
@@ -46,6 +47,7 @@ __all__ = [
     "SetupError",
     "Status",
     "Timings",
+    "close_templates",
     "run_episode",
     "shim_path",
 ]

@@ -19,6 +19,7 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
+from isolate._core import templates as _templates
 
 # The skip summary line, and no skipped containment test on CI (see tests/_skips.py);
 # pytester, to prove that.
@@ -181,7 +182,8 @@ def _cmd(proc: psutil.Process) -> str:
 class Agents:
     """Write agent modules into a fresh agent root and build specs for them."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, *, preload: bool = False) -> None:
+        self.preload = preload
         self.root = tmp_path / "agent_root"
         self.root.mkdir()
         self.pids = tmp_path / "pids"
@@ -203,14 +205,19 @@ class Agents:
             "log_dir": self.logs,
             "env": {"PID_DIR": str(self.pids)},
         }
+        if self.preload:
+            fields["preload"] = True
         fields.update(overrides)
         return isolate.EpisodeSpec(**fields)
 
     def left(self) -> list[psutil.Process]:
         """Live processes of this test's episodes, by the PID_DIR in their environment. Judge
         by this, not by recorded pids: inside a PID namespace those are the namespace's
-        numbers, and on the host they name unrelated processes."""
-        return episode_processes(f"\0PID_DIR={self.pids}\0".encode())
+        numbers, and on the host they name unrelated processes. Running templates
+        (``preload``) are not an episode's."""
+        templates = {t.pid for t in _templates.started_templates()}
+        procs = episode_processes(f"\0PID_DIR={self.pids}\0".encode())
+        return [p for p in procs if p.pid not in templates]
 
     def pid_files(self) -> dict[str, int]:
         return {p.name: int(p.read_text()) for p in self.pids.iterdir() if p.read_text().strip()}
@@ -233,8 +240,24 @@ def bare_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def agents(tmp_path: Path) -> Agents:
-    return Agents(tmp_path)
+def agents(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Agents]:
+    """Agents whose specs start fresh, or (``@both_starts``) also from a preloaded template."""
+    start = getattr(request, "param", "fresh")
+    agents = Agents(tmp_path, preload=start == "template")
+    yield agents
+    _templates.close_all()
+    if agents.preload:
+        # Proof that the template path ran: every episode's log says it was forked.
+        logs = [p.read_text() for p in agents.logs.glob("*.log") if p.name[:9] != "template."]
+        assert not [log for log in logs if "starts fresh" in log]
+        ended = [log for log in logs if "[isolate] episode " in log]  # its summary line
+        assert all("forked from template." in log for log in ended)
+
+
+#: Run a test with a fresh start and with a preloaded template (``EpisodeSpec.preload``).
+both_starts = pytest.mark.parametrize("agents", ["fresh", "template"], indirect=True)
+#: Run a test with a preloaded template only.
+from_template = pytest.mark.parametrize("agents", ["template"], indirect=True)
 
 
 # A shell snippet that records its own pid under $PID_DIR/<name>; for agents' grandchildren.

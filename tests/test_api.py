@@ -43,6 +43,7 @@ EXPORTED = [
     "SetupError",
     "Status",
     "Timings",
+    "close_templates",
     "run_episode",
     "shim_path",
 ]

@@ -26,8 +26,18 @@ from hypothesis import strategies as st
 import isolate
 from isolate._core import containment as _containment
 from isolate._core import launcher as _launcher
+from isolate._core import templates as _templates
 
-from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
+from .conftest import (
+    SLOW,
+    Agents,
+    both_starts,
+    episode_processes,
+    from_template,
+    is_gone,
+    wait_for,
+    wait_until,
+)
 from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS
 
 pytestmark = pytest.mark.anyio
@@ -66,7 +76,8 @@ def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
     """Live processes of this test's episodes (host view, any level) by their environment,
     which at the pidns level is the only sure way: recorded pids are the namespace's."""
     procs = episode_processes(f"PID_DIR={agents.pids}".encode())
-    return [p for p in procs if marker in _environ(p)]
+    templates = {t.pid for t in _templates.started_templates()}  # not the episode's
+    return [p for p in procs if marker in _environ(p) and p.pid not in templates]
 
 
 def _environ(proc: psutil.Process) -> str:
@@ -104,6 +115,14 @@ async def test_timeout_kills_the_whole_tree(agents: Agents, combination: str) ->
     assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
 
 
+@from_template
+@pytest.mark.parametrize("requested", ["session", "auto"])
+async def test_timeout_kills_the_whole_tree_of_a_fork(agents: Agents, requested: str) -> None:
+    """The same teardown for an episode forked from a template (the other layers: cancel)."""
+    await test_timeout_kills_the_whole_tree(agents, needs(requested))
+
+
+@both_starts
 async def test_leftovers_after_a_normal_return_are_killed(agents: Agents, level: str) -> None:
     code = TREE_AGENT.replace("time.sleep(300)\n", "return 1.0\n")
     spec = agents.spec(code, kill_grace=0.5, containment=level)
@@ -115,6 +134,7 @@ async def test_leftovers_after_a_normal_return_are_killed(agents: Agents, level:
     assert outcome.killed == TREE_PIDS - 1  # all but the worker, which returned
 
 
+@both_starts
 async def test_cancel_during_the_run(agents: Agents, level: str) -> None:
     spec = agents.spec(TREE_AGENT, kill_grace=0.5, containment=level)
     seen: list[psutil.Process] = []
@@ -136,6 +156,7 @@ async def test_cancel_during_the_run(agents: Agents, level: str) -> None:
     assert time.monotonic() - cancelled_at <= spec.kill_grace + 1.0 * SLOW
 
 
+@both_starts
 def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> None:
     spec = agents.spec(TREE_AGENT, kill_grace=5.0, timeout=120.0, containment=level)
     parent = subprocess.Popen(
@@ -195,6 +216,7 @@ def run(data):
 """
 
 
+@both_starts
 @pytest.mark.parametrize("strong", ["cgroup", "pidns"])
 async def test_an_agent_that_kills_its_supervisor_leaves_nothing(
     agents: Agents, tmp_path: Path, strong: str
@@ -451,6 +473,7 @@ def pids_counters(episode_id: str) -> tuple[int, int] | None:
     return None
 
 
+@both_starts
 @pytest.mark.parametrize("requested", ["cgroup", "auto"])
 async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: str) -> None:
     used = needs(requested)
@@ -493,6 +516,7 @@ async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: s
     assert tree(agents) == []
 
 
+@both_starts
 @pytest.mark.parametrize("mechanism", LEVELS)
 async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mechanism: str) -> None:
     used = needs(mechanism)
@@ -532,6 +556,7 @@ async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mech
     assert [outcomes[i].reward for i in range(8)] == [float(i) for i in range(8)]
 
 
+@both_starts
 async def test_a_cpu_limit_ends_the_episode_with_the_reason(agents: Agents) -> None:
     spec = agents.spec(
         "def run(d):\n    while True:\n        pass\n",
@@ -543,6 +568,7 @@ async def test_a_cpu_limit_ends_the_episode_with_the_reason(agents: Agents) -> N
     assert outcome.signal == "SIGXCPU"
 
 
+@both_starts
 async def test_rlimits_reach_the_agent_and_its_children(agents: Agents) -> None:
     spec = agents.spec(
         """
@@ -562,6 +588,7 @@ async def test_rlimits_reach_the_agent_and_its_children(agents: Agents) -> None:
     assert outcome.info == {"mine": [[64, 64], [0, 0]], "child": "(64, 64) (0, 0)"}
 
 
+@both_starts
 async def test_the_log_is_cut_at_log_bytes_and_the_tail_goes_on(agents: Agents) -> None:
     spec = agents.spec(
         """
@@ -580,6 +607,8 @@ async def test_the_log_is_cut_at_log_bytes_and_the_tail_goes_on(agents: Agents) 
     log = outcome.log_path.read_bytes()
     kept, _, rest = log.partition(b"\n[isolate] log cut at limits.log_bytes=10000")
     assert len(kept) == 10_000
+    while kept.startswith(b"[isolate] "):  # with preload, which template forked it
+        kept = kept.split(b"\n", 1)[1]
     assert kept.startswith(b"line 0000 ")
     assert rest.count(b"log cut") == 0  # noted once
     assert len(log) < 10_000 + 1000  # the note and the closing summary line

@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 import isolate
 from isolate._core.tail import Tail
 
-from .conftest import Agents, record_pid_sh
+from .conftest import Agents, both_starts, record_pid_sh
 
 pytestmark = pytest.mark.anyio
 
 NO_UNBUFFERED = ("PATH", "HOME")  # PYTHONUNBUFFERED is set on this machine: keep it out
 
 
+@both_starts
 async def test_stdout_pollution_lands_in_the_log(agents: Agents) -> None:
     spec = agents.spec(
         """
@@ -57,6 +58,7 @@ async def test_stdout_pollution_lands_in_the_log(agents: Agents) -> None:
         assert text in outcome.stderr_tail
 
 
+@both_starts
 async def test_stderr_flood_is_streamed_not_buffered(agents: Agents) -> None:
     """100 MB on stderr: all of it in the log, a bounded tail in memory, no deadlock."""
     size = 100 * 1024 * 1024
@@ -85,6 +87,7 @@ async def test_stderr_flood_is_streamed_not_buffered(agents: Agents) -> None:
     assert grown < 40 * 1024 * 1024, f"parent RSS grew by {grown} bytes"
 
 
+@both_starts
 async def test_stdout_flood_is_drained(agents: Agents) -> None:
     """20 MB of stdout without newlines (one line far above max_frame_bytes) is noise that
     must not deadlock the child, and must not count as a frame."""
@@ -104,6 +107,7 @@ async def test_stdout_flood_is_drained(agents: Agents) -> None:
     assert outcome.log_path.stat().st_size >= 320 * 65536
 
 
+@both_starts
 async def test_grandchild_holding_the_pipes_does_not_delay_the_result(agents: Agents) -> None:
     """The agent returns while a background process still holds stdout/stderr: the outcome
     comes promptly, and the leftover is killed and counted."""

@@ -8,7 +8,7 @@ import pytest
 
 import isolate
 
-from .conftest import Agents
+from .conftest import Agents, both_starts
 
 pytestmark = pytest.mark.anyio
 
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.anyio
         ),
     ],
 )
+@both_starts
 @pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_return_shapes(
     agents: Agents, body: str, reward: object, info: object, kind: str
@@ -77,6 +78,7 @@ async def test_info_is_size_capped(agents: Agents) -> None:
         ("return [1.0]", "list"),
     ],
 )
+@both_starts
 async def test_bad_rewards_are_protocol_errors(agents: Agents, body: str, message: str) -> None:
     spec = agents.spec(f"def run(data):\n    {body}\n")
     outcome = await isolate.run_episode(spec, {})
@@ -86,6 +88,7 @@ async def test_bad_rewards_are_protocol_errors(agents: Agents, body: str, messag
     assert outcome.reward is None
 
 
+@both_starts
 async def test_exception_is_agent_error_with_traceback(agents: Agents) -> None:
     spec = agents.spec(
         """
@@ -106,6 +109,7 @@ async def test_exception_is_agent_error_with_traceback(agents: Agents) -> None:
     assert "missing-thing" in outcome.log_path.read_text()
 
 
+@both_starts
 @pytest.mark.parametrize(("code", "exit_code"), [("3", 3), ("'bye'", 1), ("None", 0)])
 async def test_system_exit_is_agent_error(agents: Agents, code: str, exit_code: int) -> None:
     spec = agents.spec(f"import sys\ndef run(data):\n    sys.exit({code})\n")
@@ -116,6 +120,7 @@ async def test_system_exit_is_agent_error(agents: Agents, code: str, exit_code: 
     assert outcome.exit_code == exit_code
 
 
+@both_starts
 async def test_segfault_is_crashed(agents: Agents) -> None:
     spec = agents.spec("import ctypes\ndef run(data):\n    ctypes.string_at(0)\n")
     outcome = await isolate.run_episode(spec, {})
@@ -125,6 +130,7 @@ async def test_segfault_is_crashed(agents: Agents) -> None:
     assert "killed by SIGSEGV" in outcome.summary()
 
 
+@both_starts
 async def test_os_exit_is_crashed(agents: Agents) -> None:
     spec = agents.spec("import os\ndef run(data):\n    os._exit(3)\n")
     outcome = await isolate.run_episode(spec, {})
@@ -134,6 +140,7 @@ async def test_os_exit_is_crashed(agents: Agents) -> None:
     assert "exited with 3" in outcome.summary()
 
 
+@both_starts
 async def test_os_exit_zero_without_result_is_protocol_error(agents: Agents) -> None:
     spec = agents.spec("import os\ndef run(data):\n    os._exit(0)\n")
     outcome = await isolate.run_episode(spec, {})
@@ -142,6 +149,7 @@ async def test_os_exit_zero_without_result_is_protocol_error(agents: Agents) -> 
     assert "without sending a result" in outcome.error.message
 
 
+@both_starts
 async def test_self_sigkill_is_crashed(agents: Agents) -> None:
     spec = agents.spec(
         "import os, signal\ndef run(data):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -151,6 +159,7 @@ async def test_self_sigkill_is_crashed(agents: Agents) -> None:
     assert outcome.signal == "SIGKILL"
 
 
+@both_starts
 async def test_result_survives_unflushed_exit(agents: Agents) -> None:
     """The agent leaves a non-daemon thread that would hang interpreter shutdown, and prints
     without flushing; with PYTHONUNBUFFERED absent from the child the result still arrives and

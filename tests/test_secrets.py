@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 import isolate
 
-from .conftest import Agents, wait_for, wait_until
+from .conftest import Agents, both_starts, wait_for, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -62,6 +62,7 @@ def run(data, *, api_key, **kw):
 """
 
 
+@both_starts
 @pytest.mark.parametrize("as_secretstr", [False, True])
 async def test_secret_never_leaves_the_handshake(agents: Agents, as_secretstr: bool) -> None:
     key = "sk-live-" + _secrets.token_hex(16)
@@ -88,6 +89,7 @@ async def test_secret_never_leaves_the_handshake(agents: Agents, as_secretstr: b
     assert b"the agent logs its key" in nowhere_but_masked(outcome, key)
 
 
+@both_starts
 async def test_secret_in_a_traceback_is_scrubbed(agents: Agents) -> None:
     key = "sk-" + _secrets.token_hex(20)
     spec = agents.spec(
@@ -105,6 +107,7 @@ async def test_secret_in_a_traceback_is_scrubbed(agents: Agents) -> None:
     assert key.encode() not in outcome.log_path.read_bytes()
 
 
+@both_starts
 async def test_secret_split_across_writes_is_scrubbed(agents: Agents) -> None:
     key = "sk-" + _secrets.token_hex(20)
     spec = agents.spec(
@@ -125,6 +128,7 @@ async def test_secret_split_across_writes_is_scrubbed(agents: Agents) -> None:
     assert b"[secret]" in log
 
 
+@both_starts
 async def test_parent_credentials_do_not_leak_into_the_child(
     agents: Agents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,6 +211,7 @@ PY39 = Path("~/.pyenv/versions/3.9.18/bin/python3.9").expanduser()
         ),
     ],
 )
+@both_starts
 async def test_secret_env_reaches_the_agent_and_no_proc_file(
     agents: Agents, monkeypatch: pytest.MonkeyPatch, interpreter: Path
 ) -> None:
@@ -238,6 +243,7 @@ async def test_secret_env_reaches_the_agent_and_no_proc_file(
     assert b"the SDK logs its key: [secret]" in nowhere_but_masked(outcome, value)
 
 
+@both_starts
 async def test_secret_env_in_an_error_is_scrubbed(agents: Agents) -> None:
     value = "e2b-" + _secrets.token_hex(16)
     spec = agents.spec(

@@ -9,7 +9,7 @@ import pytest
 
 import isolate
 
-from .conftest import Agents
+from .conftest import Agents, both_starts
 
 pytestmark = pytest.mark.anyio
 
@@ -136,6 +136,7 @@ async def test_unwritable_log_dir(agents: Agents, tmp_path: Path) -> None:
     assert "log file" in outcome.error.message
 
 
+@both_starts
 async def test_agent_with_its_own_conflicting_pydantic(agents: Agents, bare_venv: Path) -> None:
     """The agent ships a 'pydantic 1.x' of its own; the shim imports no pydantic, so the agent
     gets exactly its own, under an interpreter where isolate is not installed."""

@@ -20,6 +20,7 @@ from isolate._core import launcher as _launcher
 from .conftest import (
     SLOW,
     Agents,
+    both_starts,
     episode_processes,
     is_gone,
     record_pid_sh,
@@ -86,6 +87,7 @@ def recorded(agents: Agents) -> dict[str, int]:
     return {k: v for k, v in agents.pid_files().items() if k != "ready"}
 
 
+@both_starts
 async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
     spec = agents.spec(TREE_AGENT, timeout=4.0, kill_grace=1.0)
     outcome = await isolate.run_episode(spec, {"instance_id": "tree"})
@@ -101,6 +103,7 @@ async def test_timeout_kills_the_whole_tree(agents: Agents) -> None:
     assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
 
 
+@both_starts
 async def test_leftovers_after_a_normal_return_are_killed_and_counted(agents: Agents) -> None:
     spec = agents.spec(
         TREE_AGENT.replace("time.sleep(300)\n", "return 1.0\n"), kill_grace=0.5, timeout=30.0
@@ -116,6 +119,7 @@ async def test_leftovers_after_a_normal_return_are_killed_and_counted(agents: Ag
     assert outcome.duration_s < 0.5 + 3.0 * SLOW
 
 
+@both_starts
 @pytest.mark.parametrize("cancel_grace", [0.0, 30.0])
 async def test_stopped_processes_still_die(agents: Agents, cancel_grace: float) -> None:
     """A stopped agent is woken to be cancelled, and cleans up; without cancellation it is
@@ -145,6 +149,7 @@ async def test_stopped_processes_still_die(agents: Agents, cancel_grace: float) 
         assert (outcome.cleanup, outcome.killed) == (None, 2), outcome.summary()
 
 
+@both_starts
 @pytest.mark.parametrize("point", ["before the spawn", "at the spawn", "while the tree grows"])
 async def test_cancel_around_spawn(agents: Agents, point: str) -> None:
     """Cancelled at each point of the start, by an event rather than a delay: the point is
@@ -177,6 +182,7 @@ async def test_cancel_around_spawn(agents: Agents, point: str) -> None:
     assert agents.left() == []
 
 
+@both_starts
 async def test_cancel_during_the_run(agents: Agents) -> None:
     spec = agents.spec(TREE_AGENT, kill_grace=1.0)
     started = time.monotonic()
@@ -256,6 +262,7 @@ anyio.run(isolate.run_episode, spec, {})
 """
 
 
+@both_starts
 def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) -> None:
     """SIGKILL the process that called run_episode: the shim sees EOF on its stdin and the
     whole tree, SIGTERM-ignoring setsid daemon included, is gone within 2 s."""

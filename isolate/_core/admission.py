@@ -74,7 +74,9 @@ class Cost:
 def episode_fds(spec: Any) -> Cost:
     """What an episode of ``spec`` (an EpisodeSpec) holds in this process."""
     log = 1 if spec.log_dir is not None else 0
-    return Cost(peak=_SPAWN_FDS + log, steady=_STEADY_FDS + log)
+    # A fork of a template: a reply socket from its template besides the pipes and the pidfd.
+    forked = 1 if getattr(spec, "preload", False) else 0
+    return Cost(peak=_SPAWN_FDS + log, steady=_STEADY_FDS + log + forked)
 
 
 def exhausted(exc: BaseException) -> bool:

@@ -135,6 +135,10 @@ class EpisodeSpec(BaseModel):
     sandbox: Sandbox | None = None
     """What the agent may read, write and connect to (see README, "Sandbox"); None: whatever
     its user may."""
+    preload: bool | tuple[str, ...] = False
+    """Fork episodes from a template that imported the entrypoint's module once (True), and
+    these modules too (a tuple of names); False starts each episode fresh. See README,
+    "Preloaded templates"."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> EpisodeSpec:
@@ -153,6 +157,16 @@ class EpisodeSpec(BaseModel):
                 f"not containment={self.containment!r}"
             )
         return self
+
+    @field_validator("preload")
+    @classmethod
+    def _check_preload(cls, value: bool | tuple[str, ...]) -> bool | tuple[str, ...]:
+        if isinstance(value, tuple):
+            for name in value:
+                if not all(part.isidentifier() for part in name.split(".")):
+                    raise ValueError(f"preload: {name!r} is not a module name")
+            return value or False
+        return value
 
     @field_validator("entrypoint")
     @classmethod

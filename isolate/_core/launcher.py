@@ -24,6 +24,7 @@ from . import admission as _admission
 from . import containment as _containment
 from . import protocol as proto
 from . import sandbox as _sandbox
+from . import templates as _templates
 from .config import EPISODE_ENV, EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
@@ -183,13 +184,15 @@ class _Run:
         self.shim = _boot_path()
 
         self.started = time.monotonic()
+        self.asked_template = False
         self.level = "session"  # the containment combination, once resolved
         self.leaves: _containment.Leaves | None = None
         self.leaves_problem: str | None = None
         self.oom_kills: int | None = None
         self.pids_limit_hits = 0
         self.log_written = 0
-        self.popen: subprocess.Popen[bytes] | None = None
+        self.popen: subprocess.Popen[bytes] | _templates.Forked | None = None
+        self.template: _templates.Template | None = None
         self.channel: int | None = None  # our end of the socket that is the child's stdin+stdout
         self.handshake = memoryview(b"")  # what is still to be written of it
         self.tree: Episode | None = None
@@ -240,6 +243,9 @@ class _Run:
             problem = await anyio.to_thread.run_sync(self._prepare)
             if problem is None:
                 problem = await self._start()
+            if problem is None and self.popen is None:
+                message = f"no template was ready within {self.spec.timeout:g} s"
+                return self._finish("timeout", _err("EpisodeTimeout", message))
             if problem is not None:
                 return self._finish("setup_error", _err("SetupError", problem))
             if on_start is not None:
@@ -330,6 +336,14 @@ class _Run:
                 problem = await anyio.to_thread.run_sync(self._open_log)
                 if problem is not None:
                     return problem
+                if self.spec.preload and not self.asked_template:
+                    self.asked_template = True  # once: a retry after EMFILE does not ask again
+                    with anyio.move_on_after(self.spec.timeout) as scope:
+                        self.template = await _templates.acquire(
+                            self.spec, self.env, self.public["agent_root"], self.level, self._note
+                        )
+                    if scope.cancelled_caught:
+                        return None  # no process: _run reports the timeout
                 # At most a few children between spawn and hello at once: 200 interpreters
                 # starting together on 2 cores starve the event loop for seconds (p99 lag 1.1 s).
                 gate, waited = _starting_gate(), time.monotonic()
@@ -400,17 +414,26 @@ class _Run:
         # pipes (the fd budget), and the same for the shim (handshake in, frames out, EOF).
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.popen = subprocess.Popen(
-                [self.spec.python, "-I", str(self.shim)],
-                stdin=theirs.fileno(),
-                stdout=theirs.fileno(),
-                stderr=subprocess.PIPE,
-                env=self.env,
-                cwd=self.spec.cwd,
-                start_new_session=True,  # never preexec_fn: unsafe with threads, and no vfork
-                close_fds=True,
-                bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
-            )
+            if self.template is not None:
+                try:
+                    self.popen = self.template.fork(self.episode_id, theirs.fileno())
+                    self._note(f"forked from {self.template.name} (pid {self.popen.pid})")
+                except _templates.TemplateGone as exc:
+                    # The next episode starts a new template; this one need not wait for it.
+                    self._note(f"{exc}; this episode starts fresh")
+                    self.template = None
+            if self.popen is None:
+                self.popen = subprocess.Popen(
+                    [self.spec.python, "-I", str(self.shim)],
+                    stdin=theirs.fileno(),
+                    stdout=theirs.fileno(),
+                    stderr=subprocess.PIPE,
+                    env=self.env,
+                    cwd=self.spec.cwd,
+                    start_new_session=True,  # never preexec_fn: unsafe with threads, no vfork
+                    close_fds=True,
+                    bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
+                )
         except BaseException:
             ours.close()
             raise
@@ -442,6 +465,13 @@ class _Run:
             shim: psutil.Process | None = psutil.Process(pid)
         except (psutil.Error, OSError):  # only an error of Popen itself is worth a retry
             shim = None
+        if isinstance(self.popen, _templates.Forked):
+            # Not our child: a pid its template has reaped may be reused at once. The fork's
+            # own pidfd says whether this psutil handle can be another process.
+            if shim is not None and self.popen.poll() is not None:
+                shim = None
+            self.tree = Episode(shim, pid, self.episode_id, self.leaves)
+            return None
         self.tree = Episode(shim, pid, self.episode_id, self.leaves)
         if hasattr(os, "pidfd_open"):
             try:
@@ -581,6 +611,9 @@ class _Run:
 
     async def _wait_exit(self) -> None:
         assert self.popen is not None
+        if isinstance(self.popen, _templates.Forked):
+            await self.popen.wait_exit()
+            return
         if self.pidfd is not None:
             # Readable once the process has exited; poll() then reaps it without blocking.
             await anyio.wait_readable(self.pidfd)
@@ -749,6 +782,8 @@ class _Run:
                     pipe.close()
             if self.popen.returncode is None:
                 self.popen.poll()
+            if isinstance(self.popen, _templates.Forked):
+                self.popen.close()
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
@@ -809,6 +844,8 @@ class _Run:
             sig = signal_name(self.done.signal) if self.done.signal else None
             return self.done.exit_code, sig
         code = self.popen.returncode if self.popen is not None else None
+        if isinstance(self.popen, _templates.Forked) and not self.popen.status_known:
+            return None, None  # its template died before it could say
         if code is not None and code < 0:
             return None, signal_name(-code)
         return code, None
@@ -911,6 +948,7 @@ class _Run:
             timings=self._timings(),
             cleanup=self.cleanup,
             sandbox=self._sandbox_report(),
+            start="template" if self.template is not None else "fresh",
         )
         if self.log is not None:
             try:

@@ -112,6 +112,8 @@ class EpisodeOutcome(BaseModel):
     exited within the grace, ``"cut short"`` if it had to be terminated; None: not cancelled."""
     sandbox: SandboxReport | None = None
     """What the episode's sandbox enforced (and what it could not); None without one."""
+    start: Literal["fresh", "template"] = "fresh"
+    """How the episode's process began: a new interpreter, or a fork of a preloaded template."""
 
     @property
     def exit_description(self) -> str:

@@ -1,0 +1,259 @@
+"""A preloaded template: import the agent once, then fork one ordinary episode per request.
+
+Started by the parent as ``<python> -I boot.py --template`` with one end of a SOCK_SEQPACKET
+socket pair as fd 0: the control socket. EOF on it means the parent closed it or died, and the
+template exits. It never runs an episode itself. Messages are JSON, one per packet:
+
+- parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...]}``;
+- template -> parent: ``{"t": "ready", "seconds"}``, or ``{"t": "refused", "reason"}`` (then it
+  exits): not importable, or not safe to fork (a thread running, a socket open);
+- parent -> template: ``{"t": "fork", "episode_id"}`` carrying three fds (SCM_RIGHTS): the
+  episode's channel (its stdin and stdout, one socket), its stderr pipe and a reply socket;
+- template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
+  the episode is reaped ``{"t": "exit", "status"}`` (a wait status).
+
+The fork puts the channel on fds 0 and 1 and the pipe on 2, starts its own session, and from
+there runs shim.main(), the very code of a fresh start: its own handshake (secrets never pass
+through here), containment, supervisor, worker and teardown.
+"""
+
+import array
+import gc
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+EPISODE_ENV = "ISOLATE_EPISODE_ID"
+MAX_MESSAGE = 1 << 20
+#: A thread the agent started at import may be about to end: wait this long before refusing.
+THREAD_GRACE = 0.5
+
+
+def send(sock, message, fds=()):
+    data = json.dumps(message).encode()
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendmsg([data])
+
+
+def receive(sock):
+    """One message and the fds it carried; (None, []) at EOF."""
+    size = array.array("i").itemsize
+    data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * size))
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % size])
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data.decode()), list(fds)
+
+
+def fork_hazard(control):
+    """Why forking this process would not give each episode a clean copy, or None."""
+    end = time.monotonic() + THREAD_GRACE
+    while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    tasks = sorted(int(t) for t in os.listdir("/proc/self/task"))
+    if len(tasks) > 1:
+        # A fork copies only the calling thread: locks the others hold stay locked forever.
+        names = {}
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            names = {t.native_id: t.name for t in threading.enumerate()}
+        tid = tasks[1] if tasks[0] == os.getpid() else tasks[0]
+        name = names.get(tid)
+        if name is None:
+            try:
+                with open("/proc/self/task/%d/comm" % tid) as f:
+                    name = f.read().strip()
+            except OSError:
+                name = str(tid)
+        return "thread %r running after import" % name
+    for entry in os.listdir("/proc/self/fd"):
+        fd = int(entry)
+        if fd == control.fileno():
+            continue
+        try:
+            target = os.readlink("/proc/self/fd/%d" % fd)
+        except OSError:
+            continue  # the fd listdir itself used
+        if target.startswith("socket:"):
+            return "socket open after import (fd %d): every episode would share it" % fd
+    return None
+
+
+def serve(shim_main, load_entrypoint):
+    """The template's life: preload, report, then fork episodes until the control socket ends.
+    Never returns: a thread the agent started must not hold up the exit."""
+    code = 1
+    try:
+        code = preload_and_loop(shim_main, load_entrypoint)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def preload_and_loop(shim_main, load_entrypoint):
+    control = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)  # what the agent prints at import goes to the template's log
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    message, _ = receive(control)
+    if message is None:
+        return 0
+    started = time.monotonic()
+    try:
+        load_entrypoint(message["entrypoint"], message.get("agent_root"))
+        for name in message.get("preload", ()):
+            __import__(name)
+    except BaseException as exc:
+        import traceback
+
+        traceback.print_exc()
+        reason = "cannot import %s: %s: %s" % (message["entrypoint"], type(exc).__name__, exc)
+        send(control, {"t": "refused", "reason": reason})
+        return 1
+    reason = fork_hazard(control)
+    if reason is not None:
+        sys.stderr.write("isolate template: preload refused: %s\n" % reason)
+        send(control, {"t": "refused", "reason": reason})
+        return 0
+    # Objects that exist now are never collected in a fork: its collector leaves their pages
+    # alone, and they stay shared with this process.
+    gc.collect()
+    gc.freeze()
+    random = sys.modules.get("random")
+    state = hash(random.getstate()) if random is not None else None
+    send(control, {"t": "ready", "seconds": time.monotonic() - started})
+    loop(control, shim_main, state)
+    return 0
+
+
+def loop(control, shim_main, random_state):
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    replies = {}  # pid -> reply socket, until the episode is reaped
+    poller = select.poll()
+    poller.register(control.fileno(), select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    own = [control, wake_r, wake_w]
+    while True:
+        for fd, _ in poller.poll():
+            if fd == wake_r:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            message, fds = receive(control)
+            if message is None:
+                # The parent is gone or closed us. Episodes live on: they watch their own pipes.
+                return
+            if message.get("t") == "fork" and len(fds) == 3:
+                reply = socket.socket(fileno=fds[2])
+                others = own + list(replies.values())
+                pid = fork(message, fds[:2], reply, others, shim_main, random_state)
+                if pid is not None:
+                    replies[pid] = reply
+            else:
+                for fd in fds:
+                    os.close(fd)
+        while replies:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            reply = replies.pop(pid, None)
+            if reply is not None:
+                try:
+                    send(reply, {"t": "exit", "status": status})
+                except OSError:
+                    pass  # the parent stopped waiting for it
+                reply.close()
+
+
+def fork(message, pipes, reply, own, shim_main, random_state):
+    """Fork one episode; here, report its pid (and a pidfd) on its reply socket. None if the
+    fork failed (the reply says why)."""
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in pipes:
+            os.close(fd)
+        try:
+            send(reply, {"t": "error", "reason": "fork: %s" % (exc.strerror or exc)})
+        except OSError:
+            pass
+        reply.close()
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            code = episode(message, pipes, own + [reply], shim_main, random_state)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
+    for fd in pipes:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+    try:
+        send(reply, {"t": "forked", "pid": pid}, [pidfd] if pidfd is not None else ())
+    except OSError:
+        pass  # the parent gave up on this episode; it sees EOF on its stdin and ends
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return pid
+
+
+def episode(message, pipes, own, shim_main, random_state):
+    """In the fork: become a fresh start's shim, then run shim.main()."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for item in own:
+        if isinstance(item, int):
+            os.close(item)
+        else:
+            item.close()
+    channel, stderr = pipes
+    for target, fd in ((0, channel), (1, channel), (2, stderr)):
+        os.dup2(fd, target)
+    for fd in pipes:
+        if fd > 2:
+            os.close(fd)
+    os.environ[EPISODE_ENV] = message["episode_id"]  # what the agent's processes inherit
+    random = sys.modules.get("random")
+    if random is not None and hash(random.getstate()) == random_state:
+        random.seed()  # Python reseeds at fork; should that ever not happen, we do
+    sys.argv[1:] = []
+    code = shim_main()
+    return code if isinstance(code, int) else 0

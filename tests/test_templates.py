@@ -1,0 +1,370 @@
+"""Preloaded templates (``EpisodeSpec.preload``): what a fork shares, and a template's life.
+
+Everything ``run_episode`` promises with a fresh start is also run with ``preload=True`` by the
+suites that use ``@both_starts``; these tests are about the template itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+from isolate._core import admission as _admission
+from isolate._core import containment as _containment
+from isolate._core import templates as _templates
+
+from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
+
+pytestmark = pytest.mark.anyio
+
+PY39 = Path.home() / ".pyenv/versions/3.9.18/bin/python3.9"
+
+
+def template_processes(agents: Agents, parent: int | None = None) -> list[psutil.Process]:
+    """Live templates of this test: children of ``parent`` (default: this process) whose command
+    line says so. (Their forks show the same command line, but are not our children.)"""
+    found = []
+    for proc in episode_processes(f"PID_DIR={agents.pids}".encode()):
+        try:
+            if "--template" in proc.cmdline() and proc.ppid() == (parent or os.getpid()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+COUNTING = """
+import os, time
+with open(os.path.join(os.environ["PID_DIR"], "imports"), "a") as f:
+    f.write("%d\\n" % os.getpid())
+time.sleep(0.3)  # a slow import, as a real agent's
+"""
+
+
+def imports(agents: Agents) -> int:
+    path = agents.pids / "imports"
+    return len(path.read_text().split()) if path.exists() else 0
+
+
+async def test_a_module_level_mutation_is_invisible_to_the_next_episode(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import os
+        SEEN = []
+        def run(data):
+            SEEN.append(data["i"])
+            return float(len(SEEN)), {"seen": SEEN}
+        """,
+        preload=True,
+    )
+    outcomes = [await isolate.run_episode(spec, {"i": i}) for i in range(3)]
+    assert [o.start for o in outcomes] == ["template"] * 3
+    assert [o.reward for o in outcomes] == [1.0, 1.0, 1.0]
+    assert [o.info["seen"] for o in outcomes] == [[0], [1], [2]]
+
+
+async def test_two_episodes_draw_different_random_values(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import random
+        AT_IMPORT = random.random()  # drawn once, in the template
+        def run(data):
+            return 1.0, {"draw": random.random(), "at_import": AT_IMPORT}
+        """,
+        preload=True,
+    )
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, {}))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(4):
+            tg.start_soon(one)
+    assert [o.start for o in outcomes] == ["template"] * 4
+    assert len({o.info["draw"] for o in outcomes}) == 4  # reseeded in each fork
+    assert len({o.info["at_import"] for o in outcomes}) == 1  # the module was imported once
+
+
+async def test_concurrent_first_episodes_import_the_agent_once(agents: Agents) -> None:
+    spec = agents.spec(COUNTING + "def run(data):\n    return data['i']\n", preload=True)
+    outcomes: dict[int, isolate.EpisodeOutcome] = {}
+
+    async def one(i: int) -> None:
+        outcomes[i] = await isolate.run_episode(spec, {"i": i})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(one, i)
+    assert {i: (o.status, o.reward, o.start) for i, o in outcomes.items()} == {
+        i: ("ok", float(i), "template") for i in range(8)
+    }
+    assert imports(agents) == 1
+    assert len(template_processes(agents)) == 1
+
+
+async def test_a_template_killed_mid_run_is_replaced(agents: Agents) -> None:
+    """The episode in flight ends as it would have; the next one gets a new template."""
+    spec = agents.spec(
+        COUNTING
+        + """
+def run(data):
+    open(os.path.join(os.environ["PID_DIR"], "running"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "go")):
+        time.sleep(0.01)
+    return 7.0
+""",
+        preload=True,
+    )
+    result: list[isolate.EpisodeOutcome] = []
+
+    async def kill_template_then_release() -> None:
+        await wait_until((agents.pids / "running").exists)
+        (template,) = template_processes(agents)
+        template.kill()
+        await anyio.to_thread.run_sync(lambda: wait_for(lambda: is_gone(template.pid)))
+        (agents.pids / "go").touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_template_then_release)
+        result.append(await isolate.run_episode(spec, {}))
+    (first,) = result
+    assert (first.status, first.reward, first.start) == ("ok", 7.0, "template"), first.summary()
+    assert first.exit_code == 0  # from its done frame: the template could not report it
+
+    second = await isolate.run_episode(spec, {})
+    assert (second.status, second.reward, second.start) == ("ok", 7.0, "template")
+    assert "killed by SIGKILL; starting a new one (restart 1)" in second.stderr_tail
+    assert imports(agents) == 2
+    assert len(template_processes(agents)) == 1
+
+
+async def test_a_template_killed_between_episodes_is_replaced(agents: Agents) -> None:
+    spec = agents.spec(COUNTING + "def run(data):\n    return 1.0\n", preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert first.start == "template"
+    for proc in template_processes(agents):
+        proc.send_signal(signal.SIGSEGV)
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: not template_processes(agents)))
+    second = await isolate.run_episode(spec, {})
+    assert (second.status, second.start) == ("ok", "template"), second.summary()
+    assert "killed by SIGSEGV; starting a new one (restart 1)" in second.stderr_tail
+
+
+THREAD_AT_IMPORT = """
+import threading, time
+threading.Thread(target=time.sleep, args=(60,), name="cost-map-retry", daemon=True).start()
+def run(data):
+    return 1.0
+"""
+
+
+async def test_a_thread_running_after_import_means_a_fresh_start_with_the_reason(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(THREAD_AT_IMPORT, preload=True)
+    reason = "preload refused: thread 'cost-map-retry' running after import"
+    for _ in range(2):  # refused once, for every episode of the spec
+        outcome = await isolate.run_episode(spec, {})
+        assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+        assert reason in outcome.stderr_tail
+        assert outcome.log_path is not None
+        assert reason in outcome.log_path.read_text()
+    assert template_processes(agents) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("import socket\nKEPT = socket.socket()\n", "socket open after import"),
+        ("raise ImportError('no such thing')\n", "cannot import"),
+    ],
+    ids=["socket", "unimportable"],
+)
+async def test_an_unusable_template_means_a_fresh_start(
+    agents: Agents, code: str, reason: str
+) -> None:
+    spec = agents.spec(code + "def run(data):\n    return 1.0\n", preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.start == "fresh"
+    assert f"preload refused: {reason}" in outcome.stderr_tail
+    if "raise" in code:  # the fresh start says what a fresh start says
+        assert outcome.status == "setup_error"
+        assert outcome.error is not None
+        assert "no such thing" in outcome.error.message
+    else:
+        assert outcome.status == "ok", outcome.summary()
+
+
+async def test_the_preload_list_is_imported_once_in_the_template(agents: Agents) -> None:
+    (agents.root / "extra.py").write_text(COUNTING)
+    spec = agents.spec(
+        "import sys\ndef run(data):\n    return 1.0, 'extra' in sys.modules\n",
+        preload=("extra", "json"),
+    )
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    assert [(o.start, o.info) for o in outcomes] == [("template", True)] * 2
+    assert imports(agents) == 1
+
+
+async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import os, time
+        def run(data):
+            open(os.path.join(os.environ["PID_DIR"], "running"), "w").close()
+            while not os.path.exists(os.path.join(os.environ["PID_DIR"], "go")):
+                time.sleep(0.01)
+            return 2.0
+        """,
+        preload=True,
+    )
+    result: list[isolate.EpisodeOutcome] = []
+
+    async def close_then_release() -> None:
+        await wait_until((agents.pids / "running").exists)
+        templates = template_processes(agents)
+        assert len(templates) == 1
+        await isolate.close_templates()
+        assert all(is_gone(p.pid, p.create_time()) for p in templates)
+        (agents.pids / "go").touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close_then_release)
+        result.append(await isolate.run_episode(spec, {}))
+    assert (result[0].status, result[0].reward) == ("ok", 2.0), result[0].summary()
+    assert template_processes(agents) == []
+    assert _templates.started_templates() == []
+
+
+PARENT = """
+import anyio, isolate, sys
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+anyio.run(isolate.run_episode, spec, {})
+"""
+
+
+def test_the_parents_death_takes_template_and_episode_with_it(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import os, time
+        def run(data):
+            open(os.path.join(os.environ["PID_DIR"], "running"), "w").close()
+            time.sleep(300)
+        """,
+        preload=True,
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "running").exists(), 20.0, "the episode to run")
+        seen = episode_processes(f"PID_DIR={agents.pids}".encode())
+        assert len(template_processes(agents, parent.pid)) == 1
+        assert len(seen) >= 3  # the template, the supervisor, the worker
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in seen), 3.0, "all to die")
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+async def test_a_template_under_python_3_9(agents: Agents) -> None:
+    if not PY39.exists():
+        pytest.skip(f"no Python 3.9 at {PY39}")
+    spec = agents.spec(
+        "import sys\ndef run(data):\n    return 1.0, sys.version_info[:2]\n",
+        python=str(PY39),
+        preload=True,
+    )
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    assert [(o.status, o.start, o.info) for o in outcomes] == [("ok", "template", [3, 9])] * 2
+
+
+async def test_the_template_has_a_cgroup_leaf_of_its_own(agents: Agents) -> None:
+    problem = _containment.layer_problem("cgroup")
+    if problem is not None:
+        pytest.skip(f"containment 'cgroup' is not available here: {problem}")
+    spec = agents.spec(
+        "import os\ndef run(data):\n    return 1.0, open('/proc/self/cgroup').read()\n",
+        containment="cgroup",
+        preload=True,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start, outcome.killed) == ("ok", "template", 0)
+    (template,) = template_processes(agents)
+    leaf = await anyio.Path(f"/proc/{template.pid}/cgroup").read_text()
+    assert "/template." in leaf
+    assert outcome.episode_id in outcome.info  # the episode ran in its own leaf
+    assert "/template." not in outcome.info
+
+
+async def test_the_template_log_keeps_what_the_agent_printed_at_import(agents: Agents) -> None:
+    spec = agents.spec("print('loading the agent')\ndef run(data):\n    return 1.0\n", preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.start == "template"
+    (log,) = agents.logs.glob("template.*.log")
+    assert "loading the agent" in log.read_text()
+    assert "loading the agent" not in outcome.stderr_tail  # the episode's log is its own
+
+
+async def test_waiting_for_a_template_counts_in_the_timeout(agents: Agents) -> None:
+    spec = agents.spec(
+        "import time\ntime.sleep(30)\ndef run(data):\n    return 1.0\n",
+        preload=True,
+        timeout=0.5,
+    )
+    started = time.monotonic()
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "timeout"
+    assert time.monotonic() - started < 0.5 + 2.0 * SLOW
+    assert template_processes(agents) == []  # the half-started template is gone
+
+
+async def test_close_templates_while_one_is_importing(agents: Agents) -> None:
+    spec = agents.spec(
+        """
+        import sys, time
+        if "--template" in sys.argv:
+            time.sleep(60)  # only the template's import hangs
+        def run(data):
+            return 1.0
+        """,
+        preload=True,
+    )
+    result: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        result.append(await isolate.run_episode(spec, {}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        await wait_until(lambda: bool(template_processes(agents)))
+        started = time.monotonic()
+        await isolate.close_templates()
+        assert time.monotonic() - started < 1.0 * SLOW
+        assert template_processes(agents) == []
+    (outcome,) = result
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert "preload refused" in outcome.stderr_tail
+
+
+async def test_a_template_counts_in_the_fd_budget(agents: Agents) -> None:
+    spec = agents.spec("def run(data):\n    return 1.0\n", preload=True)
+    budget = _admission._budget()
+    before = budget.used
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.start == "template"
+    assert budget.used == before + 1  # its control socket, while it runs
+    await isolate.close_templates()
+    assert budget.used == before
