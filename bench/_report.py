@@ -288,6 +288,41 @@ def _layers(res: dict[str, Any]) -> list[str]:
     return lines + ([""] if res.get("skipped") else [])
 
 
+def _realistic(res: dict[str, Any]) -> list[str]:
+    modes = {"fresh": "fresh start", "template": "preloaded template", "inprocess": "in-process"}
+    counts = res["counts"]
+    head = ["figure", *(modes[m] for m in modes if m in res["rows"])]
+    rows_in = [res["rows"][m] for m in modes if m in res["rows"]]
+
+    def pss(r: dict[str, Any], n: int) -> str:
+        value = r["pss_kib"].get(n, r["pss_kib"].get(str(n)))
+        return "not run (memory)" if value is None else f"{value / 1024:.1f} MiB"
+
+    rows = [
+        ["first episode (template: its start; in-process: the import), s"]
+        + [f"{r['first_episode_s']:.2f}" for r in rows_in],
+        ["run_episode → entrypoint's first line, ms"]
+        + [_range(r["first_line"], 1000) for r in rows_in],
+        ["launch latency (no-op episode round trip), ms"]
+        + [_range(r["launch"], 1000) for r in rows_in],
+        ["parent + child CPU per episode, ms"]
+        + [f"{r['cpu_per_episode'] * 1000:.0f}" for r in rows_in],
+    ]
+    for n in counts["pss"]:
+        rows.append([f"PSS per episode, {n} at once"] + [pss(r, n) for r in rows_in])
+    rows.append(
+        [f"throughput of 1-s episodes at concurrency {counts['concurrency']}, episodes/s"]
+        + [f"{r['throughput']:.2f} ({r['throughput_episodes']} episodes)" for r in rows_in]
+    )
+    note = (
+        f"Agent: {res['agent']}; {counts['seq']} sequential episodes after a first one; "
+        f"{_levels(res)}."
+    )
+    return ["## 7. A realistic agent: fresh, template, in-process", "", note, ""] + _table(
+        head, rows
+    )
+
+
 def render(results: dict[str, Any]) -> str:
     lines = ["# isolate benchmarks" + (" (quick smoke run)" if results["quick"] else ""), ""]
     lines += [machine_line(results["machine"]), ""]
@@ -299,6 +334,7 @@ def render(results: dict[str, Any]) -> str:
         ("fdlimit", _fdlimit),
         ("footprint", _footprint),
         ("layers", _layers),
+        ("realistic", _realistic),
     ):
         if name == "throughput" and ("launch" in s or "large" in s):
             launch = s.get("launch")

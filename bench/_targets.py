@@ -61,4 +61,16 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
             rss = default["rss_growth_kib_per_episode"]
             add(f"fdlimit `default`: ≤ 64 KiB parent RSS per episode ({n} at once)", rss, 64.0,
                 f"{rss:.1f} KiB")  # fmt: skip
+    if "rows" in sections.get("realistic", {}):
+        rows = sections["realistic"]["rows"]
+        fresh, tmpl = rows["fresh"], rows["template"]
+        launch = tmpl["launch"]["median"]
+        add("realistic: template launch ≤ 50 ms", launch, 0.050, f"{launch * 1000:.1f} ms")
+        n = max(int(k) for k in tmpl["pss_kib"])
+        t_pss, f_pss = tmpl["pss_kib"][n], fresh["pss_kib"].get(n)
+        share = t_pss / f_pss if f_pss else None
+        shown = f"{share:.0%} of fresh" if share is not None else "fresh not run"
+        add(f"realistic: PSS at {n} ≤ 25% of fresh", share, 0.25, shown)
+        gain = tmpl["throughput"] / fresh["throughput"]
+        add("realistic: throughput ≥ 10× fresh", 10.0 / gain, 1.0, f"{gain:.1f}×")
     return out

@@ -20,13 +20,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import footprint, launch, layers, scale, teardown, throughput
+from . import footprint, launch, layers, realistic, scale, teardown, throughput
 from ._common import MARK_ENV, REPO, live_children, machine_info, sweep_marked
 from ._context import Context
 from ._report import render
 from ._targets import targets
 
-SECTIONS = ("launch", "throughput", "large", "teardown", "scale", "fdlimit", "footprint", "layers")
+SECTIONS = (
+    "launch",
+    "throughput",
+    "large",
+    "teardown",
+    "scale",
+    "fdlimit",
+    "footprint",
+    "layers",
+    "realistic",
+)
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "throughput": throughput.run,
     "teardown": teardown.run,
@@ -34,6 +44,7 @@ RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "fdlimit": scale.run_fdlimit,
     "footprint": footprint.run,
     "layers": layers.run,
+    "realistic": realistic.run,
 }
 
 

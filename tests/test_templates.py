@@ -18,9 +18,13 @@ import psutil
 import pytest
 
 import isolate
+from isolate._cli.batch.job import Plan
+from isolate._cli.main import build_parser
+from isolate._cli.main import main as cli_main
 from isolate._core import admission as _admission
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
+from isolate.workflow import episode_spec
 
 from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
 
@@ -368,3 +372,57 @@ async def test_a_template_counts_in_the_fd_budget(agents: Agents) -> None:
     assert budget.used == before + 1  # its control socket, while it runs
     await isolate.close_templates()
     assert budget.used == before
+
+
+# --- where preload is set: econfig, the command line, and what doctor says ---------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, False), (True, True), (False, False), (["litellm", "json"], ("litellm", "json"))],
+)
+def test_econfig_preload(tmp_path: Path, value: object, expected: object) -> None:
+    econfig = {} if value is None else {"preload": value}
+    assert episode_spec(econfig, tmp_path, 10.0, None).preload == expected
+
+
+def test_econfig_preload_must_be_a_bool_or_a_list(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="econfig.preload must be a bool or a list"):
+        episode_spec({"preload": "yes"}, tmp_path, 10.0, None)
+
+
+@pytest.mark.parametrize("flag", [[], ["--preload"]])
+def test_the_preload_flag_reaches_the_spec(tmp_path: Path, flag: list[str]) -> None:
+    argv = ["run", "r.json", "--agent-root", str(tmp_path), "--base-url", "http://x", *flag]
+    spec, _ = Plan(build_parser().parse_args(argv)).build({"instance_id": "x"})
+    assert spec.preload is bool(flag)
+
+
+def test_doctor_preload_names_the_thread_and_the_fix(
+    agents: Agents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = agents.root / "aweagent"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lifecycle.py").write_text(
+        THREAD_AT_IMPORT.replace("cost-map-retry", "litellm-model-cost-map-retry")
+        + "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+    )
+    assert cli_main(["doctor", "--agent-root", str(agents.root), "--preload"]) == 1
+    out = capsys.readouterr().out
+    reason = "preload refused: thread 'litellm-model-cost-map-retry' running after import"
+    assert reason in out
+    assert "LITELLM_LOCAL_MODEL_COST_MAP=True" in out
+
+
+def test_doctor_preload_on_a_forkable_agent(
+    agents: Agents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = agents.root / "aweagent"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lifecycle.py").write_text(
+        "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+    )
+    assert cli_main(["doctor", "--agent-root", str(agents.root), "--preload"]) == 0
+    assert "a preloaded template imports it in" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from .._core import containment as _containment
+from .._core import templates as _templates
 from .._core.config import LAYERS, EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
@@ -206,11 +207,35 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     return used
 
 
+def _preload_report(report: _Report, root: Path, python: str, entrypoint: str) -> None:
+    """Whether a preloaded template of this agent would be used, or why it is refused."""
+    spec = EpisodeSpec(
+        agent_root=root,
+        python=python,
+        entrypoint=entrypoint,
+        inherit_env=PASSTHROUGH_ENV,  # the drop-in's: what the trainer's environment passes
+        preload=True,
+        timeout=PROBE_TIMEOUT_S,
+    )
+    refused, seconds = anyio.run(_templates.probe, spec)
+    if refused is None:
+        report.line("ok", f"a preloaded template imports it in {seconds:.2f} s and can be forked")
+        return
+    report.line("FAIL", f"preload refused: {refused}; episodes with preload would start fresh")
+    if "litellm" in refused:
+        report.line(
+            "info",
+            "litellm starts that thread at import unless LITELLM_LOCAL_MODEL_COST_MAP=True is "
+            "in the agent's environment (econfig env, EpisodeSpec.env)",
+        )
+
+
 def doctor(
     agent_root: Path | None,
     python: str | None,
     entrypoint: str | None,
     containment: str = "auto",
+    preload: bool = False,
 ) -> int:
     """Print one verdict per check; return 0 when every check passed, else 1."""
     python = python or sys.executable
@@ -274,6 +299,8 @@ def doctor(
             report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
         else:
             report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
+        if preload:
+            _preload_report(report, root, python, entrypoint)
 
     versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_containment,
         help="containment to check, as EpisodeSpec.containment (default: auto)",
     )
+    doctor.add_argument(
+        "--preload",
+        action="store_true",
+        help="also start a preloaded template of the agent: is it used, or why not",
+    )
 
     sub.add_parser("demo", help="run three real episodes against a scripted LLM on 127.0.0.1")
     llm = sub.add_parser(
@@ -106,7 +111,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from .doctor import doctor
 
-        return doctor(args.agent_root, args.python, args.entrypoint, args.containment)
+        return doctor(args.agent_root, args.python, args.entrypoint, args.containment, args.preload)
     if args.command == "scripted-llm":
         from .demo.serve import scripted_llm
 

@@ -91,6 +91,13 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="also let the sandboxed agent write PATH (repeatable; implies --sandbox)",
     )
+    group.add_argument(
+        "--preload",
+        action="store_true",
+        default=None,
+        help="fork each episode from a template that imported the agent once (README: "
+        "Preloaded templates)",
+    )
 
 
 def _key_options(parser: argparse.ArgumentParser) -> None:

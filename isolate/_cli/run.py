@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from .._core.config import EpisodeSpec
 from .._core.launcher import _default_episode_id, run_episode
 from .._core.outcome import EpisodeOutcome
+from .._core.templates import close_templates
 from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError, read_secret_env
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
@@ -105,6 +106,7 @@ _AGENT_FLAGS = (
     "kill_grace",
     "sandbox",
     "sandbox_write",
+    "preload",
 )
 
 
@@ -156,6 +158,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                 finally:
                     status.clear()
                     inner.cancel_scope.cancel()
+                    await close_templates()  # --preload: the one episode is over
             tg.cancel_scope.cancel()
 
         tg.start_soon(watch_signals)

@@ -40,6 +40,7 @@ import anyio
 from . import admission as _admission
 from . import containment as _containment
 from .config import EPISODE_ENV, EpisodeSpec
+from .env import split_env
 from .outcome import describe_exit, signal_name
 from .shim import _boot_path
 
@@ -441,6 +442,24 @@ def _spawn_locked(
         template.close(0.0)
         return "templates were closed while this one started"
     return template
+
+
+async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
+    """Start a template for ``spec`` as its first episode would, outside the registry, and
+    close it again: (why it would be refused, or None; seconds until it was ready)."""
+    env, _ = split_env(os.environ, spec.inherit_env)
+    env.update(spec.env)
+    entry = _Entry("template.doctor")
+    env[EPISODE_ENV] = entry.name
+    root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
+    started = time.monotonic()
+    template, refused = await _start(spec, env, root, "session", entry)
+    seconds = time.monotonic() - started
+    if template is not None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(template.close)
+        template.release_fds()
+    return refused, seconds
 
 
 def started_templates() -> list[Template]:

@@ -246,7 +246,18 @@ def episode_spec(
         containment=econfig.get("containment", "auto"),
         limits=econfig.get("limits"),
         sandbox=sandbox if sandbox is not None else sandbox_of(econfig),
+        preload=preload_of(econfig),
     )
+
+
+def preload_of(econfig: dict[str, Any]) -> bool | tuple[str, ...]:
+    """econfig ``preload``: a bool, or a list of module names to import in the template too."""
+    value = _plain(econfig.get("preload", False))
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"econfig.preload must be a bool or a list of module names, got {value!r}")
+    return value
 
 
 class SWEAgentWorkflow:
@@ -261,8 +272,9 @@ class SWEAgentWorkflow:
             ``opencode_config``, ``max_tokens``, ``max_completion_tokens``, forwarded only
             when present), plus ``python`` (the agent's interpreter), ``kill_grace``,
             ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``,
-            ``inherit_env`` (default :data:`PASSTHROUGH_ENV`), ``containment`` and
-            ``limits`` (as EpisodeSpec's), ``secret_env`` (names of
+            ``inherit_env`` (default :data:`PASSTHROUGH_ENV`), ``containment``,
+            ``limits`` and ``preload`` (as EpisodeSpec's; ``preload`` a bool or a list of
+            module names), ``secret_env`` (names of
             variables of this process passed as ``run_episode(secret_env=...)``), ``sandbox``
             (True, or a dict of :class:`~isolate.Sandbox`'s fields; ``result_dir`` is added
             to ``write``, and ``base_url``'s port to ``connect`` when that is set) and

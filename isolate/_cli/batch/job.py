@@ -54,6 +54,7 @@ class Plan:
             "agent_config": args.agent_config,
             "llm_model": args.llm_model,
             "kill_grace": args.kill_grace,
+            "preload": getattr(args, "preload", None),
         }
         self.econfig = {k: v for k, v in flags.items() if v is not None}
         # As the driver started: the Ray backend later drops variables that hold the key.

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import anyio
 from pydantic import SecretStr
 
+from ..._core.templates import close_templates
 from .io import Record, Records, Results
 from .job import Job, Plan, failure, run_attempt
 from .view import View
@@ -78,10 +79,13 @@ class Scheduler:
             outer.start_soon(self.view.ticker)
             with self._work:
                 slots = anyio.Semaphore(concurrency)
-                async with anyio.create_task_group() as tg:
-                    for record in todo:
-                        await slots.acquire()
-                        tg.start_soon(self._instance, record, slots)
+                try:
+                    async with anyio.create_task_group() as tg:
+                        for record in todo:
+                            await slots.acquire()
+                            tg.start_soon(self._instance, record, slots)
+                finally:
+                    await close_templates()  # with --preload; the batch's episodes are done
             outer.cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
