@@ -19,7 +19,17 @@ from isolate._core import containment as _containment
 from .conftest import SLOW
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("launch", "large", "throughput", "teardown", "scale", "fdlimit", "footprint", "layers")
+SECTIONS = (
+    "launch",
+    "large",
+    "throughput",
+    "teardown",
+    "scale",
+    "fdlimit",
+    "footprint",
+    "layers",
+    "realistic",
+)
 
 
 def _positive(summary: dict[str, Any]) -> bool:
@@ -152,6 +162,19 @@ def test_layers_figures(results: dict[str, Any]) -> None:
     for name, row in section["rows"].items():
         assert _positive(row), name
         assert _positive(row["ratio"]), name
+
+
+def test_realistic_figures(results: dict[str, Any]) -> None:
+    """The stand-in sleeps 0.3 s at import: a fresh start pays it every time, a fork never."""
+    rows = results["sections"]["realistic"]["rows"]
+    assert rows["template"]["start"] == "template"
+    assert rows["fresh"]["start"] == "fresh"
+    assert rows["fresh"]["first_line"]["min"] > 0.3
+    assert rows["template"]["first_line"]["max"] < 0.3
+    for mode in ("fresh", "template", "inprocess"):
+        assert _positive(rows[mode]["launch"]), mode
+        assert rows[mode]["throughput"] > 0, mode
+        assert all(v > 0 for v in rows[mode]["pss_kib"].values()), mode
 
 
 def test_targets_listed(results: dict[str, Any]) -> None:
