@@ -93,16 +93,20 @@ def fork_hazard(control):
 def serve(shim_main, load_entrypoint):
     """The template's life: preload, report, then fork episodes until the control socket ends.
     Never returns: a thread the agent started must not hold up the exit."""
-    code = 1
+    me, code = os.getpid(), 1
     try:
         code = preload_and_loop(shim_main, load_entrypoint)
+    except SystemExit:
+        if os.getpid() != me:
+            raise  # a fork's worker ending the normal way, as in a fresh start
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        if os.getpid() == me:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            os._exit(code)
 
 
 def preload_and_loop(shim_main, load_entrypoint):
@@ -210,17 +214,18 @@ def fork(message, pipes, reply, own, shim_main, random_state):
         code = 1
         try:
             code = episode(message, pipes, own + [reply], shim_main, random_state)
+        except SystemExit:
+            raise  # the worker's normal exit (atexit, finalizers): up to the interpreter
         except BaseException:
             import traceback
 
             traceback.print_exc()
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(code)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
     for fd in pipes:
         os.close(fd)
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
