@@ -3,8 +3,9 @@
 1. ``demo__calc-1``: the example agent asks the LLM, runs bash, applies a patch, passes the
    eval script: ``ok``, reward 1.0. The server accepts only this episode's key, so the reward
    proves the key went through the handshake.
-2. ``demo__hang-1``: the LLM tells the agent to start a background tree and hang: ``timeout``,
-   and nothing of the tree is left.
+2. ``demo__hang-1``: the LLM tells the agent to start a background tree and hang: ``timeout``;
+   the agent is cancelled first, its clean-up is cut short after 2 s, and nothing of the tree
+   is left.
 3. ``demo__calc-1`` with a key the server was never given: ``agent_error`` (HTTP 401).
 
 The agent (``agent_root/``) and the records (``records/``) live next to this file, so that the
@@ -76,7 +77,9 @@ async def demo() -> int:
                 llm.add_session(key, demo_script(instance_id))
             kwargs = episode_kwargs({"agent_type": "swe"}, llm.base_url)
             kwargs["result_dir"] = str(log_dir)
-            spec = episode_spec({"kill_grace": 1.0}, root, timeout, log_dir)
+            # A short cancel_grace: the hung agent's bash thread never lets its clean-up
+            # finish, and the demo shows that being cut short without a 30 s wait.
+            spec = episode_spec({"kill_grace": 1.0, "cancel_grace": 2.0}, root, timeout, log_dir)
             print(f"  {instance_id}: {what} ...", flush=True)
             outcome = await run_episode(
                 spec, records[instance_id], kwargs=kwargs, secrets={"override_api_key": key}
