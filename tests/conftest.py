@@ -220,7 +220,16 @@ class Agents:
         return [p for p in procs if p.pid not in templates]
 
     def pid_files(self) -> dict[str, int]:
-        return {p.name: int(p.read_text()) for p in self.pids.iterdir() if p.read_text().strip()}
+        """The pids recorded so far. A ``.tmp`` file is a record being written: it may be
+        empty, or renamed between the listing and the read."""
+        found = {}
+        for path in self.pids.iterdir():
+            if path.suffix == ".tmp":
+                continue
+            text = path.read_text()
+            if text.strip():
+                found[path.name] = int(text)
+        return found
 
     def wait_pids(self, count: int, timeout: float = 10.0) -> dict[str, int]:
         return wait_for(
