@@ -544,16 +544,14 @@ def worker(hs, channel):
     kwargs = dict(hs.get("kwargs") or {})
     secrets = hs.pop("secrets", None) or {}
     kwargs.update(secrets)
-    # Freed when the agent's code raises: under a memory limit, the room to report its
-    # MemoryError (traceback, frame). Without it, that report itself could fail, by chance.
-    reserve = bytearray(1 << 20)
     try:
         value = target(hs["data"], **kwargs)
         del kwargs
         if hasattr(value, "__await__"):
             value = load_part("cancel").run_async(value)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are the agent's too
-        del reserve
+        if isinstance(exc, MemoryError):
+            take_report_room(hs)
         text = format_exc()
         sys.stderr.write(text)  # the log keeps it too
         code = 1
@@ -586,6 +584,21 @@ def load_entrypoint(entrypoint, agent_root):
     if not callable(target):
         raise TypeError("%s is a %s, not a function" % (entrypoint, type(target).__name__))
     return target
+
+
+def take_report_room(hs):
+    """After a MemoryError at the memory limit: raise the soft RLIMIT_DATA to the hard one,
+    which the parent set higher for this, so that formatting and sending the report cannot
+    fail for want of memory."""
+    limit = hs.get("rlimits", {}).get("RLIMIT_DATA")
+    if limit is None:
+        return
+    import resource
+
+    try:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit[1], limit[1]))
+    except (OSError, ValueError):
+        pass  # the agent lowered its hard limit: report with what is left
 
 
 def format_exc():

@@ -557,6 +557,35 @@ async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mech
 
 
 @both_starts
+async def test_a_memory_error_is_reported_with_no_room_left_below_the_limit(agents: Agents) -> None:
+    # Memory exhausted to the last small block, then an error whose report (message, traceback,
+    # frame) needs a few MiB more: only the room above the soft limit lets it reach the parent.
+    spec = agents.spec(
+        """
+        hoard = []
+        def run(data):
+            note = "n" * (3 << 19)  # 1.5 MiB, quoted by the message and the traceback
+            for size in (1 << 20, 1 << 12, 64):
+                try:
+                    while True:
+                        hoard.append(bytearray(size))
+                except MemoryError:
+                    pass
+            raise MemoryError(note)
+        """,
+        containment="session",
+        limits=isolate.Limits(memory_bytes=128 * 1024 * 1024),
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "crashed", outcome.summary()
+    assert outcome.reason == "memory limit 128 MiB"
+    assert outcome.error is not None
+    assert outcome.error.type == "MemoryError"
+    assert outcome.error.message.endswith("n" * 1000)
+    assert tree(agents) == []
+
+
+@both_starts
 async def test_a_cpu_limit_ends_the_episode_with_the_reason(agents: Agents) -> None:
     spec = agents.spec(
         "def run(d):\n    while True:\n        pass\n",

@@ -416,6 +416,12 @@ def size(n: int) -> str:
     return f"{n} bytes"
 
 
+#: Bytes above ``memory_bytes`` of the hard ``RLIMIT_DATA``. After a MemoryError the worker
+#: raises its soft limit to the hard one to format and send the report, which at the soft
+#: limit could itself fail. An agent could take this room too: 16 MiB a process, at most.
+REPORT_ROOM = 16 * 1024 * 1024
+
+
 @dataclass
 class Plan:
     """How one episode's limits are enforced at one level."""
@@ -443,8 +449,9 @@ def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Pla
         elif where == "v1":
             out.writes["memory"] = {"memory.limit_in_bytes": n, "memory.memsw.limit_in_bytes": n}
         else:
-            # Per process: a tree of N processes may use N times this.
-            out.rlimits["RLIMIT_DATA"] = (limits.memory_bytes, limits.memory_bytes)
+            # Per process: a tree of N processes may use N times this. The hard limit leaves
+            # the worker room to report its MemoryError (see REPORT_ROOM).
+            out.rlimits["RLIMIT_DATA"] = (limits.memory_bytes, limits.memory_bytes + REPORT_ROOM)
     if limits.max_processes is not None:
         # The supervisor counts too, and with a PID namespace its outer half (the relay).
         n = str(limits.max_processes + 1 + ("pidns" in on))
