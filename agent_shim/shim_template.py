@@ -101,12 +101,18 @@ def serve(shim_main, load_entrypoint):
             raise  # a fork's worker ending the normal way, as in a fresh start
     finally:
         if os.getpid() == me:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(code)
+            leave(code)
+
+
+def leave(code):
+    """Flush stdout and stderr, then end this process at once, without the interpreter's
+    shutdown: the template's and a fork's own, not the agent's."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def preload_and_loop(shim_main, load_entrypoint):
@@ -220,12 +226,7 @@ def fork(message, pipes, reply, own, shim_main, random_state):
             import traceback
 
             traceback.print_exc()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        leave(code)
     for fd in pipes:
         os.close(fd)
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
