@@ -158,6 +158,15 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
             "argument --kill-grace: must be a finite number of seconds of 0 or more, not 'inf'",
         ),
         (
+            ["run", "{record}", "--base-url", URL, "--cancel-grace", "-1"],
+            "argument --cancel-grace: must be a finite number of seconds of 0 or more, not '-1'",
+        ),
+        (
+            ["run", "{record}", "--base-url", URL, "--exit-grace", "nan"],
+            "argument --exit-grace: must be a finite number of seconds of 0 or more, not 'nan'",
+        ),
+        (["run", "--replay", "{tmp}", "--cancel-grace", "1"], "drop --cancel-grace"),
+        (
             ["run", "{record}", "--base-url", URL, "--status-interval", "0"],
             "argument --status-interval: must be a finite number of seconds greater than 0",
         ),
@@ -198,6 +207,24 @@ def test_invalid_json_record(agents: Agents) -> None:
     proc = isolate_cli("run", str(bad), "--base-url", URL)
     assert proc.returncode == 2
     assert "is not valid JSON" in proc.stderr
+
+
+def test_grace_flags_set_the_spec_and_the_record_overrides_them(agents: Agents) -> None:
+    plain = write_record(agents)
+    own = write_record(agents, "own")
+    record = json.loads(own.read_text())
+    record["econfig"]["cancel_grace"] = 4
+    own.write_text(json.dumps(record))
+    flags = ("--cancel-grace", "1.5", "--exit-grace", "0.25")
+    for record in (plain, own):
+        proc = isolate_cli(*run_args(agents, record, *flags))
+        assert proc.returncode == 0, proc.stderr
+    graces = {}
+    for bundle in bundles(agents):
+        spec = json.loads((bundle / "spec.json").read_text())
+        name = json.loads((bundle / "record.json").read_text())["instance_id"]
+        graces[name] = (spec["cancel_grace"], spec["exit_grace"])
+    assert graces == {"cli-1": (1.5, 0.25), "own": (4.0, 0.25)}
 
 
 def test_replay_reruns_the_bundle_with_a_new_key(agents: Agents) -> None:

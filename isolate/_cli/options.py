@@ -75,6 +75,16 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timeout", type=positive_seconds, help="seconds (default: 1800)")
     group.add_argument("--kill-grace", type=seconds, help="seconds from SIGTERM to SIGKILL (5)")
     group.add_argument(
+        "--cancel-grace",
+        type=seconds,
+        help="seconds a timed-out or cancelled agent gets to run its clean-up (30)",
+    )
+    group.add_argument(
+        "--exit-grace",
+        type=seconds,
+        help="seconds for the agent's normal exit after its result (10)",
+    )
+    group.add_argument(
         "--log-dir", type=Path, help="where bundles go (default: env LOG_DIR, ./logs)"
     )
     group.add_argument(

@@ -104,6 +104,8 @@ _AGENT_FLAGS = (
     "base_url",
     "timeout",
     "kill_grace",
+    "cancel_grace",
+    "exit_grace",
     "sandbox",
     "sandbox_write",
     "preload",

@@ -54,6 +54,8 @@ class Plan:
             "agent_config": args.agent_config,
             "llm_model": args.llm_model,
             "kill_grace": args.kill_grace,
+            "cancel_grace": args.cancel_grace,
+            "exit_grace": args.exit_grace,
             "preload": getattr(args, "preload", None),
         }
         self.econfig = {k: v for k, v in flags.items() if v is not None}
