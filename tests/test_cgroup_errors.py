@@ -4,6 +4,7 @@ so; none leaves a process behind."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -60,24 +61,39 @@ def test_the_shim_says_when_it_cannot_join_its_cgroup(agents: Agents, tmp_path: 
     assert not marker.exists()  # the agent was never imported
 
 
-# The agent makes a cgroup of its own inside its leaf: the leaf cannot be removed after it.
+# The agent makes a cgroup of its own inside its leaf and mounts a directory on it (it is root
+# and has no mount namespace at 'cgroup'): the kernel refuses to remove a mount point (EBUSY),
+# so neither the nested cgroup nor the leaf can go.
 NESTER = """
-import os
+import ctypes, os
+MS_BIND = 4096
 def run(data):
     path = open("/proc/self/cgroup").read().split("0::", 1)[1].split()[0]
     mount = next(l.split()[1] for l in open("/proc/self/mounts") if l.split()[2] == "cgroup2")
     leaf = mount + path
-    os.mkdir(os.path.join(leaf, "nested"))
+    nested = os.path.join(leaf, "nested")
+    os.mkdir(nested)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(data["empty"].encode(), nested.encode(), None, MS_BIND, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --bind")
     return 1.0, {"leaf": leaf}
 """
+
+
+def _unmount(path: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(str(path).encode(), 0) != 0:
+        raise OSError(ctypes.get_errno(), f"umount {path}")
 
 
 async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
     agents: Agents,
 ) -> None:
     v2_root()
+    empty = agents.tmp / "empty"
+    empty.mkdir()
     spec = agents.spec(NESTER, containment="cgroup")
-    outcome = await isolate.run_episode(spec, {})
+    outcome = await isolate.run_episode(spec, {"empty": str(empty)})
     leaf = Path(outcome.info["leaf"]) if isinstance(outcome.info, dict) else None
     try:
         assert outcome.status == "ok", outcome.summary()
@@ -89,6 +105,7 @@ async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
         assert "the next start of isolate removes it" in log
     finally:
         if leaf is not None:
+            _unmount(leaf / "nested")
             (leaf / "nested").rmdir()
             leaf.rmdir()
     assert agents.left() == []

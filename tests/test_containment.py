@@ -417,8 +417,11 @@ def test_stale_leaves_of_a_dead_parent_are_removed_on_the_next_start(agents: Age
             for name in (dead_name, alive_name):
                 (root / name / "crashed-episode.1").mkdir(parents=True)
         assert groups.v2 is not None
-        # A process still in the dead parent's leaf, as after a crash of the parent.
-        (groups.v2 / dead_name / "crashed-episode.1" / "cgroup.procs").write_text(str(victim.pid))
+        # A process still in the dead parent's leaf, as after a crash of the parent, in a
+        # cgroup its agent made inside the leaf.
+        nested = groups.v2 / dead_name / "crashed-episode.1" / "made-by-the-agent"
+        nested.mkdir()
+        (nested / "cgroup.procs").write_text(str(victim.pid))
 
         spec = agents.spec("def run(d):\n    return 1.0\n", containment="cgroup")
         fresh = subprocess.run(
@@ -437,9 +440,42 @@ def test_stale_leaves_of_a_dead_parent_are_removed_on_the_next_start(agents: Age
             proc.wait()
         for root in roots:
             for name in (dead_name, alive_name):
-                for leaf in [root / name / "crashed-episode.1", root / name]:
+                episode = root / name / "crashed-episode.1"
+                for leaf in [episode / "made-by-the-agent", episode, root / name]:
                     if leaf.exists():
                         leaf.rmdir()
+
+
+NESTING_AGENT = """
+import os, subprocess
+def run(data):
+    # The agent's own v2 cgroup (the episode's leaf), and one it makes inside, as a container
+    # runtime would, with a process of its own in it.
+    mount = [l.split()[1] for l in open("/proc/self/mounts") if l.split()[2] == "cgroup2"][0]
+    path = [l for l in open("/proc/self/cgroup") if l.startswith("0::")][0][3:].strip()
+    leaf = mount + path
+    os.mkdir(leaf + "/made-by-the-agent")
+    child = subprocess.Popen(["sleep", "300"])
+    with open(leaf + "/made-by-the-agent/cgroup.procs", "w") as f:
+        f.write(str(child.pid))
+    with open(data["out"], "w") as f:
+        f.write(leaf)
+    return 1.0
+"""
+
+
+async def test_a_cgroup_the_agent_made_inside_its_leaf_goes_with_the_leaf(agents: Agents) -> None:
+    needs("cgroup")
+    out = agents.tmp / "leaf"
+    spec = agents.spec(NESTING_AGENT, containment="cgroup")
+    outcome = await isolate.run_episode(spec, {"out": str(out)})
+    assert outcome.status == "ok", outcome.summary()
+    leaf = Path(out.read_text())
+    assert leaf.parent.name == _containment._owner_name()
+    assert leaf.name.startswith(outcome.episode_id + ".")
+    assert not await anyio.Path(leaf).exists()
+    assert outcome.killed >= 1  # the sleep in the nested cgroup
+    assert tree(agents) == []
 
 
 # --- resource limits --------------------------------------------------------------------------

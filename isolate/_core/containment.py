@@ -636,7 +636,7 @@ class Leaves:
             parent = self.parents[kind]
             with _dir_lock:
                 try:
-                    leaf.rmdir()
+                    _rmdir_tree(leaf)
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
@@ -659,6 +659,15 @@ def _write_each(path: Path, values: Iterable[str]) -> None:
             path.write_text(value)
         except OSError:
             continue  # not offered here: that controller's limit falls back or was refused
+
+
+def _rmdir_tree(leaf: Path) -> None:
+    """Remove ``leaf`` and the cgroups made inside it (a root agent, or a container runtime,
+    may make some), deepest first: rmdir refuses a cgroup that has children. Raises OSError."""
+    for where, children, _ in os.walk(leaf, topdown=False):
+        for child in children:
+            os.rmdir(os.path.join(where, child))
+    leaf.rmdir()
 
 
 def _procs(leaf: Path) -> list[int]:
@@ -738,7 +747,7 @@ def clean_stale(roots: Iterable[Path]) -> int:
                     _kill_leaf(leaf)
                     time.sleep(0.005)
                 try:
-                    leaf.rmdir()
+                    _rmdir_tree(leaf)
                     removed += 1
                 except OSError:
                     continue
