@@ -24,6 +24,7 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
 Frames are single JSON lines carrying the handshake's nonce. See docs/protocol.md.
 """
 
+import gc
 import os
 import select
 import sys
@@ -927,6 +928,11 @@ def main():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
     supervisor = os.getpid()
+    # The shim's own objects, never collected in the worker: its collector (and the final
+    # collections of its normal exit) would write to each one's header, copying every page of
+    # the supervisor's heap it shares. The agent's objects, all made after the fork, are
+    # collected as usual.
+    gc.freeze()
     pid = os.fork()
     if pid == 0:
         code = 1

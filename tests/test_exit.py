@@ -34,7 +34,14 @@ async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
             log = logging.getLogger("agent")
             log.addHandler(handler)
             log.warning("last record")
+            node = Mark()
+            node.self = node  # a cycle: only the collector at exit finalises it
+            del node
             return 1.0
+        class Mark:
+            def __del__(self):
+                with open(os.path.join(OUT, "in-a-cycle"), "w") as f:
+                    f.write("finalised by the collector")
         """,
         env={"PID_DIR": str(agents.pids), "OUT": str(out)},
     )
@@ -46,6 +53,7 @@ async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
     assert scratch.startswith(str(out))
     assert Path(scratch).name not in {p.name for p in out.iterdir()}
     assert (out / "agent.log").read_text() == "last record\n"
+    assert (out / "in-a-cycle").read_text() == "finalised by the collector"
     assert outcome.exit_code == 0
 
 
