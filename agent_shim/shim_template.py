@@ -93,15 +93,11 @@ def fork_hazard(control):
 def serve(shim_main, load_entrypoint):
     """The template's life: preload, report, then fork episodes until the control socket ends.
     Never returns: a thread the agent started must not hold up the exit."""
-    me, code = os.getpid(), 1
+    code = 1
     try:
         code = preload_and_loop(shim_main, load_entrypoint)
-    except SystemExit:
-        if os.getpid() != me:
-            raise  # a fork's worker ending the normal way, as in a fresh start
     finally:
-        if os.getpid() == me:
-            leave(code)
+        leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
 
 
 def leave(code):
@@ -220,8 +216,6 @@ def fork(message, pipes, reply, own, shim_main, random_state):
         code = 1
         try:
             code = episode(message, pipes, own + [reply], shim_main, random_state)
-        except SystemExit:
-            raise  # the worker's normal exit (atexit, finalizers): up to the interpreter
         except BaseException:
             import traceback
 

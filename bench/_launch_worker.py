@@ -62,7 +62,7 @@ def os_exit_shim(workdir: Path) -> Path:
     )
     shim = target / "shim.py"
     text = shim.read_text()
-    normal = "        raise SystemExit(code)\n"
+    normal = "        leave_worker(code)\n"
     if text.count(normal) != 1:
         raise RuntimeError("the shim's normal exit is not where bench expects it")
     shim.write_text(text.replace(normal, "        os._exit(code)\n"))

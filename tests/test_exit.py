@@ -4,6 +4,7 @@ look like a program's, not the shim's."""
 
 from __future__ import annotations
 
+import gzip
 import time
 from pathlib import Path
 
@@ -11,17 +12,20 @@ import pytest
 
 import isolate
 
-from .conftest import SLOW, Agents, episode_processes
+from .conftest import SLOW, Agents, both_starts, episode_processes
+from .test_multiprocessing import interpreters
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
+@both_starts
+@pytest.mark.parametrize("python", interpreters())
+async def test_the_normal_exit_loses_nothing(agents: Agents, python: str) -> None:
     out = agents.tmp / "out"
     out.mkdir()
     spec = agents.spec(
         """
-        import atexit, logging, os, tempfile
+        import atexit, gzip, logging, os, tempfile
         OUT = os.environ["OUT"]
         def run(data):
             trajectory = open(os.path.join(OUT, "trajectory.jsonl"), "w")
@@ -37,6 +41,12 @@ async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
             node = Mark()
             node.self = node  # a cycle: only the collector at exit finalises it
             del node
+            # Alive at exit, in module globals: closed at exit, as plain python's teardown would.
+            global steps, archive
+            steps = open(os.path.join(OUT, "steps.txt"), "w")
+            steps.write("kept\\n")
+            archive = gzip.open(os.path.join(OUT, "steps.gz"), "wt")
+            archive.write("kept too\\n")  # readable only once the trailer is written, at close
             return 1.0
         class Mark:
             def __del__(self):
@@ -44,6 +54,7 @@ async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
                     f.write("finalised by the collector")
         """,
         env={"PID_DIR": str(agents.pids), "OUT": str(out)},
+        python=python,
     )
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "ok", outcome.summary()
@@ -54,6 +65,8 @@ async def test_the_normal_exit_loses_nothing(agents: Agents) -> None:
     assert Path(scratch).name not in {p.name for p in out.iterdir()}
     assert (out / "agent.log").read_text() == "last record\n"
     assert (out / "in-a-cycle").read_text() == "finalised by the collector"
+    assert (out / "steps.txt").read_text() == "kept\n"
+    assert gzip.decompress((out / "steps.gz").read_bytes()) == b"kept too\n"
     assert outcome.exit_code == 0
 
 
