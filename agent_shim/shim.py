@@ -748,15 +748,35 @@ def process_table():
     for name in names:
         if not name.isdigit():
             continue
-        try:
-            with open("/proc/%s/stat" % name, "rb") as f:
-                stat = f.read()
-        except OSError:
+        stat = read_stat("/proc/%s/stat" % name)
+        if stat is None:
             continue
         # The command name may hold spaces and parentheses: split after the last ')'.
         rest = stat[stat.rfind(b")") + 2 :].split()
         table[int(name)] = (int(rest[1]), rest[0].decode())
     return table
+
+
+def read_stat(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def has_live_thread(pid):
+    """Whether a thread of ``pid`` can still run. A process whose main thread exited
+    (``pthread_exit``) reads as a zombie while its other threads run on."""
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return False
+    for tid in tids:
+        stat = read_stat("/proc/%d/task/%s/stat" % (pid, tid))
+        if stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in b"ZXx":
+            return True
+    return False
 
 
 def live_descendants(root):
@@ -768,7 +788,7 @@ def live_descendants(root):
     while stack:
         pid = stack.pop()
         stack.extend(children.get(pid, ()))
-        if table[pid][1] not in "ZX":
+        if table[pid][1] not in "ZX" or has_live_thread(pid):
             found.append(pid)
     return found
 
@@ -795,9 +815,15 @@ def signal_all(pids, sig):
             pass
 
 
-def kill_tree(worker_pid, status, grace, reaper):
+# After SIGKILL, how long the supervisor waits for its tree to be gone before it leaves the rest
+# to the parent's sweep, or, as PID 1 of a namespace, to the kernel (seconds).
+KILL_WAIT = 5.0
+
+
+def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
     """SIGTERM+SIGCONT every descendant, SIGKILL what is left after ``grace`` seconds, and reap
-    everything. Returns (number of processes signalled, worker's wait status)."""
+    everything; at most ``grace`` + KILL_WAIT seconds, and with the parent's pipe at EOF at most
+    PARENT_GONE_GRACE + KILL_WAIT. Returns (number of processes signalled, worker's status)."""
     status, clear = reap(worker_pid, status)
     if clear and reaper:
         # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
@@ -807,29 +833,48 @@ def kill_tree(worker_pid, status, grace, reaper):
     me = os.getpid()
     victims = set()
     end = time.monotonic() + grace
+    poller = None
+    if parent_fd is not None:
+        poller = select.poll()
+        poller.register(parent_fd, select.POLLIN)
     delay = 0.002
     while True:
-        status, _ = reap(worker_pid, status)
+        status, clear = reap(worker_pid, status)
         live = live_descendants(me)
-        if not live:
-            # Reap the dead too: an unreaped zombie's own children would be handed to init.
-            status, clear = reap(worker_pid, status)
-            if clear:
-                return len(victims), status
-            time.sleep(delay)
-            continue
+        now = time.monotonic()
+        if not live and clear:
+            return len(victims), status
+        if now > end + KILL_WAIT:
+            # Something is stuck in the kernel (D state), or a child cannot be reaped: the
+            # parent's sweep (or the namespace's end) takes over.
+            return len(victims), status
+        # Not live yet not reaped: a zombie whose children are reparented as we look. Reap
+        # the dead too: an unreaped zombie's own children would be handed to init.
         fresh = [pid for pid in live if pid not in victims]
         victims.update(fresh)
-        if time.monotonic() < end:
+        if now < end:
             signal_all(fresh, signal.SIGTERM)
             signal_all(fresh, signal.SIGCONT)  # after: a stopped process meets SIGTERM pending
         else:
             signal_all(live, signal.SIGKILL)
-            if time.monotonic() > end + 5.0:
-                # Something is stuck in the kernel (D state); the parent's sweep takes over.
-                return len(victims), status
-        time.sleep(delay)
+        if poller is None:
+            time.sleep(delay)
+        else:
+            for _ in poller.poll(delay * 1000):
+                if parent_eof(parent_fd):
+                    poller = None
+                    end = min(end, time.monotonic() + PARENT_GONE_GRACE)
         delay = min(delay * 2, 0.02)
+
+
+def parent_eof(fd):
+    """Read what the parent sent (a cancel request, ignored this late); True at EOF."""
+    try:
+        return not os.read(fd, 4096)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reaper, pending):
@@ -896,7 +941,8 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
                     channel.send("cleanup", how=how)
                 except OSError:
                     pass
-    killed, status = kill_tree(worker_pid, status, grace, reaper)
+    watch = None if why == "parent gone" else parent_fd
+    killed, status = kill_tree(worker_pid, status, grace, reaper, watch)
     done = {"why": why, "killed": killed, "exit_code": None, "signal": None}
     if status is not None:
         status, done["cpu_s"] = status

@@ -20,6 +20,7 @@ import pytest
 import isolate
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
+from isolate._core.tree import has_live_thread
 
 # The skip summary line, and no skipped containment test on CI (see tests/_skips.py);
 # pytester, to prove that.
@@ -56,12 +57,14 @@ async def wait_until(predicate: Callable[[], Any], seconds: float = 10.0) -> Non
 
 
 def is_gone(pid: int, create_time: float | None = None) -> bool:
-    """Gone means: no such pid, a zombie, or the pid now belongs to a newer process."""
+    """Gone means: no such pid, no live thread (a zombie whose every thread exited), or the pid
+    now belongs to a newer process. A process whose main thread exited reads as a zombie while
+    its other threads run on: it is not gone."""
     try:
         proc = psutil.Process(pid)
         if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
             return True
-        return proc.status() == psutil.STATUS_ZOMBIE
+        return proc.status() == psutil.STATUS_ZOMBIE and not has_live_thread(pid)
     except psutil.NoSuchProcess:
         return True
 
@@ -83,7 +86,7 @@ def episode_processes(marker: bytes = b"") -> list[psutil.Process]:
         if b"\0" + needle in environ and marker in environ:
             try:
                 proc = psutil.Process(int(name))
-                if proc.status() != psutil.STATUS_ZOMBIE:
+                if proc.status() != psutil.STATUS_ZOMBIE or has_live_thread(proc.pid):
                     found.append(proc)
             except psutil.Error:
                 continue
@@ -94,7 +97,7 @@ def live_children() -> list[psutil.Process]:
     out = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.status() != psutil.STATUS_ZOMBIE or has_live_thread(proc.pid):
                 out.append(proc)
         except psutil.Error:
             continue

@@ -187,6 +187,86 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> Non
         assert not any(owner.exists() for owner in owners)
 
 
+# A process whose main thread exits (pthread_exit) while another thread runs on: its state
+# letter reads Z, psutil calls it a zombie, and it cannot be reaped, yet it runs. It ignores
+# SIGTERM, so only SIGKILL (or cgroup.kill, or the namespace's end) takes it.
+ZOMBIE_LEADER = r"""
+import ctypes, os, signal, subprocess, sys, threading, time
+
+LEADER = (
+    "import ctypes, signal, threading, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "threading.Thread(target=time.sleep, args=(3600,)).start(); "
+    "ctypes.CDLL(None).pthread_exit(None)"
+)
+
+def state(pid):
+    stat = open("/proc/%d/stat" % pid).read()
+    return stat[stat.rfind(")") + 2]
+
+def run(data):
+    child = subprocess.Popen([sys.executable, "-c", LEADER])
+    for _ in range(1000):
+        if state(child.pid) == "Z" and len(os.listdir("/proc/%d/task" % child.pid)) >= 2:
+            break
+        time.sleep(0.01)
+    else:
+        return 0.0  # never became a running zombie: the test below fails on the reward
+    open(os.path.join(os.environ["PID_DIR"], "ready"), "w").close()
+    if data.get("hang"):
+        time.sleep(300)
+    return 1.0
+"""
+
+
+async def test_a_zombie_leader_does_not_outlive_a_normal_end(
+    agents: Agents, combination: str
+) -> None:
+    spec = agents.spec(ZOMBIE_LEADER, kill_grace=0.5, containment=combination)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.reward == 1.0  # the leader did read as a zombie with a live thread
+    assert outcome.containment == combination
+    assert tree(agents) == []
+    assert outcome.killed >= 1
+    # The agent was done at once: teardown, not the parent's deadline, ended the episode.
+    assert outcome.duration_s <= spec.kill_grace + 5.0 * SLOW
+
+
+async def test_a_zombie_leader_does_not_outlive_a_timeout(agents: Agents, combination: str) -> None:
+    spec = agents.spec(
+        ZOMBIE_LEADER, timeout=3.0, kill_grace=0.5, cancel_grace=1.0, containment=combination
+    )
+    outcome = await isolate.run_episode(spec, {"hang": True})
+    assert outcome.status == "timeout", outcome.summary()
+    assert (agents.pids / "ready").exists()
+    assert tree(agents) == []
+    assert outcome.duration_s <= spec.timeout + spec.cancel_grace + spec.kill_grace + 1.0 * SLOW
+
+
+def test_a_zombie_leader_does_not_outlive_the_parent(agents: Agents, combination: str) -> None:
+    spec = agents.spec(
+        ZOMBIE_LEADER, timeout=120.0, kill_grace=5.0, cancel_grace=1.0, containment=combination
+    )
+    hang = textwrap.dedent(PARENT).replace("spec, {})", 'spec, {"hang": True})')
+    assert hang != textwrap.dedent(PARENT)
+    parent = subprocess.Popen([sys.executable, "-c", hang, spec.model_dump_json()])
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the zombie leader")
+        seen = tree(agents)
+        assert seen
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        # The shim's bound after its parent's death: the agent's clean-up, then 2 s.
+        wait_for(lambda: not tree(agents), spec.cancel_grace + 2.0, "the episode to end")
+        assert all_gone(seen)
+    finally:
+        parent.kill()
+        parent.wait()
+    if "cgroup" in _containment.layers(combination):
+        groups = _containment.cgroups()
+        _containment.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
+
+
 ESCAPER = """
 import os, signal, subprocess, sys, time
 

@@ -6,7 +6,8 @@ outlive it), and, on Linux, processes whose environment carries the episode tag 
 a process that left both, after the shim died). At the cgroup level the episode's leaves
 are a fourth, authoritative source, and SIGKILL starts with ``cgroup.kill``; the scans stay as
 a safety net. Processes are identified by pid *and* creation time, so a recycled pid is never
-signalled; a zombie counts as gone.
+signalled. A process counts as gone only when none of its threads can run: one whose main
+thread exited (``pthread_exit``) reads as a zombie while its other threads run on.
 
 These scans read /proc and are run in a worker thread, never on the event loop.
 """
@@ -32,6 +33,8 @@ class Box(Protocol):
 
     def members(self) -> list[int]: ...
 
+    def populated(self) -> bool: ...
+
     def kill(self) -> None: ...
 
 
@@ -40,11 +43,34 @@ def _key(proc: psutil.Process) -> _Key:
 
 
 def is_alive(proc: psutil.Process) -> bool:
-    """True unless the process is gone, a zombie, or its pid now belongs to another process."""
+    """True unless the process has no live thread, or its pid now belongs to another process."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        if not proc.is_running():
+            return False
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return True
     except psutil.Error:
         return False
+    return has_live_thread(proc.pid)
+
+
+def has_live_thread(pid: int) -> bool:
+    """Whether any thread of ``pid`` is other than dead or a zombie (Linux: its tasks in
+    /proc). The state letter of the process is its main thread's only."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: the state follows the last ')'.
+        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X", b"x"):
+            return True
+    return False
 
 
 def _session_members(sid: int) -> list[int]:
@@ -165,8 +191,13 @@ class Episode:
         kill_sent = False
         while True:
             live = await anyio.to_thread.run_sync(self.live)
-            if not live or time.monotonic() > give_up:
+            if time.monotonic() > give_up:
                 return killed
+            if not live:
+                if self.box is None or not await anyio.to_thread.run_sync(self.box.populated):
+                    return killed
+                # Nothing any scan can see, yet the leaf is not empty: kill it whole.
+                await anyio.to_thread.run_sync(self.box.kill)
             sig = signal.SIGTERM if time.monotonic() < term_deadline else signal.SIGKILL
             if sig == signal.SIGTERM:
                 fresh = [p for p in live if _safe_key(p) not in self._signalled]
