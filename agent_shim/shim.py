@@ -534,13 +534,10 @@ def worker(hs, channel):
         text = format_exc()
         sys.stderr.write(text)
         tried = "sys.path starts %s" % (sys.path[:3],)
-        channel.send(
-            "error",
-            kind="setup",
-            type=type(exc).__name__,
-            message="cannot load entrypoint %s (%s): %s" % (hs["entrypoint"], tried, exc),
-            traceback=text,
-        )
+        message = "cannot load entrypoint %s (%s): %s" % (hs["entrypoint"], tried, exc)
+        values = list((hs.get("secrets") or {}).values()) + list(secret_env.values())
+        fields = report(message, text, values)
+        channel.send("error", kind="setup", type=type(exc).__name__[:200], **fields)
         return 1
     kwargs = dict(hs.get("kwargs") or {})
     secrets = hs.pop("secrets", None) or {}
@@ -558,13 +555,8 @@ def worker(hs, channel):
         code = 1
         if isinstance(exc, SystemExit):
             code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        channel.send(
-            "error",
-            kind="agent",
-            type=type(exc).__name__,
-            message=_exc_message(exc),
-            traceback=text,
-        )
+        fields = report(_exc_message(exc), text, list(secrets.values()) + list(secret_env.values()))
+        channel.send("error", kind="agent", type=type(exc).__name__[:200], **fields)
         return code & 0xFF
     limit = hs.get("max_info_bytes", 1 << 20)
     values = list(secrets.values()) + list(secret_env.values())
@@ -585,6 +577,28 @@ def load_entrypoint(entrypoint, agent_root):
     if not callable(target):
         raise TypeError("%s is a %s, not a function" % (entrypoint, type(target).__name__))
     return target
+
+
+# What of an error the parent keeps (characters): the start of its message, the end of its
+# traceback (where it was raised). Cut here, so that the frame fits the parent's cap.
+MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS = 64 * 1024, 256 * 1024
+
+
+def report(message, traceback, secrets):
+    """An error frame's message and traceback, cut to what the parent keeps; never through a
+    secret (the log has both whole)."""
+    room = 64  # for the note of what was cut: the whole stays within the parent's limit
+    if len(message) > MAX_MESSAGE_CHARS:
+        cut_at = len(cut(message, MAX_MESSAGE_CHARS - room, secrets))
+        message = "%s [... %d more characters]" % (message[:cut_at], len(message) - cut_at)
+    if len(traceback) > MAX_TRACEBACK_CHARS:
+        start = len(traceback) - MAX_TRACEBACK_CHARS + room
+        for secret in secrets:
+            found = traceback.find(secret, max(0, start - len(secret) + 1)) if secret else -1
+            if 0 <= found < start:
+                start = found + len(secret)  # it spans the cut: keep none of it
+        traceback = "[%d characters cut ...]\n%s" % (start, traceback[start:])
+    return {"message": message, "traceback": traceback}
 
 
 def leave_worker(code):

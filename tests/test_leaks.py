@@ -307,7 +307,7 @@ async def test_the_check_finds_a_key_when_scrubbing_is_off(
     value: Any,
 ) -> None:
     # As the code was before the scrubbing moved into parse_line: frames kept as sent.
-    monkeypatch.setattr(Redactor, "json", lambda self, v: v)
+    monkeypatch.setattr(proto, "_clean_json", lambda value, redact: value)
     data = {"frames": frames_with(model, field, value), "stderr": ""}
     outcome = await run_fake(tmp_path, data, "unscrubbed")
     found = leaks(outcome)

@@ -28,6 +28,9 @@ import agent_shim.shim
 import isolate
 from isolate._core import launcher as _launcher
 from isolate._core.protocol import (
+    MAX_DEPTH,
+    MAX_MESSAGE_CHARS,
+    MAX_TRACEBACK_CHARS,
     Done,
     Error,
     Hello,
@@ -37,6 +40,7 @@ from isolate._core.protocol import (
     Result,
     Violation,
     parse_line,
+    shape,
 )
 from isolate._core.redact import MASK, Redactor
 
@@ -273,6 +277,45 @@ FAKES = {
         "ok",
         reward=0.25,
     ),
+    "a frame over max_info_bytes + 8 MiB": Fake(
+        # Under max_frame_bytes, but no frame with an info of 1 KiB needs 9 MiB.
+        """
+        hello()
+        raw(frame("result", reward=1.0, info="x" * (9 * 1024 * 1024)))
+        done()
+        """,
+        "protocol_error",
+        (r"over max_info_bytes \+ 8 MiB \(8389632\), less than max_frame_bytes",),
+        spec={"max_info_bytes": 1024},
+    ),
+    "a last result without its newline": Fake(
+        "hello(); raw(frame('result', reward=0.5, info=None)[:-1])",
+        "ok",
+        reward=0.5,
+    ),
+    "eof in the middle of the result": Fake(
+        "hello(); raw(frame('result', reward=0.5, info={'a': 'b' * 100})[:60])",
+        "protocol_error",
+        (r"incomplete frame at EOF", r"\b60 bytes"),
+    ),
+    "a result whose info is over max_info_bytes": Fake(
+        "hello(); result(1.0, info=['x' * 100] * 200); done()",
+        "protocol_error",
+        (r"info of \d+ bytes is over max_info_bytes \(1024\)",),
+        spec={"max_info_bytes": 1024},
+    ),
+    "a result nested deeper than the limit": Fake(
+        'hello(); raw(b\'{"t": "result", "nonce": "%s", "reward": 1, "info": %s}\\n\''
+        " % (N.encode(), b'[' * 65 + b']' * 65)); done()",
+        "protocol_error",
+        (r"nested deeper than 64 levels",),
+    ),
+    "an error message with a lone surrogate": Fake(
+        'hello(); raw(b\'{"t": "error", "nonce": "%s", "kind": "agent", '
+        '"type": "E", "message": "bad \\\\ud800 end"}\\n\' % N.encode()); done(1)',
+        "agent_error",
+        (r"^bad \\ud800 end$",),
+    ),
 }
 
 
@@ -473,6 +516,25 @@ def test_real_shim_without_a_handshake(tmp_path: Path, handshake: bytes | None) 
     assert done.returncode == 2
     assert done.stdout == b""
     assert b"handshake" in done.stderr
+
+
+def test_the_shim_cuts_errors_to_what_the_parent_keeps() -> None:
+    assert agent_shim.shim.MAX_MESSAGE_CHARS == MAX_MESSAGE_CHARS
+    assert agent_shim.shim.MAX_TRACEBACK_CHARS == MAX_TRACEBACK_CHARS
+    secret = "sk-" + "s" * 40
+    message = "m" * (MAX_MESSAGE_CHARS - 80) + secret + "m" * 100
+    traceback = "t" * 100 + secret + "t" * (MAX_TRACEBACK_CHARS - 80) + "END"
+    fields = agent_shim.shim.report(message, traceback, [secret])
+    assert len(fields["message"]) <= MAX_MESSAGE_CHARS
+    assert len(fields["traceback"]) <= MAX_TRACEBACK_CHARS
+    assert "s" * 12 not in fields["message"] + fields["traceback"]  # never half a secret
+    assert fields["message"].startswith("m" * 1000)
+    assert fields["message"].endswith(
+        f"[... {len(message) - MAX_MESSAGE_CHARS + 80} more characters]"
+    )
+    assert fields["traceback"].endswith("t" * 1000 + "END")
+    small = agent_shim.shim.report("short", "tb", [secret])
+    assert small == {"message": "short", "traceback": "tb"}
 
 
 def test_shim_protocol_version_matches() -> None:
@@ -692,6 +754,104 @@ def test_parse_line_examples() -> None:
     assert "killed" in item.message
 
 
+def json_count_and_depth(value: Any) -> tuple[int, int]:
+    """How many JSON values (keys included) ``value`` holds, and how deep it nests."""
+    if isinstance(value, dict):
+        inner = [json_count_and_depth(v) for v in value.values()]
+        return 1 + len(value) + sum(c for c, _ in inner), 1 + max((d for _, d in inner), default=0)
+    if isinstance(value, list):
+        inner = [json_count_and_depth(v) for v in value]
+        return 1 + sum(c for c, _ in inner), 1 + max((d for _, d in inner), default=0)
+    return 1, 0
+
+
+@QUICK
+@given(value=json_values, indent=st.sampled_from([None, 1]))
+@example(value={"a\\": ['"', '\\"', "[{", []]}, indent=None)
+def test_shape_bounds_what_a_parse_would_build(value: Any, indent: int | None) -> None:
+    line = json.dumps(value, indent=indent).encode()
+    count, depth = json_count_and_depth(value)
+    measured = shape(line)
+    assert measured is not None
+    assert measured[0] >= count  # an upper bound: the memory a parse needs is known before
+    assert measured[1] == depth
+
+
+@pytest.mark.parametrize(
+    "line", [b'"unterminated', b"[[]", b"{}}", b'["a\\"]', b"[" * 100, b'{"a": "b"}]']
+)
+def test_shape_refuses_what_cannot_be_json(line: bytes) -> None:
+    assert shape(line) is None
+
+
+def test_shape_caps_the_depth_it_counts() -> None:
+    assert shape(b"[" * 64 + b"]" * 64) == (65, 64)
+    assert shape(b"[" * 100_000 + b"]" * 100_000) == (100_001, MAX_DEPTH + 1)
+
+
+def result_line(info: bytes, nonce: str = NONCE) -> bytes:
+    return b'{"t":"result","nonce":"%s","reward":1.0,"info":%s}' % (nonce.encode(), info)
+
+
+def test_parse_line_measures_before_it_parses() -> None:
+    # 700,000 empty dicts: ~60 MB once parsed, refused from their count alone.
+    many = b"[" + b",".join([b"{}"] * 700_000) + b"]"
+    item = parse_line(result_line(many), NONCE, NO_SECRETS)
+    assert isinstance(item, Violation)
+    assert "JSON values, over the limit" in item.message
+    # Without this episode's nonce the same line is noise, read no further.
+    item = parse_line(result_line(many, "f" * 32), NONCE, NO_SECRETS)
+    assert isinstance(item, Noise)
+    # The frame's own object is a level: its info may nest 63 deep.
+    deep = b"[" * 64 + b"]" * 64
+    item = parse_line(result_line(deep), NONCE, NO_SECRETS)
+    assert isinstance(item, Violation)
+    assert item.message == "a frame nested deeper than 64 levels"
+    ok = parse_line(result_line(b"[" * 63 + b"]" * 63), NONCE, NO_SECRETS)
+    assert isinstance(ok, Result)
+
+
+def test_parse_line_holds_the_child_to_max_info_bytes() -> None:
+    value = ["y" * 1000] * 20
+    size = len(json.dumps(value))  # measured as the shim measures it
+    info = json.dumps(value, separators=(",", ":")).encode()
+    assert isinstance(parse_line(result_line(info), NONCE, NO_SECRETS, size), Result)
+    # The slack is for the shim's own summary of an info it cut; past it, the child lied.
+    item = parse_line(result_line(info), NONCE, NO_SECRETS, size - 8193)
+    assert isinstance(item, Violation)
+    expected = f"'result' frame's info of {size} bytes is over max_info_bytes ({size - 8193})"
+    assert expected in item.message
+
+
+def test_parse_line_makes_every_string_encodable() -> None:
+    line = b'{"t":"error","nonce":"%s","kind":"agent","type":"E\\udc80","message":"a\\ud800",'
+    line += b'"traceback":"","x\\udfff":{"\\ud801":["\\udbff"]}}'
+    item = parse_line(line % NONCE.encode(), NONCE, NO_SECRETS)
+    assert isinstance(item, Error)
+    assert (item.type, item.message) == ("E\\udc80", "a\\ud800")
+    item.model_dump_json().encode("utf-8")
+
+
+def test_an_error_frame_keeps_bounded_text() -> None:
+    line = json.dumps(
+        {
+            "t": "error",
+            "nonce": NONCE,
+            "kind": "agent",
+            "type": "E",
+            "message": "m" * 100_000,
+            "traceback": "t" * 300_000 + "END",
+        }
+    ).encode()
+    item = parse_line(line, NONCE, NO_SECRETS)
+    assert isinstance(item, Error)
+    assert item.message.startswith("m" * 1000)
+    assert item.message.endswith(f"[... {100_000 - MAX_MESSAGE_CHARS} more characters]")
+    assert len(item.message) < MAX_MESSAGE_CHARS + 100
+    assert item.traceback.endswith("END")
+    assert item.traceback.startswith(f"[{300_003 - MAX_TRACEBACK_CHARS} characters cut ...]")
+
+
 # --- properties of the line splitter ----------------------------------------------------------
 
 streams = st.lists(
@@ -889,9 +1049,9 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
     where: list[tuple[int, bool]] = []  # (bytes, parsed on the event loop's thread)
     parse = _launcher.proto.parse_line
 
-    def recording_parse(line: bytes, nonce: str, redact: Redactor) -> Any:
+    def recording_parse(line: bytes, nonce: str, redact: Redactor, max_info: int) -> Any:
         where.append((len(line), threading.current_thread() is threading.main_thread()))
-        return parse(line, nonce, redact)
+        return parse(line, nonce, redact, max_info)
 
     monkeypatch.setattr(_launcher.proto, "parse_line", recording_parse)
     big = 300 * 1024

@@ -123,7 +123,8 @@ class EpisodeSpec(BaseModel):
     stderr_tail_bytes: int = Field(default=64 * 1024, ge=0)
     """How many of the last stderr bytes the outcome keeps."""
     max_frame_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
-    """Largest protocol frame accepted from the child, in bytes."""
+    """Largest protocol frame accepted from the child, in bytes; at most ``max_info_bytes``
+    + 8 MiB is, whatever this says."""
     max_info_bytes: int = Field(default=1024 * 1024, ge=0)
     """Largest JSON ``info`` (the entrypoint's extra) kept, in bytes; larger is truncated."""
     containment: Containment = "auto"

@@ -205,7 +205,8 @@ class _Run:
         self.done: proto.Done | None = None
         self.violations: list[str] = []
         self.noise = 0
-        self.splitter = proto.LineSplitter(spec.max_frame_bytes)
+        self.frame_cap = proto.frame_cap(spec.max_frame_bytes, spec.max_info_bytes)
+        self.splitter = proto.LineSplitter(self.frame_cap)
         self.timed_out = False
         self.cancel_until: float | None = None  # set once the agent was asked to cancel
         self.cleanup: Cleanup | None = None
@@ -486,7 +487,9 @@ class _Run:
         deadline = self.spawned + self.spec.timeout  # the timeout counts from spawn
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._write_handshake)
-            tg.start_soon(self._pump, self._fd("stdout"), self._on_stdout, self.stdout_eof)
+            tg.start_soon(
+                self._pump, self._fd("stdout"), self._on_stdout, self.stdout_eof, self._at_eof
+            )
             tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, self.stderr_eof)
             with anyio.move_on_after(deadline - time.monotonic()):
                 await self._wait_exit()
@@ -602,7 +605,9 @@ class _Run:
         # The pumps went with the cancelled task group: the agent's clean-up must not block on
         # a full pipe, and the shim's report must be read.
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._pump, self._fd("stdout"), self._on_stdout, anyio.Event())
+            tg.start_soon(
+                self._pump, self._fd("stdout"), self._on_stdout, anyio.Event(), self._at_eof
+            )
             tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, anyio.Event())
             await self._end_early()
             tg.cancel_scope.cancel()
@@ -650,7 +655,13 @@ class _Run:
             await anyio.wait_writable(self._fd("stdin"))
         # stdin stays open: its EOF is how the shim learns that the parent died.
 
-    async def _pump(self, fd: int, sink: Callable[[bytes], Any], eof: anyio.Event) -> None:
+    async def _pump(
+        self,
+        fd: int,
+        sink: Callable[[bytes], Any],
+        eof: anyio.Event,
+        at_eof: Callable[[], Any] | None = None,
+    ) -> None:
         try:
             while True:
                 try:
@@ -661,6 +672,8 @@ class _Run:
                 except ConnectionResetError:
                     break  # the child closed the socket with our handshake unread: EOF too
                 if not chunk:
+                    if at_eof is not None:
+                        await at_eof()
                     break
                 await sink(chunk)
                 # A child that writes without pause must not starve the event loop.
@@ -710,21 +723,33 @@ class _Run:
 
     def _note(self, text: str) -> None:
         """A line from isolate itself into the episode's log and tail."""
-        self._keep(f"[isolate] {text}\n".encode())
+        self._keep(f"[isolate] {text}\n".encode("utf-8", "backslashreplace"))
 
     async def _on_stdout(self, chunk: bytes) -> None:
         for line in self.splitter.feed(chunk):
             await self._on_line(line)
 
-    async def _on_line(self, line: bytes | int) -> None:
+    async def _at_eof(self) -> None:
+        """stdout ended: a last line without its newline is a frame if it is whole, and a
+        violation if it is a frame cut short."""
+        rest = self.splitter.rest()
+        if isinstance(rest, int):
+            self._violate(f"an incomplete frame at EOF: {rest} bytes, {self._over_cap()}")
+        elif rest is not None:
+            await self._on_line(rest, last=True)
+
+    async def _on_line(self, line: bytes | int, *, last: bool = False) -> None:
         if isinstance(line, int):
-            self._violate(f"frame of {line} bytes exceeds max_frame_bytes")
+            self._violate(f"frame of {line} bytes, {self._over_cap()}")
             return
+        args = (line, self.nonce, self.redact, self.spec.max_info_bytes)
         if len(line) > _BIG_FRAME:
-            item = await anyio.to_thread.run_sync(proto.parse_line, line, self.nonce, self.redact)
+            item = await anyio.to_thread.run_sync(proto.parse_line, *args)
         else:
-            item = proto.parse_line(line, self.nonce, self.redact)
-        if isinstance(item, proto.Noise):
+            item = proto.parse_line(*args)
+        if last and isinstance(item, proto.Noise) and item.reason == "not JSON":
+            self._violate(f"an incomplete frame at EOF: {len(line)} bytes without a newline")
+        elif isinstance(item, proto.Noise):
             self.noise += 1
             shown = item.preview.decode("utf-8", "backslashreplace")
             self._note(f"ignored stdout line ({item.reason}): {shown!r}")
@@ -733,7 +758,14 @@ class _Run:
         else:
             self._on_frame(item)
 
+    def _over_cap(self) -> str:
+        if self.frame_cap == self.spec.max_frame_bytes:
+            return f"over max_frame_bytes ({self.frame_cap})"
+        room = proto.FRAME_ROOM // (1024 * 1024)
+        return f"over max_info_bytes + {room} MiB ({self.frame_cap}), less than max_frame_bytes"
+
     def _violate(self, message: str) -> None:
+        message = proto.one_line(message)
         self.violations.append(message)
         self._note(f"protocol violation: {message}")
 
@@ -952,7 +984,9 @@ class _Run:
         )
         if self.log is not None:
             try:
-                self.log.write(f"[isolate] {outcome.summary()}\n".encode())
+                self.log.write(
+                    f"[isolate] {outcome.summary()}\n".encode("utf-8", "backslashreplace")
+                )
             except OSError as exc:
                 self._lose_log(exc)
         return outcome

@@ -9,15 +9,39 @@ from __future__ import annotations
 import functools
 import hmac
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from .redact import Redactor
 
 PROTOCOL_VERSION = 1
+
+#: JSON nesting a frame may have: an agent's info is a trajectory of messages, some levels deep;
+#: a hostile one could nest until the parent's recursion limit (in pydantic, or in json).
+MAX_DEPTH = 64
+#: JSON values a frame may hold beyond those of its info (a reward per completion, ...).
+_SPARE_VALUES = 1 << 16
+#: Room above ``max_info_bytes`` for the shim's own summary of an info it had to cut (bytes).
+_INFO_SLACK = 8 * 1024
+#: What a frame may hold besides its info (bytes): an error's message and traceback, which the
+#: shim cuts to MAX_MESSAGE_CHARS and MAX_TRACEBACK_CHARS (up to 12 bytes a character once
+#: JSON-escaped), a reward per completion. A longer line is refused before it is buffered.
+FRAME_ROOM = 8 * 1024 * 1024
+#: Characters of an error's message and traceback kept: the rest is said, not kept.
+MAX_MESSAGE_CHARS = 64 * 1024
+MAX_TRACEBACK_CHARS = 256 * 1024
 
 
 class _Frame(BaseModel):
@@ -31,9 +55,9 @@ class Hello(_Frame):
     t: Literal["hello"]
     protocol: int
     pid: int
-    python: str
+    python: str = Field(max_length=100)
     subreaper: bool
-    containment: str | None = None
+    containment: str | None = Field(default=None, max_length=100)
     """The level the shim is setting up (None: a shim that does not say)."""
 
 
@@ -42,19 +66,39 @@ class Result(_Frame):
 
     t: Literal["result"]
     reward: float | dict[str, float] | None
-    reward_type: str | None = None
-    reward_repr: str | None = None
+    reward_type: str | None = Field(default=None, max_length=200)
+    reward_repr: str | None = Field(default=None, max_length=2000)
     info: Any = None
 
 
 class Error(_Frame):
-    """The entrypoint raised (``agent``) or could not be loaded (``setup``)."""
+    """The entrypoint raised (``agent``) or could not be loaded (``setup``). A message or
+    traceback longer than :data:`MAX_MESSAGE_CHARS` or :data:`MAX_TRACEBACK_CHARS` is cut,
+    and says so; the log has the traceback whole."""
 
     t: Literal["error"]
     kind: Literal["agent", "setup"]
-    type: str
+    type: str = Field(max_length=200)
     message: str
     traceback: str = ""
+
+    @field_validator("message")
+    @classmethod
+    def _cut_message(cls, value: str) -> str:
+        if len(value) <= MAX_MESSAGE_CHARS:
+            return value
+        return f"{value[:MAX_MESSAGE_CHARS]} [... {len(value) - MAX_MESSAGE_CHARS} more characters]"
+
+    @field_validator("traceback")
+    @classmethod
+    def _cut_traceback(cls, value: str) -> str:
+        # Its end says where the error was raised: keep that.
+        if len(value) <= MAX_TRACEBACK_CHARS:
+            return value
+        return (
+            f"[{len(value) - MAX_TRACEBACK_CHARS} characters cut ...]\n"
+            + value[-MAX_TRACEBACK_CHARS:]
+        )
 
 
 class Progress(_Frame):
@@ -76,7 +120,7 @@ class Sandboxed(_Frame):
     """The worker entered the episode's sandbox, before importing the agent."""
 
     t: Literal["sandbox"]
-    missing: list[str] = []
+    missing: list[str] = Field(default=[], max_length=100)
     """What it could not enforce (best_effort), one line each."""
 
 
@@ -85,9 +129,9 @@ class Done(_Frame):
 
     t: Literal["done"]
     why: Literal["exited", "deadline", "terminated", "cancelled"]
-    killed: int = Field(ge=0)
-    exit_code: int | None
-    signal: int | None
+    killed: int = Field(ge=0, le=1 << 31)
+    exit_code: int | None = Field(ge=0, le=255)
+    signal: int | None = Field(ge=1, le=255)
     cpu_s: float | None = None
     """CPU seconds the worker used (user + system)."""
 
@@ -113,17 +157,106 @@ class Violation:
     message: str
 
 
-def parse_line(line: bytes, nonce: str, redact: Redactor) -> Frame | Noise | Violation:
-    """Classify one stdout line (without its newline).
+_STRING = re.compile(rb'"[^"]*"')
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def frame_cap(max_frame_bytes: int, max_info_bytes: int) -> int:
+    """The longest line the parent reads as a frame (bytes): ``max_frame_bytes``, or less
+    where ``max_info_bytes`` leaves no room for more."""
+    return min(max_frame_bytes, max_info_bytes + FRAME_ROOM)
+
+
+def max_values(max_info_bytes: int) -> int:
+    """JSON values a frame may hold: an info of ``max_info_bytes`` has at most one per two
+    bytes (``[0,0,...]``), and the frame's other fields get :data:`_SPARE_VALUES`."""
+    return max_info_bytes // 2 + _SPARE_VALUES
+
+
+def shape(line: bytes, limit: int | None = None) -> tuple[int, int | None] | None:
+    """How many JSON values ``line`` holds at most, and how deep it nests (capped at
+    ``MAX_DEPTH + 1``; None when the values are over ``limit``, which says enough), counted on
+    its bytes without building a single object; None where it cannot be JSON. The memory a
+    parse would need follows from the first, so it is known before any is spent: a 16 MiB line
+    of ``{}`` parses into 5.5 million dicts (~840 MB)."""
+    # Escapes first (each keeps its length), so that every quote left delimits a string.
+    text = line.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    quotes = text.count(b'"')
+    if quotes % 2:
+        return None
+    if limit is not None and quotes // 2 > limit:
+        return quotes // 2, None  # each string is a value: no need to look further
+    bare = _STRING.sub(b"0", text)  # a string is one value, whatever it holds
+    del text
+    values = 1 + sum(bare.count(c) for c in (b",", b":", b"[", b"{"))
+    brackets = bare.translate(_BRACKETS, _NOT_BRACKETS)
+    del bare
+    if 2 * brackets.count(b"[") != len(brackets):
+        return None
+    if limit is not None and values > limit:
+        return values, None
+    # Each pass removes the innermost pairs: as many passes as levels.
+    too_deep = b"[" * (MAX_DEPTH + 1)
+    for depth in range(MAX_DEPTH + 1):
+        if not brackets:
+            return values, depth
+        if too_deep in brackets:
+            break
+        brackets = brackets.replace(b"[]", b"")
+    return values, MAX_DEPTH + 1
+
+
+def parse_line(
+    line: bytes, nonce: str, redact: Redactor, max_info_bytes: int = 1 << 20
+) -> Frame | Noise | Violation:
+    """Classify one stdout line (without its newline); never raises.
+
+    Everything the child sends is hostile input: a line is measured before it is parsed
+    (:func:`shape`), a frame's ``info`` must fit ``max_info_bytes`` (the shim's own cap), and
+    any failure to digest a line is a violation with a one-line reason.
 
     This is where everything on the child's stdout enters the parent, so it is also where it
     is scrubbed: a frame is built from the scrubbed JSON object (keys, values, fields that do
     not exist yet), and a noise preview or a violation's text only ever quotes scrubbed data.
     """
     try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError):  # RecursionError: absurdly nested arrays
+        return _parse_line(line, nonce, redact, max_info_bytes)
+    except Exception as exc:  # MemoryError included: one frame must not end the caller
+        return Violation(f"cannot read a frame of {len(line)} bytes: {type(exc).__name__}")
+
+
+def _parse_line(
+    line: bytes, nonce: str, redact: Redactor, max_info_bytes: int
+) -> Frame | Noise | Violation:
+    limit = max_values(max_info_bytes)
+    measured = shape(line, limit)
+    if measured is None:
         return Noise("not JSON", _preview(line, redact))
+    values, depth = measured
+    if depth is None or depth > MAX_DEPTH:
+        if nonce.encode() not in line:
+            return Noise("not a frame of this episode, too large to read", _preview(line, redact))
+        if depth is not None:
+            return Violation(f"a frame nested deeper than {MAX_DEPTH} levels")
+        return Violation(
+            f"a frame of {len(line)} bytes holds up to {values} JSON values, over the limit "
+            f"of {limit} (max_info_bytes // 2 + {_SPARE_VALUES})"
+        )
+    # Plain: no escape that could spell a secret, or a lone surrogate, another way than the
+    # redactor looks for; then a line without a secret parses into strings without one.
+    plain = b"\\u" not in line and b"\\/" not in line
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        text, plain = None, False
+    try:
+        if text is None:
+            text = line.decode("utf-8", "surrogatepass")  # as json.loads decodes bytes
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return Noise("not JSON", _preview(line, redact))
+    del text
     if not isinstance(obj, dict):
         return Noise("not a JSON object", _preview(line, redact))
     their = obj.get("nonce")
@@ -131,26 +264,81 @@ def parse_line(line: bytes, nonce: str, redact: Redactor) -> Frame | Noise | Vio
         their.encode("utf-8", "surrogatepass"), nonce.encode()
     ):
         return Noise("no nonce of this episode", _preview(line, redact))
-    obj = _scrub(obj, redact)
+    if obj.get("info") is not None:
+        # Measured as the shim measures it: the length of json.dumps' text.
+        size = len(json.dumps(obj["info"]))
+        if size > max_info_bytes + _INFO_SLACK:
+            kind = _clean(str(obj.get("t")), redact)
+            return Violation(
+                one_line(
+                    f"a {kind!r} frame's info of {size} bytes is over max_info_bytes "
+                    f"({max_info_bytes})"
+                )
+            )
+    if not plain or (redact and redact.scrub(line) != line):
+        obj = _scrub(obj, redact)
     try:
         return _FRAME.validate_python(obj)
     except ValidationError as exc:
         # pydantic's text quotes the input, its location names dict keys: both are scrubbed.
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        return Violation(f"malformed {obj.get('t')!r} frame: {where}: {first['msg']}")
+        return Violation(one_line(f"malformed {obj.get('t')!r} frame: {where}: {first['msg']}"))
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` as one line of at most ``limit`` characters: control characters and lone
+    surrogates escaped."""
+    text = _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 def _scrub(obj: dict[str, Any], redact: Redactor) -> dict[str, Any]:
-    """The frame object with every string scrubbed but the protocol's own words (field names,
-    frame types, ``why``...), so a short secret cannot turn ``killed`` into ``[secret]illed``.
-    After the nonce check: a secret may be a substring of the nonce."""
+    """The frame object with every string scrubbed and made valid Unicode (a lone surrogate,
+    which JSON's ``\\ud800`` can carry, would make every later ``encode()`` raise), but for
+    the protocol's own words at its top level (field names, frame types, ``why``...), so a
+    short secret cannot turn ``killed`` into ``[secret]illed``. After the nonce check: a secret
+    may be a substring of the nonce."""
+    words = _words()
     return {
-        key if key in _words() else redact.text(key): (
-            value if isinstance(value, str) and value in _words() else redact.json(value)
+        key if key in words else _clean(key, redact): (
+            value if isinstance(value, str) and value in words else _clean_json(value, redact)
         )
         for key, value in obj.items()
     }
+
+
+def _clean(text: str, redact: Redactor) -> str:
+    return _valid(redact.text(text))
+
+
+def _clean_json(value: Any, redact: Redactor) -> Any:
+    """A copy of a JSON value with every string (keys too) cleaned as :func:`_scrub` does.
+    Iterative: nesting is bounded by :data:`MAX_DEPTH` before this runs, but no walk over the
+    child's data should depend on a bound checked elsewhere."""
+    root: list[Any] = []
+    # (list or dict to fill, key (None: append), value to copy)
+    stack: list[tuple[Any, Any, Any]] = [(root, None, value)]
+    while stack:
+        into, key, item = stack.pop()
+        if isinstance(item, str):
+            item = _clean(item, redact)
+        elif isinstance(item, dict):
+            copy: dict[str, Any] = {}
+            stack.extend((copy, _clean(str(k), redact), v) for k, v in reversed(item.items()))
+            item = copy
+        elif isinstance(item, list):
+            items: list[Any] = []
+            stack.extend((items, None, v) for v in reversed(item))
+            item = items
+        if key is None:
+            into.append(item)
+        else:
+            into[key] = item
+    return root[0]
 
 
 @functools.cache
@@ -163,6 +351,15 @@ def _words() -> frozenset[str]:
             if get_origin(field.annotation) is Literal:
                 words.update(get_args(field.annotation))
     return frozenset(words)
+
+
+def _valid(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX``: encodable as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _preview(line: bytes, redact: Redactor) -> bytes:
