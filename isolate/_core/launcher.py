@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -58,6 +59,9 @@ _BIG_FRAME = 256 * 1024
 #: agent's clean-up went, before it terminates the tree itself (seconds). The shim counts the
 #: grace itself and reports at once; this only matters for a shim that cannot answer.
 _CANCEL_MARGIN_S = 0.5
+#: How long past ``kill_grace`` the parent waits for a swept shim to exit (seconds): longer only
+#: for a process stuck in the kernel (D state).
+_SHIM_STUCK_S = 10.0
 #: After that report the shim terminates the tree itself (SIGTERM, kill_grace, SIGKILL) and
 #: counts what it killed; the parent gives it this long beyond kill_grace before it takes over
 #: (seconds).
@@ -200,6 +204,7 @@ class _Run:
         self.log: Any = None  # binary file, when spec.log_dir is set
         self.log_path: Path | None = None
         self.tail = Tail(spec.stderr_tail_bytes)
+        self.stderr_decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
         self.hello: proto.Hello | None = None
         self.final: proto.Result | proto.Error | None = None
         self.done: proto.Done | None = None
@@ -497,7 +502,9 @@ class _Run:
                 # Deadline. A final frame that made it in time still counts.
                 self.timed_out = self.final is None
                 await self._end_early()
-                await self._wait_exit()
+                # The sweep took the tree; a shim stuck in the kernel is not waited for forever.
+                with anyio.move_on_after(self.spec.kill_grace + _SHIM_STUCK_S):
+                    await self._wait_exit()
             # The done frame is written before the shim exits: read stdout to EOF first.
             with anyio.move_on_after(_DRAIN_S):
                 await self.stdout_eof.wait()
@@ -611,7 +618,7 @@ class _Run:
             tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, anyio.Event())
             await self._end_early()
             tg.cancel_scope.cancel()
-        with anyio.move_on_after(self.spec.kill_grace + 5.0):
+        with anyio.move_on_after(self.spec.kill_grace + _SHIM_STUCK_S):
             await self._wait_exit()
 
     async def _wait_exit(self) -> None:
@@ -682,7 +689,14 @@ class _Run:
             eof.set()
 
     async def _on_stderr(self, chunk: bytes) -> None:
-        self._keep(self.redact.stream(chunk))
+        self._keep_stderr(self.redact.stream(chunk))
+
+    def _keep_stderr(self, data: bytes, *, final: bool = False) -> None:
+        """Keep what the child wrote as valid UTF-8: bytes that are not are written as
+        ``\\xNN``, and a character split across reads is held until it is whole, so that
+        isolate's own lines between two reads cannot land inside one."""
+        text = self.stderr_decoder.decode(data, final)
+        self._keep(text.encode("utf-8", "backslashreplace"))
 
     def _keep(self, data: bytes) -> None:
         if not data:
@@ -819,8 +833,7 @@ class _Run:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-        if self.log is not None:
-            self._log(self.redact.flush())
+        self._keep_stderr(self.redact.flush(), final=True)
 
     def _close_log(self) -> None:
         if self.log is not None:
@@ -839,7 +852,7 @@ class _Run:
         return self.sandbox.report([self.redact.text(m) for m in missing], _sandbox.landlock_abi())
 
     def _conclude(self) -> EpisodeOutcome:
-        self._keep(self.redact.flush())
+        self._keep_stderr(self.redact.flush(), final=True)
         status, error, reward, info = self._classify()
         reason = self._limit_hit() if status in ("agent_error", "crashed", "timeout") else None
         if reason is not None:
