@@ -45,7 +45,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 LAYERS = ("cgroup", "pidns", "landlock")  # containment: "session" or some joined by "+"
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+# What a root agent keeps, as Docker's default does: file ownership and permissions, setuid and
+# setgid, kill, raw and low-port sockets, chroot, mknod, audit writes, file capabilities. All
+# act inside the episode only; every other capability reaches past it. Bits of capability.h.
+KEPT_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 10, 13, 18, 27, 29, 31)
+CAP_SETPCAP = 8
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
@@ -202,10 +209,15 @@ def c_call(name, *args):
     its int result and errno."""
     import _ctypes  # ctypes' C core: ctypes itself imports it, so it is there where ctypes is
 
+    return c_call_function(name)(*args), _ctypes.get_errno()
+
+
+def c_call_function(name):
+    """Make (and keep) the C function ``c_call(name, ...)`` will call."""
     func = _c_functions.get(name)
     if func is None:
         func = _c_functions[name] = c_function(name)
-    return func(*args), _ctypes.get_errno()
+    return func
 
 
 def c_function(name):
@@ -353,16 +365,28 @@ def unshare_pidns(userns):
         )
     if userns:
         # Map our own ids to themselves: files the agent writes keep the caller's ownership.
+        # The files of a process that is not dumpable belong to root: dumpable just for the
+        # opens (what was opened stays writable), then at once not again.
+        maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
+        maps += (("gid_map", "%d %d 1" % (gid, gid)),)
+        files, problem = [], None
+        c_call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
         try:
-            for name, text in (
-                ("setgroups", "deny"),
-                ("uid_map", "%d %d 1" % (uid, uid)),
-                ("gid_map", "%d %d 1" % (gid, gid)),
-            ):
-                with open("/proc/self/" + name, "w") as f:
-                    f.write(text)
+            for name, _ in maps:
+                files.append(open("/proc/self/" + name, "w"))
         except OSError as exc:
-            return "cannot map ids in the user namespace: %s" % (exc.strerror or exc)
+            problem = exc
+        finally:
+            c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+        for i, f in enumerate(files):
+            try:
+                with f:
+                    if problem is None:
+                        f.write(maps[i][1])
+            except OSError as exc:
+                problem = problem or exc
+        if problem is not None:
+            return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
     return None
 
 
@@ -379,6 +403,19 @@ def become_init():
         result, errno = c_call("mount", *args)
         if result != 0:
             return "cannot mount a private /proc: %s" % os.strerror(errno)
+    return private_shm()
+
+
+def private_shm():
+    """A /dev/shm of the episode's own: the machine's is shared by every process, and what is
+    left there outlives the episode. It goes with the mount namespace; its pages are charged to
+    the cgroup of whoever writes them. A problem or None."""
+    if not os.path.isdir("/dev/shm"):
+        return None
+    flags = MS_NOSUID | MS_NODEV
+    result, errno = c_call("mount", b"tmpfs", b"/dev/shm", b"tmpfs", flags, b"mode=1777")
+    if result != 0:
+        return "cannot mount a private /dev/shm: %s" % os.strerror(errno)
     return None
 
 
@@ -525,6 +562,11 @@ def worker(hs, channel):
             channel.send("error", kind="setup", type="SandboxError", message=message)
             return 1
         channel.send("sandbox", missing=missing)
+    if sys.platform.startswith("linux"):
+        problem = harden()
+        if problem is not None:
+            channel.send("error", kind="setup", type="ContainmentError", message=problem)
+            return 1
     try:
         # Cancellation arrives as SIGINT (blocked since before the fork, so none is lost).
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -562,6 +604,64 @@ def worker(hs, channel):
     values = list(secrets.values()) + list(secret_env.values())
     channel.send("result", **to_result(value, limit, values))
     return 0
+
+
+def harden():
+    """The last step before the agent's code: a syscall filter (mounts, namespaces, other
+    processes' memory and fds, kernel keys and modules...; shim_seccomp.py), then every
+    capability that reaches past the episode dropped from all five sets, so that nothing the
+    agent execs gets one back; the worker stays not dumpable. A problem, or None. A kernel
+    without seccomp is said in the log, and the rest still holds."""
+    problem = load_part("seccomp").install(c_call)
+    if problem is not None:
+        sys.stderr.write("isolate shim: no syscall filter: %s\n" % problem)
+    problem = drop_capabilities()
+    # Credential changes can make a process dumpable again: say it once more, last.
+    c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    return problem
+
+
+def capability_sets():
+    """This process's capability sets from /proc/self/status: {"CapEff": int, ...}."""
+    with open("/proc/self/status") as f:
+        return {line[:6]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
+
+
+def drop_capabilities():
+    """Keep at most KEPT_CAPABILITIES in every set, and none for an unprivileged trainer's
+    agent (in its user namespace it holds them all). The bounding set needs CAP_SETPCAP, so it
+    goes first, that one last. A problem or None."""
+    keep = sum(1 << cap for cap in KEPT_CAPABILITIES) if os.getuid() == 0 else 0
+    sets = capability_sets()
+    c_call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    bounding = sets.get("CapBnd", 0) & ~keep
+    if bounding and sets.get("CapEff", 0) >> CAP_SETPCAP & 1:
+        for cap in range(64):
+            if bounding >> cap & 1:
+                result, errno = c_call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
+                if result != 0 and errno != 22:  # EINVAL: a capability this kernel lacks
+                    return "cannot drop capability %d: %s" % (cap, os.strerror(errno))
+    # Without CAP_SETPCAP the bounding set stays; no_new_privs (set with the syscall filter
+    # for such a process) keeps exec from granting anything from it.
+    effective, permitted, inheritable = (
+        sets.get(k, 0) & keep for k in ("CapEff", "CapPrm", "CapInh")
+    )
+    if (effective, permitted, inheritable) == (
+        sets.get("CapEff"),
+        sets.get("CapPrm"),
+        sets.get("CapInh"),
+    ):
+        return None  # nothing to drop
+    header = _LINUX_CAPABILITY_VERSION_3.to_bytes(4, "little") + (0).to_bytes(4, "little")
+    data = b"".join(
+        (value >> shift & 0xFFFFFFFF).to_bytes(4, "little")
+        for shift in (0, 32)
+        for value in (effective, permitted, inheritable)
+    )
+    result, errno = c_call("capset", header, data)
+    if result != 0:
+        return "cannot drop capabilities: %s" % os.strerror(errno)
+    return None
 
 
 def load_entrypoint(entrypoint, agent_root):
@@ -983,6 +1083,11 @@ def main():
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
         return load_part("template").serve(main, load_entrypoint)
+    if sys.platform.startswith("linux"):
+        # Before anything else: nothing the agent starts (same user) may read or write this
+        # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID
+        # 1 and the worker inherit it; an exec does not).
+        c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
     os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
     for stream in (sys.stdout, sys.stderr):
@@ -1040,6 +1145,11 @@ def main():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
     supervisor = os.getpid()
+    if sys.platform.startswith("linux"):
+        # What the worker's hardening needs, loaded once here, not in every fork's fresh pages.
+        load_part("seccomp")
+        for name in ("syscall", "capset"):
+            c_call_function(name)
     # The shim's own objects, never collected in the worker: its collector (and the final
     # collections of its normal exit) would write to each one's header, copying every page of
     # the supervisor's heap it shares. The agent's objects, all made after the fork, are

@@ -5,7 +5,8 @@ The parent computed the plan (``isolate/_core/sandbox.py``): Landlock rules as `
 pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
 
 1. a mount namespace of our own, if the episode has none (``unshare_mounts``), private, so
-   nothing mounted here reaches the machine;
+   nothing mounted here reaches the machine, with a /dev/shm of its own (a PID namespace's
+   supervisor mounts one too);
 2. the mounts: ``pin`` binds a directory onto itself (a mount point cannot be renamed or
    removed), ``ro`` binds a path read-only onto itself, ``hide-dir`` puts an empty read-only
    tmpfs over a directory, ``hide-file`` binds ``/dev/null`` read-only over a file;
@@ -52,6 +53,11 @@ def enter(plan, landlock, c_call):
         if problem is not None:
             problems.append("mounts: no mount namespace of our own: %s" % problem)
             mount = None
+        elif os.path.isdir("/dev/shm"):
+            # The machine's /dev/shm is shared, and outlives the episode: one of its own.
+            problem = mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+            if problem is not None:
+                problems.append("mounts: no private /dev/shm: %s" % problem)
     if mount is not None:
         for op, path in plan.get("mounts", ()):
             problem = _mount_one(mount, op, path)

@@ -21,6 +21,7 @@ CONTAINMENT_FILES = frozenset(
         "test_containment.py",
         "test_landlock.py",
         "test_wall.py",
+        "test_hostile_wall.py",
         "test_toolkit.py",
         "test_redteam.py",
     }

@@ -16,7 +16,7 @@ import pytest
 import isolate
 from isolate._core import containment as _containment
 
-from .conftest import Agents, own_leaves
+from .conftest import Agents, own_leaves, wait_until
 from .test_protocol import frames_of, marker_agent, run_real_shim
 
 pytestmark = pytest.mark.anyio
@@ -61,23 +61,35 @@ def test_the_shim_says_when_it_cannot_join_its_cgroup(agents: Agents, tmp_path: 
     assert not marker.exists()  # the agent was never imported
 
 
-# The agent makes a cgroup of its own inside its leaf and mounts a directory on it (it is root
-# and has no mount namespace at 'cgroup'): the kernel refuses to remove a mount point (EBUSY),
-# so neither the nested cgroup nor the leaf can go.
+# The agent makes a cgroup of its own inside its leaf, and the test (root, outside the episode:
+# the agent itself can mount nothing) mounts a directory on it: the kernel refuses to remove a
+# mount point (EBUSY), so neither the nested cgroup nor the leaf can go.
 NESTER = """
-import ctypes, os
-MS_BIND = 4096
+import os, time
 def run(data):
     path = open("/proc/self/cgroup").read().split("0::", 1)[1].split()[0]
     mount = next(l.split()[1] for l in open("/proc/self/mounts") if l.split()[2] == "cgroup2")
     leaf = mount + path
-    nested = os.path.join(leaf, "nested")
-    os.mkdir(nested)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(data["empty"].encode(), nested.encode(), None, MS_BIND, None) != 0:
-        raise OSError(ctypes.get_errno(), "mount --bind")
+    os.mkdir(os.path.join(leaf, "nested"))
+    with open(data["leaf_file"] + ".tmp", "w") as f:
+        f.write(leaf)
+    os.rename(data["leaf_file"] + ".tmp", data["leaf_file"])
+    while not os.path.exists(data["mounted"]):
+        time.sleep(0.01)
     return 1.0, {"leaf": leaf}
 """
+
+
+def _mount_on(path: Path, source: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(str(source).encode(), str(path).encode(), None, 4096, None) != 0:  # MS_BIND
+        raise OSError(ctypes.get_errno(), f"mount --bind {source} {path}")
+
+
+def _remove(leaf: Path) -> None:
+    _unmount(leaf / "nested")
+    (leaf / "nested").rmdir()
+    leaf.rmdir()
 
 
 def _unmount(path: Path) -> None:
@@ -93,9 +105,23 @@ async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
     empty = agents.tmp / "empty"
     empty.mkdir()
     spec = agents.spec(NESTER, containment="cgroup")
-    outcome = await isolate.run_episode(spec, {"empty": str(empty)})
-    leaf = Path(outcome.info["leaf"]) if isinstance(outcome.info, dict) else None
+    leaf_file, mounted = agents.tmp / "leaf", agents.tmp / "mounted"
+    data = {"leaf_file": str(leaf_file), "mounted": str(mounted)}
+    leaf: Path | None = None
+
+    async def mount_when_made() -> None:
+        nonlocal leaf
+        await wait_until(leaf_file.exists)
+        leaf = Path(leaf_file.read_text())
+        _mount_on(leaf / "nested", empty)
+        mounted.touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mount_when_made)
+        outcome = await isolate.run_episode(spec, data)
     try:
+        assert isinstance(outcome.info, dict)
+        assert Path(outcome.info["leaf"]) == leaf
         assert outcome.status == "ok", outcome.summary()
         assert leaf is not None
         assert leaf in own_leaves()  # left behind, as noted
@@ -105,9 +131,7 @@ async def test_a_leaf_that_cannot_be_removed_is_noted_and_the_outcome_stands(
         assert "the next start of isolate removes it" in log
     finally:
         if leaf is not None:
-            _unmount(leaf / "nested")
-            (leaf / "nested").rmdir()
-            leaf.rmdir()
+            _remove(leaf)
     assert agents.left() == []
 
 

@@ -93,12 +93,17 @@ def expected_attack(combination: str) -> tuple[dict[str, Any], bool]:
     if "pidns" in on:  # the trainer's pid means nothing in the agent's namespace
         return {"environ": "ENOENT", "mem": "ENOENT", "ptrace": "ESRCH", "pkill": 1}, True
     if "landlock" in on:
-        environ = "read, key in it" if _containment.landlock().environ_readable else "EACCES"
+        readable = _containment.landlock().environ_readable and os.geteuid() != 0
+        environ = "read, key in it" if readable else "EACCES"
         return {"environ": environ, "mem": "EACCES", "ptrace": "EPERM", "kill": "EPERM"}, True
     # No wall: what doctor warns about, every part of it true.
-    ptrace = (
-        "attached" if any("ptrace" in w for w in _containment.exposure(combination)) else "EPERM"
-    )
+    exposure = _containment.exposure(combination)
+    if os.geteuid() == 0:
+        # A root agent without CAP_SYS_PTRACE holds fewer capabilities than the root trainer:
+        # the kernel refuses it the trainer's environ and memory, not the signal (CAP_KILL).
+        assert not [w for w in exposure if "environ" in w or "ptrace" in w], exposure
+        return {"environ": "EACCES", "mem": "EACCES", "ptrace": "EPERM", "pkill": 0}, False
+    ptrace = "attached" if any("ptrace" in w for w in exposure) else "EPERM"
     return {
         "environ": "read, key in it",
         "mem": "read 16 bytes",
@@ -294,3 +299,29 @@ def test_without_the_stronger_layers_episodes_run_and_doctor_says_what_is_missin
         assert "warn  layer landlock: not available: the kernel has no Landlock" in out
         assert "- kill the trainer and every sibling episode" in out
         assert "info  to add landlock: Landlock ABI 6" in out
+
+
+# Bits of linux/capability.h, for the names doctor and the README give.
+CAPABILITY_BITS = {
+    "CHOWN": 0,
+    "DAC_OVERRIDE": 1,
+    "FOWNER": 3,
+    "FSETID": 4,
+    "KILL": 5,
+    "SETGID": 6,
+    "SETUID": 7,
+    "NET_BIND_SERVICE": 10,
+    "NET_RAW": 13,
+    "SYS_CHROOT": 18,
+    "MKNOD": 27,
+    "AUDIT_WRITE": 29,
+    "SETFCAP": 31,
+}
+
+
+def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
+    import agent_shim.shim
+
+    named = sorted(CAPABILITY_BITS[name] for name in _containment.KEPT_CAPABILITIES)
+    assert named == sorted(agent_shim.shim.KEPT_CAPABILITIES)
+    assert sum(1 << bit for bit in named) == 0xA80424FB  # as the README gives CapEff

@@ -188,6 +188,17 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     caveat = _containment.root_caveat()
     if caveat is not None:
         report.line("warn", caveat)
+    if os.geteuid() == 0:
+        kept = ", ".join(_containment.KEPT_CAPABILITIES)
+        report.line("ok", f"capabilities: a root agent keeps only {kept}; no other, ever")
+    else:
+        report.line("ok", "capabilities: the agent has none")
+    if _containment.seccomp_available():
+        report.line(
+            "ok", "syscall filter: mounts, new namespaces, other processes' memory and fds refused"
+        )
+    else:
+        report.line("warn", "syscall filter: this kernel has no seccomp; the rest still holds")
     left = _containment.exposure(used)
     if not left:
         report.line(

@@ -348,7 +348,8 @@ def exposure(containment: str) -> list[str]:
             "see every process of the machine (ps, /proc) and their command lines; it cannot "
             "signal, ptrace or read the memory of any outside its episode"
         )
-        if landlock().environ_readable:
+        # As root, the agent lacks capabilities the trainer has: the kernel refuses it too.
+        if landlock().environ_readable and os.geteuid() != 0:
             left.append(
                 "read the trainer's /proc/PID/environ and maps: every credential the trainer "
                 "was started with (WANDB_API_KEY, HF_TOKEN, ...); Landlock does not refuse them"
@@ -357,16 +358,48 @@ def exposure(containment: str) -> list[str]:
     left.append(
         "kill the trainer and every sibling episode: pkill -f python, killall python, kill -9 -1"
     )
+    if os.geteuid() == 0:
+        # A root agent keeps no CAP_SYS_PTRACE, and the kernel lets a process read another's
+        # environ or memory only if it holds every capability that one holds.
+        return left
     left.append(
         "read the trainer's /proc/PID/environ: every credential it was started with "
         "(WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY)"
     )
     scope = _yama_scope()
-    # The agent runs as the trainer's user: as root it has CAP_SYS_PTRACE, which passes 1 and 2.
-    if scope is None or scope == 0 or (scope <= 2 and os.geteuid() == 0):
+    if scope is None or scope == 0:
         yama = "no Yama here" if scope is None else f"Yama ptrace_scope {scope}"
         left.append(f"ptrace the trainer and read its memory, every episode's key with it ({yama})")
     return left
+
+
+#: The capabilities a root agent keeps (Docker's default set); every other one is dropped from
+#: all five sets before the agent's code runs, and an unprivileged trainer's agent has none.
+KEPT_CAPABILITIES = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "NET_BIND_SERVICE",
+    "NET_RAW",
+    "SYS_CHROOT",
+    "MKNOD",
+    "AUDIT_WRITE",
+    "SETFCAP",
+)
+
+
+def seccomp_available() -> bool:
+    """Whether this kernel filters syscalls (seccomp), which the worker uses: ``Seccomp:`` in
+    /proc/self/status."""
+    try:
+        with open("/proc/self/status") as f:
+            return any(line.startswith("Seccomp:") for line in f)
+    except OSError:
+        return False
 
 
 def root_caveat() -> str | None:

@@ -1,0 +1,955 @@
+"""The episode boundary against an agent that knows the shim: from inside an episode, at every
+containment combination this machine provides (and as an unprivileged trainer's agent), it
+undoes the mounts made for it, unshares, ptraces and reads the memory of its supervisor, takes
+the worker's and supervisor's fds to forge its reward, and reads its own capability sets; and
+it can still do an agent's work (git, venv + pip, pytest, gcc, strace, apt-get).
+
+Each attack's result is a word (what happened, or the errno name of the refusal), collected in
+the episode's info, so one episode runs many attacks and each test compares whole dicts.
+
+Destructive attacks on ``/proc`` run only where the agent has a mount namespace of its own: in
+the host's mount namespace a ``umount /proc`` that the wall fails to refuse would unmount the
+machine's /proc. There the same system calls go at a scratch directory instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import isolate
+from isolate._core import containment as _containment
+
+from .conftest import SLOW, Agents, episode_processes, wait_until
+from .test_containment import COMBINATIONS, needs, tree
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(
+        platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+        reason="the attacks use x86_64 Linux system call numbers",
+    ),
+]
+
+CAP_NAMES = [
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE", "SYS_PACCT",
+    "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME", "SYS_TTY_CONFIG", "MKNOD",
+    "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
+    "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+]  # fmt: skip
+
+#: Docker's default capability set: all a root agent may keep (bits 0,1,3-7,10,13,18,27,29,31).
+DOCKER_CAPS = sorted(
+    "CAP_" + CAP_NAMES[bit] for bit in (0, 1, 3, 4, 5, 6, 7, 10, 13, 18, 27, 29, 31)
+)
+
+
+def cap_names(mask_hex: str) -> list[str]:
+    mask = int(mask_hex, 16)
+    return sorted(
+        "CAP_" + (CAP_NAMES[bit] if bit < len(CAP_NAMES) else str(bit))
+        for bit in range(64)
+        if mask >> bit & 1
+    )
+
+
+# The hostile agent. It returns 0.25: any other reward in the outcome was forged.
+HOSTILE = r'''
+import ctypes, errno, json, os, signal, subprocess, sys
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+libc.ptrace.restype = ctypes.c_long
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+
+AT_FDCWD, OPEN_TREE_CLONE, O_CLOEXEC, MNT_DETACH = -100, 1, 0o2000000, 2
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+NR = dict(
+    pivot_root=155, open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432,
+    fspick=433, mount_setattr=442, pidfd_getfd=438, process_vm_readv=310,
+    process_vm_writev=311, kexec_load=246, kexec_file_load=320, init_module=175,
+    delete_module=176, finit_module=313, bpf=321, keyctl=250, add_key=248, request_key=249,
+    userfaultfd=323, io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+    perf_event_open=298, setns=308, unshare=272, clone=56, clone3=435,
+)
+NAMESPACES = dict(
+    user=0x10000000, mnt=0x20000, net=0x40000000, pid=0x20000000, uts=0x04000000,
+    ipc=0x08000000, cgroup=0x02000000, time=0x80,
+)
+
+
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def name(code):
+    return errno.errorcode.get(code, str(code))
+
+
+def attempt(fn):
+    try:
+        return fn()
+    except OSError as exc:
+        return name(exc.errno)
+
+
+def sc(nr, *args):
+    """A raw system call: (result, errno)."""
+    conv = []
+    for a in args:
+        if a is None:
+            conv.append(ctypes.c_void_p(None))
+        elif isinstance(a, bytes):
+            conv.append(ctypes.c_char_p(a))
+        elif isinstance(a, int):
+            conv.append(ctypes.c_long(a))
+        else:
+            conv.append(a)
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(nr), *conv)
+    return result, ctypes.get_errno()
+
+
+def word(nr, *args, fd=False):
+    """'ok' if the call went through (an fd it returns is closed), else the errno name."""
+    result, code = sc(NR[nr] if isinstance(nr, str) else nr, *args)
+    if result < 0:
+        return name(code)
+    if fd:
+        os.close(result)
+    return "ok"
+
+
+def in_child(fn):
+    """Run fn in a forked child (namespace changes stay there); its word."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            out = str(fn())
+        except BaseException as exc:
+            out = "raised %r" % (exc,)
+        os.write(w, out.encode()[:500])
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def binary(argv):
+    """Run a tool: 'done', 'EPERM' for its ways of saying so, else its exit and message."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except FileNotFoundError:
+        return "not installed"
+    if done.returncode == 0:
+        return "done"
+    text = done.stderr.strip()
+    refusals = ("Operation not permitted", "permission denied", "must be superuser")
+    if any(r in text for r in refusals):
+        return "EPERM"
+    return "exit %d: %s" % (done.returncode, text.splitlines()[0] if text else "")
+
+
+def caps(text):
+    return {
+        line.split(":")[0]: line.split()[1]
+        for line in text.splitlines()
+        if line.startswith("Cap")
+    }
+
+
+# --- the process table ---------------------------------------------------------------------
+
+def ppid_of(pid):
+    with open("/proc/%d/stat" % pid, "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+
+def trainer_seen(trainer):
+    return os.path.exists("/proc/%d" % trainer)
+
+
+def remount_proc():
+    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+# --- mounts ----------------------------------------------------------------------------------
+
+def mount_attacks(scratch, private, trainer, binaries):
+    found, seen_after = {}, []
+    target = b"/proc" if private else scratch.encode()
+    clone = OPEN_TREE_CLONE | O_CLOEXEC
+    found["open_tree /proc"] = word("open_tree", AT_FDCWD, b"/proc", clone, fd=True)
+    found["open_tree cwd"] = word("open_tree", AT_FDCWD, b".", clone, fd=True)
+
+    ctypes.set_errno(0)
+    if libc.mount(b"none", target, b"tmpfs", 0, None) == 0:
+        found["mount tmpfs"] = "ok"
+        if private and trainer_seen(trainer):
+            seen_after.append("mount tmpfs")
+        libc.umount2(target, MNT_DETACH)
+    else:
+        found["mount tmpfs"] = name(ctypes.get_errno())
+
+    if binaries:
+        found["mount -t tmpfs"] = binary(["mount", "-t", "tmpfs", "none", target.decode()])
+        if found["mount -t tmpfs"] == "done":
+            libc.umount2(target, MNT_DETACH)
+
+    # In the host's mount namespace the scratch directory is no mount point: a umount the
+    # wall lets through fails there with EINVAL, and nothing is unmounted.
+    ctypes.set_errno(0)
+    if libc.umount2(target, MNT_DETACH if private else 0) == 0:
+        found["umount2"] = "ok"
+        if private and trainer_seen(trainer):
+            seen_after.append("umount2")
+        remount_proc()
+    else:
+        found["umount2"] = name(ctypes.get_errno())
+
+    if private:
+        if binaries:  # umount(8) looks for the mount first: only where there is one
+            found["umount -l"] = binary(["umount", "-l", "/proc"])
+            if found["umount -l"] == "done":
+                if trainer_seen(trainer):
+                    seen_after.append("umount -l")
+                remount_proc()
+        found["trainer seen in /proc after"] = seen_after
+    return found
+
+
+# --- system calls the seccomp filter refuses ------------------------------------------------
+
+def raw_clone(flags):
+    """clone(2) with namespace flags, in a forked child: 'ok' if a child came out."""
+    result, code = sc(NR["clone"], flags | signal.SIGCHLD, 0, 0, 0, 0)
+    if result == 0:
+        os._exit(0)
+    if result < 0:
+        return name(code)
+    os.waitpid(result, 0)
+    return "ok"
+
+
+def syscall_probes(scratch):
+    """Each call with arguments that do nothing harmful where it is let through: then it
+    says 'ok' or the errno of its bad arguments, not EPERM."""
+    s = scratch.encode()
+    buf = ctypes.create_string_buffer(b"x" * 16)
+    other = ctypes.create_string_buffer(16)
+    here = iovec(ctypes.addressof(other), 16)
+    there = iovec(ctypes.addressof(buf), 16)
+    me = os.pidfd_open(os.getpid())
+    uts = os.open("/proc/self/ns/uts", os.O_RDONLY)
+    params = ctypes.create_string_buffer(120)
+    try:
+        found = {
+            "pivot_root": word("pivot_root", s, s),
+            "move_mount": word("move_mount", -1, b"", -1, b"", 0),
+            "fsopen": word("fsopen", b"tmpfs", 1, fd=True),
+            "fsconfig": word("fsconfig", -1, 6, None, None, 0),
+            "fsmount": word("fsmount", -1, 0, 0, fd=True),
+            "fspick": word("fspick", AT_FDCWD, b"/proc", 1, fd=True),
+            "mount_setattr": word("mount_setattr", -1, b"", 0, None, 0),
+            "pidfd_getfd": word("pidfd_getfd", me, 0, 0, fd=True),
+            "process_vm_readv": word(
+                "process_vm_readv", os.getpid(), ctypes.byref(here), 1, ctypes.byref(there), 1, 0
+            ),
+            "process_vm_writev": word(
+                "process_vm_writev", os.getpid(), ctypes.byref(there), 1, ctypes.byref(here), 1, 0
+            ),
+            "kexec_load": word("kexec_load", 0, 0xFFFFFFFF, None, 0),
+            "kexec_file_load": word("kexec_file_load", -1, -1, 0, None, 0),
+            "init_module": word("init_module", None, 0, b""),
+            "finit_module": word("finit_module", -1, b"", 0),
+            "delete_module": word("delete_module", b"isolate_no_such_module", os.O_NONBLOCK),
+            "bpf": word("bpf", 0x7FFFFFFF, None, 0),
+            "keyctl": word("keyctl", 0, -3, 0),
+            "add_key": word("add_key", b"isolate-no-such-type", b"x", None, 0, -2),
+            "request_key": word("request_key", b"isolate-no-such-type", b"x", None, 0),
+            "userfaultfd": word("userfaultfd", O_CLOEXEC, fd=True),
+            "io_uring_setup": word("io_uring_setup", 1, params, fd=True),
+            "io_uring_enter": word("io_uring_enter", -1, 0, 0, 0, None, 0),
+            "io_uring_register": word("io_uring_register", -1, 0, None, 0),
+            "perf_event_open": word("perf_event_open", None, 0, -1, -1, 0, fd=True),
+            "setns": word("setns", uts, NAMESPACES["uts"]),
+            "clone3": word("clone3", None, 0),
+        }
+    finally:
+        os.close(me)
+        os.close(uts)
+    for ns, flag in sorted(NAMESPACES.items()):
+        found["unshare " + ns] = in_child(lambda flag=flag: word("unshare", flag))
+        if ns != "time":  # clone(2) has no room for CLONE_NEWTIME: it is the exit signal's
+            found["clone " + ns] = in_child(lambda flag=flag: raw_clone(flag))
+    return found
+
+
+# --- the supervisor --------------------------------------------------------------------------
+
+def ptrace(pid):
+    if libc.ptrace(16, pid, None, None) != 0:  # PTRACE_ATTACH
+        return name(ctypes.get_errno())
+    os.waitpid(pid, 0)
+    libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
+    return "attached"
+
+
+def shared_address():
+    """An address mapped alike in the supervisor (the worker is its fork): libc's code."""
+    return ctypes.cast(libc.getpid, ctypes.c_void_p).value
+
+
+def read_mem(pid, address):
+    with open("/proc/%d/mem" % pid, "rb", buffering=0) as mem:
+        mem.seek(address)
+        return "read %d bytes" % len(mem.read(16))
+
+
+def write_mem(pid, address):
+    with open("/proc/%d/mem" % pid, "r+b", buffering=0) as mem:
+        mem.seek(address)
+        same = mem.read(16)
+        mem.seek(address)
+        return "wrote %d bytes" % mem.write(same)  # what was there: the attack, no harm
+
+
+def vm_read(pid, address):
+    local = ctypes.create_string_buffer(16)
+    here, there = iovec(ctypes.addressof(local), 16), iovec(address, 16)
+    result, code = sc(NR["process_vm_readv"], pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0)
+    return name(code) if result < 0 else "read %d bytes" % result
+
+
+def take_fds(pid):
+    """pidfd_getfd of fds 0-10 of pid: the set of what happened."""
+    words = set()
+    pidfd = attempt(lambda: os.pidfd_open(pid))
+    if isinstance(pidfd, str):
+        return ["pidfd_open " + pidfd]
+    for target in range(11):
+        result, code = sc(NR["pidfd_getfd"], pidfd, target, 0)
+        if result >= 0:
+            os.close(result)
+            words.add("took an fd")
+        elif code != errno.EBADF:  # no such fd in the target
+            words.add(name(code))
+    os.close(pidfd)
+    return sorted(words)
+
+
+def supervisor_attacks(supervisor):
+    address = shared_address()
+    return {
+        "supervisor ptrace": ptrace(supervisor),
+        "supervisor mem read": attempt(lambda: read_mem(supervisor, address)),
+        "supervisor mem write": attempt(lambda: write_mem(supervisor, address)),
+        "supervisor process_vm_readv": vm_read(supervisor, address),
+        "supervisor pidfd_getfd": take_fds(supervisor),
+    }
+
+
+# --- an exec'd child of the agent (a bash step) ---------------------------------------------
+
+CHILD = """
+import ctypes, errno, json, os, sys
+exec(sys.argv[1])  # the helpers above
+worker, address, nonce = os.getppid(), int(sys.argv[2]), sys.argv[3]
+supervisor = ppid_of(worker)
+forged = json.dumps({"t": "result", "nonce": nonce, "reward": 0.99, "info": {"forged": 1}})
+written = 0
+
+def forge(pid):
+    global written
+    words = set()
+    pidfd = attempt(lambda: os.pidfd_open(pid))
+    if isinstance(pidfd, str):
+        return ["pidfd_open " + pidfd]
+    for target in range(11):
+        result, code = sc(NR["pidfd_getfd"], pidfd, target, 0)
+        if result < 0:
+            if code != errno.EBADF:
+                words.add(name(code))
+            continue
+        words.add("took an fd")
+        try:
+            os.write(result, (forged + "\\n").encode())
+            written += 1
+        except OSError:
+            pass
+        os.close(result)
+    return sorted(words)
+
+found = {
+    "child pidfd_getfd worker": forge(worker),
+    "child pidfd_getfd supervisor": forge(supervisor),
+    "child process_vm_readv worker": vm_read(worker, address),
+    "child mem worker": attempt(lambda: read_mem(worker, address)),
+}
+found["child forged frames written"] = written
+print(json.dumps(found))
+"""
+
+
+def find_nonce():
+    """The nonce, as an agent that knows the shim finds it: in its caller's frames."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        channel = frame.f_locals.get("channel")
+        if getattr(channel, "nonce", None):
+            return channel.nonce
+        frame = frame.f_back
+    return "not-found"
+
+
+def child_attacks():
+    secret = ctypes.create_string_buffer(b"worker-only-data", 16)
+    helpers = HELPERS
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, helpers, str(ctypes.addressof(secret)), find_nonce()],
+        capture_output=True, text=True, timeout=60,
+    )
+    if done.returncode != 0:
+        return {"child": "exit %d: %s" % (done.returncode, done.stderr[-500:])}
+    return json.loads(done.stdout)
+
+
+# --- the agent -------------------------------------------------------------------------------
+
+def run(data):
+    trainer, binaries = data["trainer"], data["binaries"]
+    with open("/proc/self/status") as f:
+        status = f.read()
+    found = {"caps": caps(status)}
+    shown = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True)
+    found["child caps"] = caps(shown.stdout)
+    found["dumpable"] = libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+    private = os.stat("/proc/self/ns/mnt").st_ino != data["host_mnt"]
+    found["own mount namespace"] = private
+    found.update(mount_attacks(data["scratch"], private, trainer, binaries))
+    for flag in ("-U", "-m", "-n"):
+        found["unshare %s true" % flag] = binary(["unshare", flag, "true"])
+    found["syscalls"] = syscall_probes(data["scratch"])
+    supervisor = os.getppid()
+    found["supervisor"] = supervisor
+    found.update(supervisor_attacks(supervisor))
+    found.update(child_attacks())
+    # What the agent sees of the machine, after every attack above.
+    found["trainer in /proc"] = trainer_seen(trainer)
+    found["kill trainer"] = attempt(lambda: os.kill(trainer, 0) or "sent")
+    found["supervisor's parent"] = attempt(lambda: ppid_of(supervisor))
+    found["pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    return 0.25, found
+'''
+# The child attacker runs the same helpers: everything above "# --- an exec'd child".
+_HELPERS = HOSTILE.split("# --- an exec'd child")[0]
+HOSTILE = HOSTILE.replace("    helpers = HELPERS\n", f"    helpers = {_HELPERS!r}\n")
+
+
+def expected_findings(combination: str, *, root: bool) -> dict[str, Any]:
+    """What each attack gives at ``combination`` once the wall holds: refused, every one."""
+    eperm = "EPERM"
+    syscalls = {
+        name: eperm
+        for name in (
+            "pivot_root", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+            "mount_setattr", "pidfd_getfd", "process_vm_readv", "process_vm_writev",
+            "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+            "bpf", "keyctl", "add_key", "request_key", "userfaultfd", "io_uring_setup",
+            "io_uring_enter", "io_uring_register", "perf_event_open", "setns",
+        )
+    }  # fmt: skip
+    syscalls["clone3"] = "ENOSYS"
+    for ns in ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts"):
+        syscalls["unshare " + ns] = eperm
+        if ns != "time":
+            syscalls["clone " + ns] = eperm
+    expected: dict[str, Any] = {
+        "dumpable": 0,
+        "open_tree /proc": eperm,
+        "open_tree cwd": eperm,
+        "mount tmpfs": eperm,
+        "umount2": eperm,
+        "unshare -U true": eperm,
+        "unshare -m true": eperm,
+        "unshare -n true": eperm,
+        "syscalls": syscalls,
+        "supervisor ptrace": eperm,
+        "supervisor mem read": "EACCES",
+        "supervisor mem write": "EACCES",
+        "supervisor process_vm_readv": eperm,
+        "supervisor pidfd_getfd": [eperm],
+        "child pidfd_getfd worker": [eperm],
+        "child pidfd_getfd supervisor": [eperm],
+        "child process_vm_readv worker": eperm,
+        "child mem worker": "EACCES",
+        "child forged frames written": 0,
+    }
+    walled = "pidns" in _containment.layers(combination)
+    if root:
+        expected["mount -t tmpfs"] = eperm
+        if walled:
+            expected["umount -l"] = eperm
+    if walled:
+        expected.update(
+            {
+                "own mount namespace": True,
+                "trainer seen in /proc after": [],
+                "trainer in /proc": False,
+                "kill trainer": "ESRCH",
+                "supervisor": 1,  # PID 1 of the namespace
+                "supervisor's parent": 0,  # the relay is outside: not even a number
+            }
+        )
+    return expected
+
+
+def cap_findings(found: dict[str, Any], *, root: bool) -> dict[str, Any]:
+    """The capability sets of the agent and of a process it exec'd, by name."""
+    out: dict[str, Any] = {}
+    for who in ("caps", "child caps"):
+        sets = found[who]
+        for name in ("CapEff", "CapPrm", "CapBnd", "CapAmb"):
+            out[f"{who} {name}"] = cap_names(sets[name])
+        inh = cap_names(sets["CapInh"])
+        if root:
+            out[f"{who} CapInh beyond the Docker set"] = [c for c in inh if c not in DOCKER_CAPS]
+        else:
+            out[f"{who} CapInh"] = inh
+    return out
+
+
+def expected_caps(*, root: bool, found: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for who in ("caps", "child caps"):
+        if root:
+            for name in ("CapEff", "CapPrm", "CapBnd"):
+                out[f"{who} {name}"] = DOCKER_CAPS
+            out[f"{who} CapAmb"] = []
+            out[f"{who} CapInh beyond the Docker set"] = []
+        else:
+            for name in ("CapEff", "CapPrm", "CapAmb", "CapInh"):
+                out[f"{who} {name}"] = []
+            # The bounding set may stay as the kernel gives it, without what reaches out.
+            bounding = cap_names(found[who]["CapBnd"])
+            out[f"{who} CapBnd"] = [
+                c for c in bounding if c not in ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE")
+            ]
+    return out
+
+
+def compare(found: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``found`` that ``expected`` speaks of (missing keys: 'missing')."""
+    return {key: found.get(key, "missing") for key in expected}
+
+
+@pytest.fixture
+def standin() -> Iterator[subprocess.Popen[bytes]]:
+    """A stand-in trainer with a unique marker (the real trainer is the test runner: never the
+    target)."""
+    marker = f"hostilestandin{secrets.token_hex(6)}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", marker],
+        env={"PATH": os.environ["PATH"]},
+    )
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def host_mnt() -> int:
+    return os.stat("/proc/self/ns/mnt").st_ino
+
+
+@pytest.fixture(params=COMBINATIONS)
+def combination(request: pytest.FixtureRequest) -> str:
+    return needs(request.param)
+
+
+# --- root trainer: every combination ----------------------------------------------------------
+
+
+async def test_the_hostile_agent_is_refused_everything_and_keeps_its_own_reward(
+    agents: Agents, standin: subprocess.Popen[bytes], combination: str
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the root agent's attacks: the trainer here is not root")
+    scratch = agents.tmp / "scratch"
+    scratch.mkdir()
+    spec = agents.spec(HOSTILE, containment=combination, exit_grace=2.0, timeout=60.0)
+    data = {
+        "trainer": standin.pid,
+        "host_mnt": host_mnt(),
+        "scratch": str(scratch),
+        "binaries": True,
+    }
+    outcome = await isolate.run_episode(spec, data)
+    # The agent's own reward: nothing it started wrote a result frame.
+    assert (outcome.status, outcome.reward) == ("ok", 0.25), (
+        outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+    )
+    assert outcome.containment == combination
+    found = dict(outcome.info)
+    expected = expected_findings(combination, root=True)
+    assert {**compare(found, expected), **cap_findings(found, root=True)} == {
+        **expected,
+        **expected_caps(root=True, found=found),
+    }
+    if "pidns" in _containment.layers(combination):
+        assert max(found["pids"]) < 100, found["pids"]  # only its own episode's
+    assert standin.poll() is None
+    assert not await anyio.Path(scratch).is_mount()
+    assert tree(agents) == []
+
+
+# --- /dev/shm ----------------------------------------------------------------------------------
+
+SHM_WRITER = """
+import os, time
+def run(data):
+    path = "/dev/shm/" + data["name"]
+    with open(path, "w") as f:
+        f.write("episode data")
+    seen = os.path.exists(path)
+    open(os.path.join(os.environ["PID_DIR"], "written"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "release")):
+        time.sleep(0.01)
+    return 1.0, {"own file": "visible" if seen else "absent"}
+"""
+
+SHM_SIBLING = """
+import os, time
+def run(data):
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "written")):
+        time.sleep(0.01)
+    seen = os.path.exists("/dev/shm/" + data["name"])
+    open(os.path.join(os.environ["PID_DIR"], "checked"), "w").close()
+    return 1.0, {"sibling": "visible" if seen else "absent"}
+"""
+
+WALLED = [c for c in COMBINATIONS if "pidns" in _containment.layers(c)]
+
+
+@pytest.mark.parametrize("combination", WALLED)
+async def test_dev_shm_is_private_to_the_episode(agents: Agents, combination: str) -> None:
+    needs(combination)
+    name = f"isolate-hostile-{secrets.token_hex(6)}"
+    host_path = Path("/dev/shm") / name
+    writer = agents.spec(SHM_WRITER, containment=combination)
+    sibling = agents.spec(SHM_SIBLING, containment=combination)
+    outcomes: dict[str, isolate.EpisodeOutcome] = {}
+    seen: dict[str, str] = {}
+
+    async def one(key: str, spec: isolate.EpisodeSpec) -> None:
+        outcomes[key] = await isolate.run_episode(spec, {"name": name})
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "writer", writer)
+            tg.start_soon(one, "sibling", sibling)
+            await wait_until((agents.pids / "written").exists, 20.0)
+            seen["host while running"] = "visible" if host_path.exists() else "absent"
+            await wait_until((agents.pids / "checked").exists, 20.0)
+            (agents.pids / "release").touch()
+        seen["host after"] = "visible" if host_path.exists() else "absent"
+    finally:
+        host_path.unlink(missing_ok=True)
+    for outcome in outcomes.values():
+        assert outcome.status == "ok", outcome.summary()
+    seen.update(outcomes["writer"].info)
+    seen.update(outcomes["sibling"].info)
+    assert seen == {
+        "own file": "visible",
+        "sibling": "absent",
+        "host while running": "absent",
+        "host after": "absent",
+    }
+    assert tree(agents) == []
+
+
+# --- an agent's work still works ---------------------------------------------------------------
+
+TINY_BACKEND = """
+import base64, hashlib, os, zipfile
+
+NAME, VERSION = "tinypkg", "0.1"
+DIST = "%s-%s" % (NAME, VERSION)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, NAME, "__init__.py"), "rb") as f:
+        source = f.read()
+    entries = [
+        (NAME + "/__init__.py", source),
+        (DIST + ".dist-info/METADATA", b"Metadata-Version: 2.1\\nName: tinypkg\\nVersion: 0.1\\n"),
+        (
+            DIST + ".dist-info/WHEEL",
+            b"Wheel-Version: 1.0\\nGenerator: tiny\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
+        ),
+    ]
+    record = []
+    for path, data in entries:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+        record.append("%s,sha256=%s,%d" % (path, digest.decode(), len(data)))
+    record.append(DIST + ".dist-info/RECORD,,")
+    wheel = DIST + "-py3-none-any.whl"
+    with zipfile.ZipFile(os.path.join(wheel_directory, wheel), "w") as whl:
+        for path, data in entries:
+            whl.writestr(path, data)
+        whl.writestr(DIST + ".dist-info/RECORD", "\\n".join(record) + "\\n")
+    return wheel
+"""
+
+TINY_PYPROJECT = """
+[build-system]
+requires = []
+build-backend = "tinybackend"
+backend-path = ["."]
+
+[project]
+name = "tinypkg"
+version = "0.1"
+"""
+
+WORKER = r"""
+import os, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
+
+def sh(command, cwd, env=None, expect=None):
+    done = subprocess.run(
+        command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=120,
+        env=None if env is None else {**os.environ, **env},
+    )
+    out = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        return "exit %d: %s" % (done.returncode, out[-600:])
+    if expect is not None and expect not in out:
+        return "no %r in: %s" % (expect, out[-600:])
+    return "ok"
+
+def run(data):
+    here = os.getcwd()
+    py = sys.executable
+    for name in ("git", "venv", "pytest", "gcc"):
+        os.mkdir(os.path.join(here, name))
+    with open(os.path.join(here, "git", "README"), "w") as f:
+        f.write("work\n")
+    with open(os.path.join(here, "pytest", "test_tiny.py"), "w") as f:
+        f.write("def test_tiny():\n    assert 1 + 1 == 2\n")
+    with open(os.path.join(here, "gcc", "hello.c"), "w") as f:
+        f.write('#include <stdio.h>\nint main(void) { puts("hello from gcc"); return 0; }\n')
+    steps = {
+        "git": (
+            "git init -q && git add README"
+            " && git -c user.name=agent -c user.email=agent@example.invalid commit -q -m work"
+            " && git log --oneline",
+            "git", None, "work",
+        ),
+        "venv + pip": (
+            '"%s" -m venv --without-pip v'
+            ' && "%s" -m pip --python v/bin/python install -q --no-index --no-build-isolation'
+            ' --no-cache-dir --disable-pip-version-check "%s"'
+            ' && v/bin/python -c "import tinypkg; print(tinypkg.hello())"'
+            % (py, py, data["package"]),
+            "venv", None, "hi from tinypkg",
+        ),
+        "pytest": (
+            '"%s" -m pytest -q -p no:cacheprovider test_tiny.py' % py,
+            "pytest", {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, "1 passed",
+        ),
+    }
+    if data["gcc"]:
+        steps["gcc"] = ("gcc -o hello hello.c && ./hello", "gcc", None, "hello from gcc")
+    if data["strace"]:
+        steps["strace"] = ("strace -f -o /dev/null true", ".", None, None)
+    if data["apt"]:
+        steps["apt-get --version"] = ("apt-get --version", ".", None, "apt ")
+        # Only the dpkg database, not the package lists: the same work, quicker.
+        os.makedirs(os.path.join(here, "lists", "partial"))
+        steps["apt-get -s install"] = (
+            "apt-get -s -o Dir::State::Lists=%s install apt" % os.path.join(here, "lists"),
+            ".", None, "apt is already the newest version",
+        )
+    with ThreadPoolExecutor(len(steps)) as pool:
+        futures = {
+            name: pool.submit(sh, command, os.path.join(here, cwd), env, expect)
+            for name, (command, cwd, env, expect) in steps.items()
+        }
+    return 1.0, {name: future.result() for name, future in futures.items()}
+"""
+
+
+def tiny_package(root: Path) -> Path:
+    package = root / "tinypkg-src"
+    (package / "tinypkg").mkdir(parents=True)
+    (package / "tinypkg" / "__init__.py").write_text('def hello():\n    return "hi from tinypkg"\n')
+    (package / "tinybackend.py").write_text(TINY_BACKEND)
+    (package / "pyproject.toml").write_text(TINY_PYPROJECT)
+    return package
+
+
+async def test_the_agent_can_still_do_its_work(
+    agents: Agents, combination: str, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    tools = {
+        "gcc": shutil.which("gcc") is not None,
+        "strace": shutil.which("strace") is not None,
+        "apt": shutil.which("apt-get") is not None and os.geteuid() == 0,
+    }
+    spec = agents.spec(WORKER, containment=combination, cwd=work, timeout=120.0)
+    outcome = await isolate.run_episode(spec, {"package": str(tiny_package(tmp_path)), **tools})
+    assert outcome.status == "ok", outcome.summary()
+    expected = {"git": "ok", "venv + pip": "ok", "pytest": "ok"}
+    if tools["gcc"]:
+        expected["gcc"] = "ok"
+    if tools["strace"]:
+        expected["strace"] = "ok"
+    if tools["apt"]:
+        expected["apt-get --version"] = "ok"
+        expected["apt-get -s install"] = "ok"
+    assert dict(outcome.info) == expected
+    assert tree(agents) == []
+
+
+# --- an unprivileged trainer ------------------------------------------------------------------
+
+NOBODY = 65534
+
+PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work = sys.argv[1]
+
+async def main():
+    outcomes = {}
+
+    async def one(containment):
+        spec = isolate.EpisodeSpec(
+            agent_root=os.path.join(work, "agent_root"),
+            entrypoint="hostile:run",
+            containment=containment,
+            timeout=60.0,
+            kill_grace=1.0,
+            exit_grace=2.0,
+            log_dir=os.path.join(work, "logs"),
+            cwd=work,
+            env={"PID_DIR": os.path.join(work, "pids")},
+        )
+        data = {
+            "trainer": os.getpid(),
+            "host_mnt": os.stat("/proc/self/ns/mnt").st_ino,
+            "scratch": os.path.join(work, "scratch"),
+            "binaries": False,
+        }
+        outcome = await isolate.run_episode(spec, data)
+        outcomes[containment] = json.loads(outcome.model_dump_json())
+
+    async with anyio.create_task_group() as tg:
+        for containment in ("auto", "pidns"):
+            tg.start_soon(one, containment)
+    print(json.dumps({"uid": os.getuid(), "python": sys.executable, "outcomes": outcomes}))
+
+anyio.run(main)
+"""
+
+
+def as_nobody(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+def unprivileged_python(repo: Path) -> tuple[str, dict[str, str]] | str:
+    """An interpreter the unprivileged user can run isolate with (and exec from its own
+    processes: the shim's spawn and probes have no capability to pass a closed directory), and
+    the environment that makes isolate importable there; or why there is none."""
+    site = next(iter(Path(sys.prefix).glob("lib/python*/site-packages")), None)
+    candidates = [(sys.executable, {})]
+    if site is not None:
+        for other in ("/usr/bin/python3", "/usr/local/bin/python3"):
+            candidates.append((other, {"PYTHONPATH": f"{repo}{os.pathsep}{site}"}))
+    why = []
+    for python, env in candidates:
+        # Exec'd by a process of that user, as the shim's parent does; imports isolate.
+        check = as_nobody(
+            ["sh", "-c", 'exec "$0" -c "import isolate, sys; print(sys.version_info[:2])"', python],
+            env={**os.environ, **env},
+            timeout=60 * SLOW,
+        )
+        if check.returncode == 0 and check.stdout.strip() == str(sys.version_info[:2]):
+            return python, env
+        why.append(f"{python}: {(check.stderr.strip().splitlines() or [check.stdout])[-1]}")
+    return "; ".join(why)
+
+
+def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    repo = Path(isolate.__file__).resolve().parent.parent
+    found_python = unprivileged_python(repo)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    work = Path(tempfile.mkdtemp(prefix="isolate-hostile-nobody-"))
+    marker = f"PID_DIR={work}/pids".encode()
+    try:
+        for sub in ("agent_root", "logs", "pids", "scratch"):
+            (work / sub).mkdir()
+        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE))
+        (work / "parent.py").write_text(PARENT)
+        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+            path.chmod(0o777)
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["uid"] == NOBODY
+        assert episode_processes(marker) == []
+        expected = expected_findings("pidns", root=False)
+        for requested, outcome in report["outcomes"].items():
+            assert (outcome["status"], outcome["reward"]) == ("ok", 0.25), (
+                requested,
+                outcome["status"],
+                outcome["error"],
+                outcome["stderr_tail"][-2000:],
+            )
+            assert outcome["containment"] == "pidns", requested  # auto: pidns in a userns
+            found = outcome["info"]
+            assert {
+                "requested": requested,
+                **compare(found, expected),
+                **cap_findings(found, root=False),
+            } == {
+                "requested": requested,
+                **expected,
+                **expected_caps(root=False, found=found),
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
