@@ -319,6 +319,16 @@ async def test_write_git_hooks_and_config_in_the_working_directory(world: World)
         out["move_git"] = try_(os.rename, git, os.path.join(cwd, "old-git"))
         out["move_hooks"] = try_(os.rename, os.path.join(git, "hooks"),
                                  os.path.join(git, "old-hooks"))
+        # A copy of the working directory without its read-only submounts (open_tree with
+        # OPEN_TREE_CLONE), and a user namespace of its own in which it would hold SYS_ADMIN.
+        import ctypes, errno
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.syscall(428, -100, cwd.encode(), 1 | 0o2000000)  # open_tree, x86_64
+        out["open_tree"] = errno.errorcode.get(ctypes.get_errno(), "?") if fd < 0 else "cloned"
+        hook = os.path.join(git, "hooks", "post-checkout")
+        out["userns"] = subprocess.run(
+            ["unshare", "-U", "-r", "-m", "sh", "-c", "umount -l %s; echo evil > %s" % (git, hook)],
+            capture_output=True).returncode
         # Legitimate: edit, stage, commit, diff in the checkout.
         write(os.path.join(cwd, "module.py"), "x = 2\\n")
         write(os.path.join(cwd, "new.py"), "y = 1\\n")
@@ -332,7 +342,11 @@ async def test_write_git_hooks_and_config_in_the_working_directory(world: World)
     for key in ("hook", "config", "move_git", "move_hooks"):
         assert _denied(found[key]), (key, found[key])
     assert found["git_config"] != 0
+    if os.uname().machine == "x86_64":
+        assert found["open_tree"] == "EPERM"
+    assert found["userns"] != 0
     assert not (world.cwd / ".git" / "hooks" / "pre-commit").exists()
+    assert not (world.cwd / ".git" / "hooks" / "post-checkout").exists()
     assert "fsmonitor" not in (world.cwd / ".git" / "config").read_text()
     assert "hooksPath" not in (world.cwd / ".git" / "config").read_text()
     assert len(found["log"].splitlines()) == 2
