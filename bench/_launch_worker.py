@@ -42,10 +42,14 @@ CONTENDERS = (
     "isolate_os_exit",
     "isolate_heavy",
     "isolate_heavy_os_exit",
+    "isolate_unhardened",
 )
 #: Pairs that price the worker's normal exit after its result (atexit, flushes, finalizers):
 #: the same episode with a shim whose worker leaves by ``os._exit`` instead, as it once did.
 EXIT_PAIRS = {"isolate": "isolate_os_exit", "isolate_heavy": "isolate_heavy_os_exit"}
+#: The pair that prices the worker's hardening before the agent's import (syscall filter,
+#: capabilities dropped): the same episode with a shim that skips it.
+HARDENING_PAIRS = {"isolate": "isolate_unhardened"}
 #: An agent module that imports what a small real agent does before it runs.
 HEAVY_AGENT = (
     "import asyncio, json, logging, email.message, http.client, decimal, dataclasses, typing\n"
@@ -55,17 +59,39 @@ HEAVY_AGENT = (
 
 def os_exit_shim(workdir: Path) -> Path:
     """A copy of the shim whose worker leaves by ``os._exit`` right after its final frame."""
+    return shim_variant(
+        workdir, "os_exit_shim", {"        leave_worker(code)\n": "        os._exit(code)\n"}
+    )
+
+
+def unhardened_shim(workdir: Path) -> Path:
+    """A copy of the shim that skips the worker's hardening (and the supervisor's preparation
+    of it): what an episode cost before the wall against a hostile agent."""
+    return shim_variant(
+        workdir,
+        "unhardened_shim",
+        {
+            "        problem = harden()\n": "        problem = None\n",
+            '        load_part("seccomp")\n': "        pass\n",
+        },
+    )
+
+
+def shim_variant(workdir: Path, name: str, changes: dict[str, str]) -> Path:
+    """A copy of the shim in ``workdir/name`` with each line of ``changes`` replaced; its
+    boot.py."""
     source = Path(isolate.shim_path()).parent
-    target = workdir / "os_exit_shim"
+    target = workdir / name
     shutil.copytree(
         source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
     )
     shim = target / "shim.py"
     text = shim.read_text()
-    normal = "        leave_worker(code)\n"
-    if text.count(normal) != 1:
-        raise RuntimeError("the shim's normal exit is not where bench expects it")
-    shim.write_text(text.replace(normal, "        os._exit(code)\n"))
+    for old, new in changes.items():
+        if text.count(old) != 1:
+            raise RuntimeError(f"{old.strip()!r} is not where bench expects it in the shim")
+        text = text.replace(old, new)
+    shim.write_text(text)
     return target / "boot.py"
 
 
@@ -83,6 +109,7 @@ class _Parent:
         (agent_root / "heavy_agent.py").write_text(HEAVY_AGENT)
         self.heavy_spec = self.spec.model_copy(update={"entrypoint": "heavy_agent:run"})
         self.os_exit_shim = os_exit_shim(agent_root.parent)
+        self.unhardened_shim = unhardened_shim(agent_root.parent)
         self.spawn = multiprocessing.get_context("spawn")
         self.pool = ProcessPoolExecutor(max_workers=2)  # AReaL subproc: default (fork) context
         self.pool_env = {"OPENAI_API_KEY": "sk-bench", "OPENAI_BASE_URL": "http://127.0.0.1:1"}
@@ -96,6 +123,9 @@ class _Parent:
 
     async def isolate_os_exit(self, k: int) -> float:
         return await self._episodes(self.spec, k, self.os_exit_shim)
+
+    async def isolate_unhardened(self, k: int) -> float:
+        return await self._episodes(self.spec, k, self.unhardened_shim)
 
     async def isolate_heavy(self, k: int) -> float:
         return await self._episodes(self.heavy_spec, k)

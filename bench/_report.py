@@ -16,6 +16,7 @@ LABELS = {
     "isolate_os_exit": "isolate, worker leaves by `os._exit` (no normal exit)",
     "isolate_heavy": "isolate, agent importing asyncio, json, logging, http, …",
     "isolate_heavy_os_exit": "same agent, worker leaves by `os._exit`",
+    "isolate_unhardened": "isolate, worker without its hardening (syscall filter, capabilities)",
 }
 
 
@@ -92,7 +93,7 @@ def _launch(res: dict[str, Any], large: dict[str, Any] | None) -> list[str]:
     )
     head_lines = ["## 1 + 2b. Launch overhead of a no-op episode (sequential)", "", note + ".", ""]
     tail = [plain, ""] if "isolate_plain" in res["rows"] else []
-    return head_lines + _table(head, rows) + tail + _exit_cost(res)
+    return head_lines + _table(head, rows) + tail + _exit_cost(res) + _hardening_cost(res)
 
 
 def _exit_cost(res: dict[str, Any]) -> list[str]:
@@ -110,6 +111,24 @@ def _exit_cost(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"- {LABELS.get(name, name)}: +{_range(cost['extra_s'], 1000, 2)} ms per episode, "
             f"{_ratio(cost['ratio'])} of the `os._exit` one"
+        )
+    return lines + [""]
+
+
+def _hardening_cost(res: dict[str, Any]) -> list[str]:
+    """The wall's price: each episode against the same with a shim that skips the hardening."""
+    costs = res.get("hardening_cost")
+    if not costs:
+        return []
+    lines = [
+        "The worker's hardening before the agent's import (a syscall filter, capabilities "
+        "dropped), priced against the same episode with a shim that skips it:",
+        "",
+    ]
+    for name, cost in costs.items():
+        lines.append(
+            f"- {LABELS.get(name, name)}: +{_range(cost['extra_s'], 1000, 2)} ms per episode, "
+            f"{_ratio(cost['ratio'])} of the unhardened one"
         )
     return lines + [""]
 

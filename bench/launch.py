@@ -16,12 +16,24 @@ from typing import Any
 
 from ._common import REPO, paired_ratio, summary
 from ._context import Context
-from ._launch_worker import CONTENDERS, EXIT_PAIRS
+from ._launch_worker import CONTENDERS, EXIT_PAIRS, HARDENING_PAIRS
 
 BASELINE = "bare"
 #: The plain-venv contenders are compared with that venv's own bare interpreter.
 BASELINES = {"isolate_plain": "bare_plain", "bare_plain": "bare_plain"}
 NOOP_AGENT = "def run(data, **kwargs):\n    return 1.0\n"
+
+
+def pair_costs(times: dict[str, list[float]], pairs: dict[str, str]) -> dict[str, Any]:
+    """For each contender against its pair, round by round: the ratio and the extra seconds."""
+    found = {}
+    for name, old in pairs.items():
+        new_t, old_t = times[name], times[old]
+        found[name] = {
+            "ratio": paired_ratio(new_t, old_t),
+            "extra_s": summary([a - b for a, b in zip(new_t, old_t, strict=False)]),
+        }
+    return found
 
 
 def plain_venv(path: Path) -> Path:
@@ -106,14 +118,11 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
             rows[name]["samples"] = times[label][name]
             baseline = BASELINES.get(name, BASELINE)
             rows[name]["ratio"] = paired_ratio(times[label][name], times[label][baseline])
+
         # What the worker's normal exit costs: the same episode against os._exit, per round.
-        exit_cost = {}
-        for name, old in EXIT_PAIRS.items():
-            new_t, old_t = times[label][name], times[label][old]
-            exit_cost[name] = {
-                "ratio": paired_ratio(new_t, old_t),
-                "extra_s": summary([a - b for a, b in zip(new_t, old_t, strict=False)]),
-            }
+        exit_cost = pair_costs(times[label], EXIT_PAIRS)
+        # What the wall against a hostile agent costs: the same episode without it.
+        hardening_cost = pair_costs(times[label], HARDENING_PAIRS)
         out["launch" if label == "small" else "large"] = {
             "unit": "s/episode",
             "baseline": BASELINE,
@@ -123,6 +132,7 @@ def run(ctx: Context, with_large: bool = True) -> dict[str, Any]:
             "containment": sorted(levels),
             "rows": rows,
             "exit_cost": exit_cost,
+            "hardening_cost": hardening_cost,
         }
     if with_large:
         out["large"]["ballast_mib"] = large_mib

@@ -88,6 +88,9 @@ def test_launch_figures(results: dict[str, Any]) -> None:
             cost = results["sections"][parent]["exit_cost"][name]
             assert _positive(cost["ratio"]), (parent, name)
             assert cost["extra_s"]["n"] == len(rows[name]["samples"])
+        hardening = results["sections"][parent]["hardening_cost"]["isolate"]
+        assert _positive(hardening["ratio"]), parent
+        assert hardening["extra_s"]["n"] == len(rows["isolate"]["samples"])
     large = results["sections"]["large"]
     assert large["parent_rss_mib"] > results["sections"]["launch"]["parent_rss_mib"] + 48
     assert _positive(large["vs_small"]["isolate"])
