@@ -616,7 +616,7 @@ def harden():
     if problem is not None:
         sys.stderr.write("isolate shim: no syscall filter: %s\n" % problem)
     problem = drop_capabilities()
-    # Credential changes can make a process dumpable again: say it once more, last.
+    # The kernel resets it on some credential changes (commit_creds): once more, last.
     c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     return problem
 
@@ -643,14 +643,9 @@ def drop_capabilities():
                     return "cannot drop capability %d: %s" % (cap, os.strerror(errno))
     # Without CAP_SETPCAP the bounding set stays; no_new_privs (set with the syscall filter
     # for such a process) keeps exec from granting anything from it.
-    effective, permitted, inheritable = (
-        sets.get(k, 0) & keep for k in ("CapEff", "CapPrm", "CapInh")
-    )
-    if (effective, permitted, inheritable) == (
-        sets.get("CapEff"),
-        sets.get("CapPrm"),
-        sets.get("CapInh"),
-    ):
+    now = [sets.get(name, 0) for name in ("CapEff", "CapPrm", "CapInh")]
+    effective, permitted, inheritable = (value & keep for value in now)
+    if [effective, permitted, inheritable] == now:
         return None  # nothing to drop
     header = _LINUX_CAPABILITY_VERSION_3.to_bytes(4, "little") + (0).to_bytes(4, "little")
     data = b"".join(
@@ -953,6 +948,7 @@ def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
         poller.register(parent_fd, select.POLLIN)
     delay = 0.002
     while True:
+        # Reap the dead too: an unreaped zombie's own children would be handed to init.
         status, clear = reap(worker_pid, status)
         live = live_descendants(me)
         now = time.monotonic()
@@ -962,8 +958,6 @@ def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
             # Something is stuck in the kernel (D state), or a child cannot be reaped: the
             # parent's sweep (or the namespace's end) takes over.
             return len(victims), status
-        # Not live yet not reaped: a zombie whose children are reparented as we look. Reap
-        # the dead too: an unreaped zombie's own children would be handed to init.
         fresh = [pid for pid in live if pid not in victims]
         victims.update(fresh)
         if now < end:
