@@ -5,6 +5,7 @@ suites that use ``@both_starts``; these tests are about the template itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,9 +25,10 @@ from isolate._cli.main import main as cli_main
 from isolate._core import admission as _admission
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
-from isolate.workflow import episode_spec
+from isolate.workflow import SWEAgentWorkflow, episode_spec
 
 from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
+from .test_cli import URL, cli_env, isolate_cli
 
 pytestmark = pytest.mark.anyio
 
@@ -426,3 +428,117 @@ def test_doctor_preload_on_a_forkable_agent(
     )
     assert cli_main(["doctor", "--agent-root", str(agents.root), "--preload"]) == 0
     assert "a preloaded template imports it in" in capsys.readouterr().out
+
+
+# --- a refused template, said where users look ------------------------------------------------
+
+LITELLM_LIKE = THREAD_AT_IMPORT.replace("cost-map-retry", "litellm-model-cost-map-retry")
+LITELLM_REASON = "thread 'litellm-model-cost-map-retry' running after import"
+
+
+def refusing_agent(agents: Agents) -> None:
+    """aweagent.lifecycle (the drop-in's entrypoint) and agent_refused:run, both refused."""
+    package = agents.root / "aweagent"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lifecycle.py").write_text(
+        LITELLM_LIKE + "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+    )
+    (agents.root / "agent_refused.py").write_text(
+        LITELLM_LIKE.replace("def run(data)", "def run(data, **kw)")
+    )
+
+
+async def test_the_outcome_says_why_preload_gave_no_template(agents: Agents) -> None:
+    spec = agents.spec(THREAD_AT_IMPORT, preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.preload_refused == "thread 'cost-map-retry' running after import"
+    used = await isolate.run_episode(
+        agents.spec("def run(data):\n    return 1.0\n", preload=True), {}
+    )
+    assert (used.start, used.preload_refused) == ("template", None)
+    fresh = await isolate.run_episode(agents.spec("def run(data):\n    return 1.0\n"), {})
+    assert (fresh.start, fresh.preload_refused) == ("fresh", None)  # preload never asked
+
+
+def test_run_says_once_why_preload_gave_no_template(agents: Agents) -> None:
+    refusing_agent(agents)
+    record = agents.tmp / "r.json"
+    record.write_text(
+        json.dumps({"instance_id": "r-1", "econfig": {"env": {"PID_DIR": str(agents.pids)}}})
+    )
+    done = isolate_cli(
+        "run",
+        str(record),
+        "--agent-root",
+        str(agents.root),
+        "--entrypoint",
+        "agent_refused:run",
+        "--base-url",
+        URL,
+        "--preload",
+        "--log-dir",
+        str(agents.logs),
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [ln for ln in done.stderr.splitlines() if "--preload gave no template" in ln]
+    assert warnings == [
+        f"isolate: warning: --preload gave no template ({LITELLM_REASON}); episodes start fresh. "
+        "Litellm starts that thread at import unless LITELLM_LOCAL_MODEL_COST_MAP=True is in "
+        "the agent's environment (econfig env, EpisodeSpec.env)"
+    ]
+    assert json.loads(done.stdout)["preload_refused"] == LITELLM_REASON
+
+
+def test_batch_says_once_why_preload_gave_no_template_and_counts_starts(agents: Agents) -> None:
+    refusing_agent(agents)
+    records = agents.tmp / "records.jsonl"
+    econfig = {"env": {"PID_DIR": str(agents.pids)}}
+    records.write_text(
+        "".join(json.dumps({"instance_id": f"b-{i}", "econfig": econfig}) + "\n" for i in range(3))
+    )
+    out = agents.tmp / "results.jsonl"
+    done = isolate_cli(
+        "batch",
+        str(records),
+        "--out",
+        str(out),
+        "--agent-root",
+        str(agents.root),
+        "--entrypoint",
+        "agent_refused:run",
+        "--base-url",
+        URL,
+        "--preload",
+        "--log-dir",
+        str(agents.logs),
+        "--api-key-env",
+        "BATCH_KEY",
+        env=cli_env(BATCH_KEY="sk-batch-preload"),
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [ln for ln in done.stderr.splitlines() if "--preload gave no template" in ln]
+    assert len(warnings) == 1, done.stderr
+    assert LITELLM_REASON in warnings[0]
+    assert f"start        template 0, fresh 3 ({LITELLM_REASON}: 3)" in done.stdout + done.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(e["start"], e["preload_refused"]) for e in lines] == [("fresh", LITELLM_REASON)] * 3
+
+
+async def test_the_workflow_warns_once_why_preload_gave_no_template(
+    agents: Agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    refusing_agent(agents)
+    econfig = {
+        "agent_root": str(agents.root),
+        "preload": True,
+        "env": {"PID_DIR": str(agents.pids)},
+    }
+    wf = SWEAgentWorkflow(econfig=econfig, timeout=30)
+    with caplog.at_level("WARNING", logger="AReaL-SWEAgent"):
+        for i in range(2):
+            assert await wf.run({"instance_id": f"w-{i}"}, base_url=URL) == 1.0
+    warnings = [r.getMessage() for r in caplog.records if "gave no template" in r.getMessage()]
+    assert len(warnings) == 1
+    assert LITELLM_REASON in warnings[0]
+    assert "LITELLM_LOCAL_MODEL_COST_MAP=True" in warnings[0]

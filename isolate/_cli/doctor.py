@@ -233,12 +233,9 @@ def _preload_report(report: _Report, root: Path, python: str, entrypoint: str) -
         report.line("ok", f"a preloaded template imports it in {seconds:.2f} s and can be forked")
         return
     report.line("FAIL", f"preload refused: {refused}; episodes with preload would start fresh")
-    if "litellm" in refused:
-        report.line(
-            "info",
-            "litellm starts that thread at import unless LITELLM_LOCAL_MODEL_COST_MAP=True is "
-            "in the agent's environment (econfig env, EpisodeSpec.env)",
-        )
+    fix = _templates.remedy(refused)
+    if fix is not None:
+        report.line("info", fix)
 
 
 def doctor(

@@ -26,6 +26,15 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
 
+def preload_warning(reason: str) -> str:
+    """The line that says, once per reason, why ``--preload`` gave no template."""
+    from .._core.templates import remedy
+
+    text = f"warning: --preload gave no template ({reason}); episodes start fresh"
+    fix = remedy(reason)
+    return f"{text}. {fix[0].upper()}{fix[1:]}" if fix else text
+
+
 class UsageError(Exception):
     """Bad command-line input; the message is shown as is, with exit status 2."""
 

@@ -23,7 +23,7 @@ from .._core.config import EpisodeSpec
 from .._core.launcher import _default_episode_id, run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.templates import close_templates
-from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError, read_secret_env
+from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError, preload_warning, read_secret_env
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
 _TTY_TICK_S = 0.5
@@ -171,6 +171,8 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
     print(outcome.model_dump_json())
     print(f"isolate: {outcome.summary()}", file=sys.stderr)
+    if outcome.preload_refused is not None:
+        print(f"isolate: {preload_warning(outcome.preload_refused)}", file=sys.stderr)
     if outcome.log_path:
         print(f"isolate: log {outcome.log_path}", file=sys.stderr)
     print(f"isolate: replay with: isolate run --replay {bundle}", file=sys.stderr)

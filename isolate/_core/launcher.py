@@ -189,6 +189,7 @@ class _Run:
 
         self.started = time.monotonic()
         self.asked_template = False
+        self.preload_refused: str | None = None  # why preload gave no template
         self.level = "session"  # the containment combination, once resolved
         self.leaves: _containment.Leaves | None = None
         self.leaves_problem: str | None = None
@@ -346,7 +347,12 @@ class _Run:
                     self.asked_template = True  # once: a retry after EMFILE does not ask again
                     with anyio.move_on_after(self.spec.timeout) as scope:
                         self.template = await _templates.acquire(
-                            self.spec, self.env, self.public["agent_root"], self.level, self._note
+                            self.spec,
+                            self.env,
+                            self.public["agent_root"],
+                            self.level,
+                            self._note,
+                            self._fresh_because,
                         )
                     if scope.cancelled_caught:
                         return None  # no process: _run reports the timeout
@@ -413,6 +419,9 @@ class _Run:
         if problem is not None:
             self._note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
 
+    def _fresh_because(self, reason: str) -> None:
+        self.preload_refused = self.redact.text(reason)
+
     def _spawn(self) -> str | None:
         """Start the shim (and put it into its cgroup leaves); a problem, or None."""
         # Runs in a worker thread: fork+exec of a big parent must not stall the event loop.
@@ -427,6 +436,7 @@ class _Run:
                 except _templates.TemplateGone as exc:
                     # The next episode starts a new template; this one need not wait for it.
                     self._note(f"{exc}; this episode starts fresh")
+                    self._fresh_because(str(exc))
                     self.template = None
             if self.popen is None:
                 self.popen = subprocess.Popen(
@@ -994,6 +1004,7 @@ class _Run:
             cleanup=self.cleanup,
             sandbox=self._sandbox_report(),
             start="template" if self.template is not None else "fresh",
+            preload_refused=self.preload_refused,
         )
         if self.log is not None:
             try:

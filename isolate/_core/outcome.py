@@ -114,6 +114,9 @@ class EpisodeOutcome(BaseModel):
     """What the episode's sandbox enforced (and what it could not); None without one."""
     start: Literal["fresh", "template"] = "fresh"
     """How the episode's process began: a new interpreter, or a fork of a preloaded template."""
+    preload_refused: str | None = None
+    """Why this episode started fresh although ``spec.preload`` asked for a template (refused
+    at import, say ``thread 'x' running after import``, or gone); None otherwise."""
 
     @property
     def exit_description(self) -> str:

@@ -298,10 +298,11 @@ async def acquire(
     agent_root: str | None,
     level: str,
     note: Callable[[str], None],
+    refused_because: Callable[[str], None] = lambda reason: None,
 ) -> Template | None:
     """The running template for an episode of ``spec`` whose exec environment would be
     ``env``, started (or restarted) if need be; None when its key is refused (the reason goes
-    to ``note``): the episode starts fresh."""
+    to ``note``, and to ``refused_because``): the episode starts fresh."""
     key = _key(spec, env, agent_root, level)
     name = "template." + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
     while True:
@@ -325,6 +326,7 @@ async def acquire(
             threading.Thread(target=died.close, daemon=True).start()  # reap it, remove its leaf
         if entry.refused is not None:
             note(f"preload refused: {entry.refused}; this episode starts fresh")
+            refused_because(entry.refused)
             return None
         if not starter:
             await anyio.sleep(0.01)  # another episode is starting it: wait for that
@@ -344,7 +346,9 @@ async def acquire(
                     started, refused = None, "templates were closed while this one started"
                 entry.template, entry.refused = started, refused
         if started is None:
+            assert refused is not None
             note(f"preload refused: {refused}; this episode starts fresh")
+            refused_because(refused)
             return None
         note(f"template {name} started (pid {started.pid})")
         return started
@@ -460,6 +464,16 @@ async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
             await anyio.to_thread.run_sync(template.close)
         template.release_fds()
     return refused, seconds
+
+
+def remedy(refused: str) -> str | None:
+    """How to get a template used after it was refused for ``refused``, where a fix is known."""
+    if "litellm" in refused:
+        return (
+            "litellm starts that thread at import unless LITELLM_LOCAL_MODEL_COST_MAP=True is "
+            "in the agent's environment (econfig env, EpisodeSpec.env)"
+        )
+    return None
 
 
 def started_templates() -> list[Template]:

@@ -39,6 +39,7 @@ from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.sandbox import Sandbox, ports_of_url
+from .._core.templates import remedy
 
 __all__ = ["PASSTHROUGH_ENV", "SWEAgentWorkflow", "resolve_agent_root"]
 
@@ -296,6 +297,7 @@ class SWEAgentWorkflow:
         self.gen_args = gen_args or {}
         self.timeout = timeout_of(econfig, timeout)
         self.agent_root = resolve_agent_root(econfig)
+        self._preload_refused: set[str] = set()  # each reason warned about once
         if econfig.get("on_crash", "zero") not in _ON_CRASH:
             raise ValueError(
                 f"econfig.on_crash must be 'zero' or 'raise', got {econfig['on_crash']!r}"
@@ -373,6 +375,15 @@ class SWEAgentWorkflow:
             "log": str(outcome.log_path) if outcome.log_path else None,
         }
         logger.info("episode %s", json.dumps(record))
+        reason = outcome.preload_refused
+        if reason is not None and reason not in self._preload_refused:
+            self._preload_refused.add(reason)
+            fix = remedy(reason)
+            logger.warning(
+                "econfig.preload gave no template (%s): episodes start fresh.%s",
+                reason,
+                f" {fix[0].upper()}{fix[1:]}" if fix else "",
+            )
 
     def _reward(
         self, instance_id: str, outcome: EpisodeOutcome, on_crash: str, timeout: float

@@ -195,6 +195,8 @@ def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
         "signal": outcome.signal,
         "killed": outcome.killed,
         "containment": outcome.containment,
+        "start": outcome.start,
+        "preload_refused": outcome.preload_refused,
         "error": {"type": error.type, "message": error.message} if error else None,
         "log_path": str(outcome.log_path) if outcome.log_path else None,
         "episode_id": outcome.episode_id,

@@ -15,6 +15,7 @@ import anyio
 
 from ..._core import admission
 from ..._core.outcome import STATUSES
+from ..options import preload_warning
 
 if TYPE_CHECKING:
     from .bar import Bar
@@ -44,6 +45,8 @@ class View:
         self.retried = 0
         """Attempts of this run that got another attempt."""
         self.running = 0
+        self.preload_refused: set[str] = set()
+        """Why --preload gave no template, each said once."""
         self.start = time.monotonic()
         self._given_interval = interval
         self.interval = interval or PLAIN_INTERVAL_S
@@ -74,6 +77,10 @@ class View:
             self._bar.stop()
 
     def finished_entry(self, entry: dict[str, Any]) -> None:
+        reason = entry.get("preload_refused")
+        if reason and reason not in self.preload_refused:
+            self.preload_refused.add(reason)
+            self.note(preload_warning(reason))
         if entry["final"]:
             self.counts[entry["status"]] += 1
             self.finished += 1
@@ -219,6 +226,14 @@ def summary(
         if used:
             text = ", ".join(f"{c} ({n})" for c, n in sorted(used.items()))
             facts.append(("containment", text))
+        starts = Counter(str(e["start"]) for e in entries if e.get("start"))
+        if starts["template"] or any(e.get("preload_refused") for e in entries):
+            # With --preload: how many episodes got a template, and why the others did not.
+            why = Counter(str(e["preload_refused"]) for e in entries if e.get("preload_refused"))
+            text = f"template {starts['template']}, fresh {starts['fresh']}"
+            if why:
+                text += " (" + "; ".join(f"{r}: {n}" for r, n in why.most_common()) + ")"
+            facts.append(("start", text))
         slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
         for n, e in enumerate(slowest):
             text = f"{e['instance_id']}  {float(e['duration_s']):.2f} s  {e['status']}"
