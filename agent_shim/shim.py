@@ -1076,6 +1076,8 @@ def main():
         return probe_landlock()
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
+        # A subreaper, so that a process its import started stays its child, found and killed.
+        set_subreaper()
         return load_part("template").serve(main, load_entrypoint)
     if sys.platform.startswith("linux"):
         # Before anything else: nothing the agent starts (same user) may read or write this

@@ -6,7 +6,8 @@ template exits. It never runs an episode itself. Messages are JSON, one per pack
 
 - parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...]}``;
 - template -> parent: ``{"t": "ready", "seconds"}``, or ``{"t": "refused", "reason"}`` (then it
-  exits): not importable, or not safe to fork (a thread running, a socket open);
+  kills what the import started and exits): not importable, or not safe to fork (a thread
+  running, a process the import started still alive, a socket open);
 - parent -> template: ``{"t": "fork", "episode_id"}`` carrying three fds (SCM_RIGHTS): the
   episode's channel (its stdin and stdout, one socket), its stderr pipe and a reply socket;
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
@@ -77,6 +78,10 @@ def fork_hazard(control):
             except OSError:
                 name = str(tid)
         return "thread %r running after import" % name
+    kids = children_after(THREAD_GRACE)
+    if kids:
+        pid, name = kids[0]
+        return "process %d (%s) running after import: it would outlive its episodes" % (pid, name)
     for entry in os.listdir("/proc/self/fd"):
         fd = int(entry)
         if fd == control.fileno():
@@ -88,6 +93,54 @@ def fork_hazard(control):
         if target.startswith("socket:"):
             return "socket open after import (fd %d): every episode would share it" % fd
     return None
+
+
+def children_after(grace):
+    """The live children of this process, as (pid, command name), after waiting up to
+    ``grace`` seconds for them to exit (and reaping those that did). The template is a child
+    subreaper: whatever the import started, double-forked or not, is among them."""
+    end = time.monotonic() + grace
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        found = []
+        me = os.getpid()
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open("/proc/%s/stat" % name, "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            close = stat.rfind(b")")
+            fields = stat[close + 2 :].split()
+            if int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
+                found.append(
+                    (int(name), stat[stat.find(b"(") + 1 : close].decode("utf-8", "replace"))
+                )
+        if not found or time.monotonic() >= end:
+            return found
+        time.sleep(0.01)
+
+
+def kill_children():
+    """SIGKILL every child until none is left (a subreaper: their orphans come back here), for
+    at most 2 s; the parent's clean-up of the template's session and leaf comes after."""
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        kids = children_after(0)
+        if not kids:
+            return
+        for pid, _ in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.005)
 
 
 def serve(shim_main, load_entrypoint):
@@ -137,6 +190,7 @@ def preload_and_loop(shim_main, load_entrypoint):
     reason = fork_hazard(control)
     if reason is not None:
         sys.stderr.write("isolate template: preload refused: %s\n" % reason)
+        kill_children()  # nothing the import started outlives the refusal
         send(control, {"t": "refused", "reason": reason})
         return 0
     # Objects that exist now are never collected in a fork: its collector leaves their pages

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -542,3 +543,63 @@ async def test_the_workflow_warns_once_why_preload_gave_no_template(
     assert len(warnings) == 1
     assert LITELLM_REASON in warnings[0]
     assert "LITELLM_LOCAL_MODEL_COST_MAP=True" in warnings[0]
+
+
+DAEMON_AT_IMPORT = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(os.path.join(os.environ["PID_DIR"], "daemon"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+    os._exit(0)
+os.wait()
+def run(data):
+    return 1.0
+"""
+
+
+async def test_a_process_the_import_started_means_a_fresh_start_and_is_killed(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(DAEMON_AT_IMPORT, preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused is not None
+    assert re.fullmatch(
+        r"process \d+ \(python3?[\d.]*\) running after import: it would outlive its episodes",
+        outcome.preload_refused,
+    ), outcome.preload_refused
+    # The fresh start ran the import too, and its episode's teardown took that daemon; the
+    # template's was killed at the refusal. Two daemons were started, none is left.
+    await wait_until(lambda: (agents.pids / "daemon").exists())
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: not agents.left(), 5.0, "no daemon"))
+    await _templates.close_templates()
+    assert template_processes(agents) == []
+
+
+async def test_close_templates_kills_what_is_left_in_the_templates_session(
+    agents: Agents,
+) -> None:
+    # The agent's code can still run in the template after the fork-safety check (here a
+    # signal handler its import installed): what it starts there is killed with the template.
+    code = (
+        "import os, signal, subprocess, sys\n"
+        "def later(*_):\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "signal.signal(signal.SIGUSR1, later)\n"
+        "def run(data):\n    return 1.0\n"
+    )
+    spec = agents.spec(code, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    os.kill(template.pid, signal.SIGUSR1)  # the agent's code runs in the template, late
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: psutil.Process(template.pid).children(), 5.0, "the leftover")
+    )
+    leftover = psutil.Process(template.pid).children()[0]
+    await _templates.close_templates()
+    assert is_gone(leftover.pid, leftover.create_time())
+    assert template_processes(agents) == []

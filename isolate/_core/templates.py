@@ -43,6 +43,7 @@ from .config import EPISODE_ENV, EpisodeSpec
 from .env import split_env
 from .outcome import describe_exit, signal_name
 from .shim import _boot_path
+from .tree import Episode
 
 #: A template answers a fork request within milliseconds; one that does not is stuck (seconds).
 _FORK_TIMEOUT_S = 10.0
@@ -241,14 +242,25 @@ class Template:
             self.fds = None
 
     def close(self, grace: float = _CLOSE_GRACE_S) -> None:
-        """End the template (EOF on its control socket, then SIGKILL after ``grace`` seconds)
-        and its leaf; blocking. Episodes forked from it run on."""
+        """End the template (EOF on its control socket, then SIGKILL after ``grace`` seconds),
+        everything left in its session and leaf, and the leaf; blocking. Episodes forked from
+        it run on: each has a session and a leaf of its own."""
         self.control.close()
         try:
             self.popen.wait(grace)
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait()
+        rest = Episode(None, self.pid, None, self.leaves)
+        end = time.monotonic() + _CLOSE_GRACE_S
+        while time.monotonic() < end:
+            left = rest.live()
+            if not left and (self.leaves is None or not self.leaves.populated()):
+                break
+            rest.signal(left, signal.SIGKILL)
+            if self.leaves is not None:
+                self.leaves.kill()
+            time.sleep(0.01)
         if self.leaves is not None:
             self.leaves.remove()
 

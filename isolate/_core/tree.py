@@ -114,8 +114,14 @@ class Episode:
     """The processes of one episode, and how to kill them."""
 
     def __init__(
-        self, shim: psutil.Process | None, sid: int, episode_id: str, box: Box | None = None
+        self,
+        shim: psutil.Process | None,
+        sid: int,
+        episode_id: str | None,
+        box: Box | None = None,
     ) -> None:
+        """``episode_id`` None: no scan for the environment tag (a template's forks carry its
+        tag, and must not be taken for its own processes)."""
         self.shim = shim
         self.sid = sid
         self.episode_id = episode_id
@@ -142,7 +148,8 @@ class Episode:
         if self.box is not None:
             add(_procs(self.box.members()))
         add(_procs(_session_members(self.sid)))
-        add(_procs(_tagged(self.episode_id)))
+        if self.episode_id is not None:
+            add(_procs(_tagged(self.episode_id)))
         live = [p for p in found.values() if is_alive(p)]
         shim_pid = self.shim.pid if self.shim is not None else -1
         # The shim last: its descendants die first, rather than being orphaned to an init
