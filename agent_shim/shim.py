@@ -276,6 +276,7 @@ def check_handshake(hs):
         ("kwargs", lambda v: isinstance(v, dict)),
         ("secrets", lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
         ("secret_env", is_env),
+        ("temp_env", is_env),
         ("deadline", lambda v: is_number(v) and v > 0),
         ("kill_grace", lambda v: is_number(v) and v >= 0),
         ("cancel_grace", lambda v: is_number(v) and v >= 0),
@@ -552,6 +553,14 @@ def worker(hs, channel):
     # keeps that one), but in os.environ for the agent's SDKs and its subprocesses.
     secret_env = hs.pop("secret_env", None) or {}
     os.environ.update(secret_env)
+    temp_env = hs.get("temp_env")
+    if temp_env:
+        # A template's fork: the template's exec environment named another episode's
+        # temporary directory, and the import may have had tempfile cache it.
+        os.environ.update(temp_env)
+        tempfile = sys.modules.get("tempfile")
+        if tempfile is not None:
+            tempfile.tempdir = None
     look_like_a_program(hs["entrypoint"])
     sandbox = hs.get("sandbox")
     if sandbox is not None:

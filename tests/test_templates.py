@@ -603,3 +603,30 @@ async def test_close_templates_kills_what_is_left_in_the_templates_session(
     await _templates.close_templates()
     assert is_gone(leftover.pid, leftover.create_time())
     assert template_processes(agents) == []
+
+
+TEMP_AGENT = """
+import os, tempfile
+AT_IMPORT = tempfile.gettempdir()  # cached by tempfile, in the template: the first episode's
+def run(data):
+    path = os.path.join(tempfile.gettempdir(), "mine")
+    with open(path, "w") as f:
+        f.write("x")
+    return 1.0, {"env": os.environ["TMPDIR"], "tempfile": tempfile.gettempdir()}
+"""
+
+
+@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+async def test_sandboxed_episodes_of_one_agent_share_one_template(agents: Agents) -> None:
+    spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(5)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        assert outcome.info["env"] == outcome.info["tempfile"]  # its own, not the template's
+    assert len({o.info["env"] for o in outcomes}) == 5
+    assert len(_templates.started_templates()) == 1
+    # Each removed at its teardown.
+    left = await anyio.to_thread.run_sync(
+        lambda: [o for o in outcomes if Path(o.info["env"]).exists()]
+    )
+    assert left == []

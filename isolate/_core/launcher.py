@@ -331,6 +331,10 @@ class _Run:
         if self.sandbox is not None:  # the only place it may write temporary files
             tmp = self.sandbox.tmpdir
             env.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
+        if self.spec.preload:
+            # A template's fork has the template's exec environment: its own temporary
+            # directory comes in the handshake, so episodes that differ only there share one.
+            self.public["temp_env"] = {k: env[k] for k in _templates.TEMP_ENV if k in env}
         self.env = env
         if withheld:
             self._note(describe_withheld(withheld))

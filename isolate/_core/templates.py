@@ -289,14 +289,20 @@ def preload_list(spec: EpisodeSpec) -> tuple[str, ...]:
     return () if isinstance(spec.preload, bool) else spec.preload
 
 
+#: Per-episode variables the fork's worker sets itself (the handshake's ``temp_env``): not part
+#: of a template's key, or every sandboxed episode (a private TMPDIR each) had a template.
+TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
+
+
 def _key(
     spec: EpisodeSpec, env: dict[str, str], agent_root: str | None, level: str
 ) -> tuple[Any, ...]:
+    per_episode = (EPISODE_ENV, *TEMP_ENV)
     return (
         spec.python,
         agent_root,
         spec.entrypoint,
-        tuple(sorted((k, v) for k, v in env.items() if k != EPISODE_ENV)),
+        tuple(sorted((k, v) for k, v in env.items() if k not in per_episode)),
         str(spec.cwd.absolute()) if spec.cwd is not None else os.getcwd(),
         spec.containment,
         level,
