@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import psutil
 import pytest
 from hypothesis import given, settings
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 import isolate
 from isolate._core.tail import Tail
 
-from .conftest import Agents, both_starts, record_pid_sh
+from .conftest import Agents, both_starts, record_pid_sh, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -170,3 +171,34 @@ async def test_a_log_that_cannot_be_written_does_not_end_the_episode(
     assert "[isolate] cannot write the log" in outcome.stderr_tail
     assert "No space left on device" in outcome.stderr_tail
     assert "line 1999 of the agent" in outcome.stderr_tail  # the tail goes on
+
+
+@both_starts
+async def test_the_log_shows_what_came_while_the_episode_runs(agents: Agents) -> None:
+    """A line the agent printed is in the log file at once (``tail -f``), not when an 8 KiB
+    buffer fills or the episode ends."""
+    release = agents.tmp / "release"
+    spec = agents.spec(
+        f"""
+        import os, sys, time
+        def run(data):
+            print("first line of the agent")
+            sys.stderr.write("a line on stderr\\n")
+            while not os.path.exists({str(release)!r}):
+                time.sleep(0.01)
+            return 1.0
+        """,
+        inherit_env=NO_UNBUFFERED,  # not the shim's PYTHONUNBUFFERED: its own flushing
+    )
+
+    async def read_then_release() -> None:
+        log = agents.logs / "live.log"
+        await wait_until(lambda: log.exists() and b"a line on stderr" in log.read_bytes())
+        text = log.read_text()
+        assert "first line of the agent" in text
+        release.touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read_then_release)
+        outcome = await isolate.run_episode(spec, {}, episode_id="live")
+    assert outcome.status == "ok", outcome.summary()

@@ -737,17 +737,22 @@ class _Run:
         self._note(f"{problem}; it stops here, the outcome's tail goes on")
 
     def _write_log(self, data: bytes) -> None:
+        """Write and flush: ``tail -f`` shows what came, and a parent that is killed loses
+        nothing that was read."""
         cap = self.spec.limits.log_bytes if self.spec.limits is not None else None
         if cap is None:
             self.log.write(data)
-            return
-        room = cap - self.log_written
-        if room > 0:
-            self.log.write(data[:room])
-        self.log_written += len(data)
-        if room >= 0 and self.log_written > cap:
-            note = f"\n[isolate] log cut at limits.log_bytes={cap}; the outcome's tail goes on\n"
-            self.log.write(note.encode())
+        else:
+            room = cap - self.log_written
+            if room > 0:
+                self.log.write(data[:room])
+            self.log_written += len(data)
+            if room >= 0 and self.log_written > cap:
+                note = (
+                    f"\n[isolate] log cut at limits.log_bytes={cap}; the outcome's tail goes on\n"
+                )
+                self.log.write(note.encode())
+        self.log.flush()
 
     def _note(self, text: str) -> None:
         """A line from isolate itself into the episode's log and tail."""
