@@ -8,6 +8,7 @@ import json
 import os
 import pty
 import py_compile
+import re
 import select
 import signal
 import socket
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
+from isolate._cli.batch.job import Plan
 from isolate._cli.doctor import _usable_bytecode
+from isolate._cli.main import build_parser
 from isolate._core import containment as _containment
 
 from .conftest import SLOW, Agents, wait_for
@@ -531,3 +534,32 @@ def test_run_with_the_sandbox(agents: Agents) -> None:
     assert str(agents.logs.resolve()) in enforced  # result_dir: where the agent's report goes
     assert outcome["sandbox"]["missing"] == []
     assert (agents.logs / "cli-1.json").exists()
+
+
+def test_a_records_own_timeout_wins_over_the_flag(agents: Agents) -> None:
+    record = write_record(agents, sleep=60)
+    data = json.loads(record.read_text())
+    data["econfig"]["timeout"] = 1
+    record.write_text(json.dumps(data))
+    started = time.monotonic()
+    proc = isolate_cli(*run_args(agents, record, "--timeout", "300", "--cancel-grace", "1"))
+    assert proc.returncode == 12, proc.stderr
+    assert "no result within 1 s" in json.loads(proc.stdout)["error"]["message"]
+    assert time.monotonic() - started < 30 * SLOW
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-3, "econfig.timeout: Input should be greater than 0"),
+        ("soon", "econfig.timeout must be a number of seconds, got 'soon'"),
+    ],
+)
+def test_a_records_invalid_timeout_is_named(agents: Agents, value: Any, message: str) -> None:
+    argv = ["run", "r.json", "--agent-root", str(SCRIPTED), "--base-url", URL, "--timeout", "5"]
+    plan = Plan(build_parser().parse_args(argv))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.build({"instance_id": "x", "econfig": {"timeout": value}})
+    spec, _ = plan.build({"instance_id": "x", "econfig": {"timeout": 7}})
+    assert spec.timeout == 7
+    assert plan.build({"instance_id": "x"})[0].timeout == 5

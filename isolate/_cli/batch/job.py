@@ -24,6 +24,7 @@ from ...workflow import (
     episode_spec,
     resolve_agent_root,
     sandbox_of,
+    timeout_of,
 )
 from ..options import UsageError, read_secret_env
 
@@ -101,10 +102,12 @@ class Plan:
         if not base_url:
             raise ValueError('--base-url is required (or "base_url" in the record)')
         _check_url(str(base_url), "--base-url" if self.base_url else 'the record\'s "base_url"')
+        # The record's own timeout wins over --timeout, as in the workflow.
+        timeout = timeout_of(own, self.timeout)
         try:
             kwargs = episode_kwargs(econfig, str(base_url))
             box = sandbox_of(econfig, str(self.log_dir), str(base_url))
-            spec = episode_spec(econfig, self.agent_root, self.timeout, None, box)
+            spec = episode_spec(econfig, self.agent_root, timeout, None, box)
             if self.entrypoint:
                 spec = EpisodeSpec.model_validate(
                     {**spec.model_dump(), "entrypoint": self.entrypoint}
