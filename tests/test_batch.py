@@ -615,3 +615,46 @@ def test_ray_worker_death_costs_a_retry_not_the_batch(agents: Agents, ray_tmp: P
     assert seen == [("w-0", 1, "crashed"), ("w-0", 2, "ok"), ("w-1", 1, "ok")]
     [died] = [e for e in results(out) if e["attempt"] == 1 and e["instance_id"] == "w-0"]
     assert died["error"]["type"] == "WorkerCrashedError"
+
+
+INFO_AGENT = """
+import os
+
+def run(data, **kwargs):
+    with open(os.path.join(os.environ["PID_DIR"], "attempts-" + data["instance_id"]), "a") as f:
+        f.write("x")
+        if f.tell() == 1 and data["behaviour"].get("crash_first"):
+            os._exit(3)
+    size = data["behaviour"].get("size", 10)
+    return 0.5, {"trajectory": ["step"] * 3, "text": "y" * size}
+"""
+
+
+def test_every_attempt_keeps_its_outcome(agents: Agents) -> None:
+    (agents.root / "info_agent.py").write_text(textwrap.dedent(INFO_AGENT))
+    lines = [
+        record(agents, "small"),
+        record(agents, "large", size=100_000),
+        record(agents, "again", crash_first=True),
+    ]
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    out = agents.tmp / "results.jsonl"
+    args = batch_args(agents, records, out, "--entrypoint", "info_agent:run", "--retries", "1")
+    args[args.index("--agent-root") + 1] = str(agents.root)
+    proc = isolate_cli(*args, env=env())
+    assert proc.returncode == 0, proc.stderr
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for entry in results(out):
+        by_id.setdefault(entry["instance_id"], []).append(entry)
+    (small,) = by_id["small"]
+    assert small["info"] == {"trajectory": ["step"] * 3, "text": "y" * 10}
+    outcome = json.loads(Path(small["outcome_path"]).read_text())
+    assert (outcome["status"], outcome["info"]) == ("ok", small["info"])
+    (large,) = by_id["large"]
+    assert large["info"] is None  # over 64 KiB: in its outcome file only
+    assert json.loads(Path(large["outcome_path"]).read_text())["info"]["text"] == "y" * 100_000
+    first, second = by_id["again"]
+    assert (first["status"], second["status"]) == ("crashed", "ok")
+    assert first["outcome_path"] != second["outcome_path"]  # a bundle each
+    assert json.loads(Path(first["outcome_path"]).read_text())["exit_code"] == 3
+    assert second["info"]["trajectory"] == ["step"] * 3

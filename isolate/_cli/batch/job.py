@@ -172,7 +172,28 @@ async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
         episode_id=job.episode_id,
         secret_env=job.secret_env,
     )
-    return outcome_fields(outcome)
+    fields = outcome_fields(outcome)
+    fields.update(await anyio.to_thread.run_sync(_keep_outcome, bundle, outcome))
+    return fields
+
+
+#: The largest ``info`` a result line carries itself (bytes of JSON); a larger one is only in
+#: the attempt's outcome file (``outcome_path``).
+MAX_LINE_INFO = 64 * 1024
+
+
+def _keep_outcome(bundle: Path, outcome: EpisodeOutcome) -> dict[str, Any]:
+    """Write the whole outcome of an attempt into its bundle (each attempt has its own, as it
+    has its own episode id); the line's ``info`` and ``outcome_path``."""
+    small = len(json.dumps(outcome.info)) <= MAX_LINE_INFO
+    fields: dict[str, Any] = {"info": outcome.info if small else None, "outcome_path": None}
+    path = bundle / "outcome.json"
+    try:
+        path.write_text(outcome.model_dump_json(indent=2) + "\n")
+        fields["outcome_path"] = str(path)
+    except OSError:
+        pass  # a full disk, say: the line still says what it can
+    return fields
 
 
 def _write_bundle(bundle: Path, job: Job) -> None:
