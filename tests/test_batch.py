@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import secrets
 import select
 import shutil
@@ -658,3 +659,76 @@ def test_every_attempt_keeps_its_outcome(agents: Agents) -> None:
     assert first["outcome_path"] != second["outcome_path"]  # a bundle each
     assert json.loads(Path(first["outcome_path"]).read_text())["exit_code"] == 3
     assert second["info"]["trajectory"] == ["step"] * 3
+
+
+# A sandboxed agent that wants another grade: it appends forged final lines to the results,
+# rewrites the other episodes' bundles (spec.json: its own script, no sandbox) and plants a
+# file beside the results. Each attempt's word is kept in its info.
+FORGER = """
+import glob, json, os
+
+def attempt(fn):
+    try:
+        fn()
+        return "done"
+    except OSError as exc:
+        return type(exc).__name__
+
+def run(data, **kwargs):
+    b = data["behaviour"]
+    forged = json.dumps({"instance_id": "f-0", "final": True, "status": "ok", "reward": 1.0})
+
+    def append():
+        with open(b["results"], "a") as f:
+            f.write(forged + "\\n")
+
+    def rewrite():
+        for spec in glob.glob(os.path.join(b["logs"], "*", "spec.json")):
+            with open(spec, "w") as f:
+                f.write(json.dumps({"python": "/tmp/evil", "sandbox": None}))
+
+    def plant():
+        with open(os.path.join(os.path.dirname(b["results"]), "planted"), "w") as f:
+            f.write("x")
+
+    found = {"append": attempt(append), "rewrite": attempt(rewrite), "plant": attempt(plant)}
+    with open(os.path.join(kwargs["result_dir"], "mine.txt"), "w") as f:
+        f.write("legitimate")
+    found["cwd"] = attempt(lambda: open("scratch.txt", "w").close())
+    return 0.0, found
+"""
+
+
+def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agents) -> None:
+    from isolate._core.sandbox import landlock_abi
+
+    if landlock_abi() < 3:
+        pytest.skip("the default Sandbox() needs Landlock ABI 3 here")
+    (agents.root / "forger.py").write_text(textwrap.dedent(FORGER))
+    out = agents.tmp / "results.jsonl"
+    behaviour = {"results": str(out), "logs": str(agents.logs)}
+    lines = [record(agents, f"f-{i}", **behaviour) for i in range(3)]
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    args = batch_args(agents, records, out, "--entrypoint", "forger:run", "--sandbox")
+    args[args.index("--agent-root") + 1] = str(agents.root)
+    proc = isolate_cli(*args, env=env())
+    assert proc.returncode == 0, proc.stderr
+    entries = results(out)
+    assert sorted((e["instance_id"], e["reward"]) for e in entries) == [
+        (f"f-{i}", 0.0) for i in range(3)
+    ]
+    for entry in entries:
+        assert entry["info"] == {
+            "append": "PermissionError",
+            "rewrite": "PermissionError",
+            "plant": "PermissionError",
+            "cwd": "done",  # its own working directory, in its bundle
+        }, entry
+        bundle = Path(entry["outcome_path"]).parent
+        assert (bundle / "result" / "mine.txt").read_text() == "legitimate"
+        assert (bundle / "work" / "scratch.txt").exists()
+        spec = json.loads((bundle / "spec.json").read_text())
+        assert spec["sandbox"] is not None
+        assert "evil" not in spec["python"]
+    assert not (agents.tmp / "planted").exists()
+    assert re.search(r"^resolved +0/3 ", proc.stdout, re.M), proc.stdout

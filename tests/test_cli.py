@@ -531,9 +531,17 @@ def test_run_with_the_sandbox(agents: Agents) -> None:
     assert outcome["reward"] == 0.25
     enforced = "\n".join(outcome["sandbox"]["enforced"])
     assert str(extra_dir) in enforced
-    assert str(agents.logs.resolve()) in enforced  # result_dir: where the agent's report goes
+    # The episode's own result_dir and working directory, in its bundle: not the log dir.
+    bundle = agents.logs.resolve() / outcome["episode_id"]
+    writes = next(ln for ln in enforced.splitlines() if ln.startswith("writes: only "))
+    writable = writes.removeprefix("writes: only ").split(" and /dev/null")[0].split(", ")
+    assert str(bundle / "result") in writable
+    assert str(bundle / "work") in writable
+    assert str(agents.logs.resolve()) not in writable
     assert outcome["sandbox"]["missing"] == []
-    assert (agents.logs / "cli-1.json").exists()
+    assert (bundle / "result" / "cli-1.json").exists()
+    spec = json.loads((bundle / "spec.json").read_text())
+    assert spec["cwd"] == str(bundle / "work")
 
 
 def test_a_records_own_timeout_wins_over_the_flag(agents: Agents) -> None:

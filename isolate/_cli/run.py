@@ -40,9 +40,10 @@ class Prepared:
         kwargs: dict[str, Any],
         log_dir: Path,
         secret_env: dict[str, SecretStr],
+        episode_id: str,
     ) -> None:
         self.record, self.spec, self.kwargs, self.log_dir = record, spec, kwargs, log_dir
-        self.secret_env = secret_env
+        self.secret_env, self.episode_id = secret_env, episode_id
 
 
 def prepare_run(args: argparse.Namespace) -> Prepared:
@@ -60,7 +61,8 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
             names = args.secret_env or _bundle_secret_env(bundle)
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
-        return Prepared(record, spec, kwargs, log_dir, read_secret_env(names))
+        names_env = read_secret_env(names)
+        return Prepared(record, spec, kwargs, log_dir, names_env, _default_episode_id(record))
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -75,12 +77,13 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
     from .batch.job import Plan  # one way to turn flags and a record into an episode
 
     plan = Plan(args)
+    episode_id = _default_episode_id(record)
     try:
-        spec, kwargs = plan.build(record)
+        spec, kwargs = plan.build(record, episode_id)
         secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return Prepared(record, spec, kwargs, log_dir, secret_env)
+    return Prepared(record, spec, kwargs, log_dir, secret_env, episode_id)
 
 
 def _bundle_secret_env(bundle: Path) -> list[str]:
@@ -118,7 +121,7 @@ def _write_json(path: Path, value: Any) -> None:
 
 async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     prep = prepare_run(args)
-    episode_id = _default_episode_id(prep.record)
+    episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
     bundle.mkdir(parents=True, exist_ok=True)

@@ -94,8 +94,14 @@ class Plan:
         """``--secret-env`` (or the record's econfig ``secret_env``) with values from here."""
         return episode_secret_env(self._econfig(record), self.environ)
 
-    def build(self, record: dict[str, Any]) -> tuple[EpisodeSpec, dict[str, Any]]:
-        """Raises ValueError, with a one-line message, for a record that cannot run."""
+    def build(
+        self, record: dict[str, Any], episode_id: str | None = None
+    ) -> tuple[EpisodeSpec, dict[str, Any]]:
+        """Raises ValueError, with a one-line message, for a record that cannot run. With a
+        sandbox and an ``episode_id``, the episode gets a working directory and a
+        ``result_dir`` of its own in its bundle (``work/``, ``result/``): the only places it
+        may write, so that nothing it writes can touch the results, another episode's bundle,
+        or its own record and spec."""
         econfig = self._econfig(record)
         own = record.get("econfig") or {}
         base_url = self.base_url or record.get("base_url")
@@ -104,20 +110,29 @@ class Plan:
         _check_url(str(base_url), "--base-url" if self.base_url else 'the record\'s "base_url"')
         # The record's own timeout wins over --timeout, as in the workflow.
         timeout = timeout_of(own, self.timeout)
+        own_dirs = econfig.get("sandbox") not in (None, False) and episode_id is not None
+        bundle = self.log_dir / (episode_id or "")
+        result_dir = bundle / "result" if own_dirs else self.log_dir
         try:
             kwargs = episode_kwargs(econfig, str(base_url))
-            box = sandbox_of(econfig, str(self.log_dir), str(base_url))
+            box = sandbox_of(econfig, str(result_dir), str(base_url))
             spec = episode_spec(econfig, self.agent_root, timeout, None, box)
+            changes: dict[str, Any] = {}
             if self.entrypoint:
-                spec = EpisodeSpec.model_validate(
-                    {**spec.model_dump(), "entrypoint": self.entrypoint}
-                )
+                changes["entrypoint"] = self.entrypoint
+            if own_dirs and spec.cwd is None:
+                (bundle / "work").mkdir(parents=True, exist_ok=True)
+                changes["cwd"] = bundle / "work"
+            if changes:
+                spec = EpisodeSpec.model_validate({**spec.model_dump(), **changes})
+        except OSError as exc:
+            raise ValueError(f"cannot create {bundle / 'work'}: {exc.strerror or exc}") from None
         except ValidationError as exc:
             problems = (f"{self._where(e['loc'], own)}: {_message(e)}" for e in exc.errors())
             raise ValueError("; ".join(problems)) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"econfig: {exc}") from None
-        kwargs["result_dir"] = str(self.log_dir)
+        kwargs["result_dir"] = str(result_dir)
         return spec, kwargs
 
     def _where(self, loc: tuple[int | str, ...], own: dict[str, Any]) -> str:
@@ -133,8 +148,8 @@ class Plan:
         self.secret_env(record)
 
     def job(self, record: dict[str, Any]) -> Job:
-        spec, kwargs = self.build(record)
         episode_id = _default_episode_id(record)
+        spec, kwargs = self.build(record, episode_id)
         return Job(record, spec, kwargs, episode_id, self.log_dir, self.secret_env(record))
 
 
