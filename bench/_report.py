@@ -98,37 +98,34 @@ def _launch(res: dict[str, Any], large: dict[str, Any] | None) -> list[str]:
 
 def _exit_cost(res: dict[str, Any]) -> list[str]:
     """The normal exit's price: each episode against the same with ``os._exit``."""
-    costs = res.get("exit_cost")
-    if not costs:
-        return []
-    lines = [
+    return _pair_costs(
+        res.get("exit_cost"),
         "The worker's normal exit after its result (atexit hooks, flushed files, finalizers, "
         "joined threads, bounded by `exit_grace`), priced against the same episode with a shim "
         "whose worker leaves by `os._exit` as it once did:",
-        "",
-    ]
-    for name, cost in costs.items():
-        lines.append(
-            f"- {LABELS.get(name, name)}: +{_range(cost['extra_s'], 1000, 2)} ms per episode, "
-            f"{_ratio(cost['ratio'])} of the `os._exit` one"
-        )
-    return lines + [""]
+        "the `os._exit` one",
+    )
 
 
 def _hardening_cost(res: dict[str, Any]) -> list[str]:
     """The wall's price: each episode against the same with a shim that skips the hardening."""
-    costs = res.get("hardening_cost")
-    if not costs:
-        return []
-    lines = [
+    return _pair_costs(
+        res.get("hardening_cost"),
         "The worker's hardening before the agent's import (a syscall filter, capabilities "
         "dropped), priced against the same episode with a shim that skips it:",
-        "",
-    ]
+        "the unhardened one",
+    )
+
+
+def _pair_costs(costs: dict[str, Any] | None, intro: str, other: str) -> list[str]:
+    """One line per contender: its extra ms and its ratio against ``other``, round by round."""
+    if not costs:
+        return []
+    lines = [intro, ""]
     for name, cost in costs.items():
         lines.append(
             f"- {LABELS.get(name, name)}: +{_range(cost['extra_s'], 1000, 2)} ms per episode, "
-            f"{_ratio(cost['ratio'])} of the unhardened one"
+            f"{_ratio(cost['ratio'])} of {other}"
         )
     return lines + [""]
 
