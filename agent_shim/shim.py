@@ -1087,7 +1087,7 @@ def main():
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
         # A subreaper, so that a process its import started stays its child, found and killed.
         set_subreaper()
-        return load_part("template").serve(main, load_entrypoint)
+        return load_part("template").serve(main, load_entrypoint, process_table)
     if sys.platform.startswith("linux"):
         # Before anything else: nothing the agent starts (same user) may read or write this
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID

@@ -57,7 +57,7 @@ def receive(sock):
     return json.loads(data.decode()), list(fds)
 
 
-def fork_hazard(control):
+def fork_hazard(control, process_table):
     """Why forking this process would not give each episode a clean copy, or None."""
     end = time.monotonic() + THREAD_GRACE
     while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < end:
@@ -78,7 +78,7 @@ def fork_hazard(control):
             except OSError:
                 name = str(tid)
         return "thread %r running after import" % name
-    kids = children_after(THREAD_GRACE)
+    kids = children_after(THREAD_GRACE, process_table)
     if kids:
         pid, name = kids[0]
         return "process %d (%s) running after import: it would outlive its episodes" % (pid, name)
@@ -95,44 +95,43 @@ def fork_hazard(control):
     return None
 
 
-def children_after(grace):
+def children_after(grace, process_table):
     """The live children of this process, as (pid, command name), after waiting up to
     ``grace`` seconds for them to exit (and reaping those that did). The template is a child
-    subreaper: whatever the import started, double-forked or not, is among them."""
+    subreaper: whatever the import started, double-forked or not, is among them.
+    ``process_table``: the shim's, pid -> (ppid, state)."""
     end = time.monotonic() + grace
+    me = os.getpid()
     while True:
         try:
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
         except ChildProcessError:
             pass
-        found = []
-        me = os.getpid()
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open("/proc/%s/stat" % name, "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            close = stat.rfind(b")")
-            fields = stat[close + 2 :].split()
-            if int(fields[1]) == me and fields[0] not in (b"Z", b"X"):
-                found.append(
-                    (int(name), stat[stat.find(b"(") + 1 : close].decode("utf-8", "replace"))
-                )
+        found = [
+            pid
+            for pid, (ppid, state) in process_table().items()
+            if ppid == me and state not in ("Z", "X")
+        ]
         if not found or time.monotonic() >= end:
-            return found
+            return [(pid, command_name(pid)) for pid in found]
         time.sleep(0.01)
 
 
-def kill_children():
+def command_name(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def kill_children(process_table):
     """SIGKILL every child until none is left (a subreaper: their orphans come back here), for
     at most 2 s; the parent's clean-up of the template's session and leaf comes after."""
     end = time.monotonic() + 2.0
     while time.monotonic() < end:
-        kids = children_after(0)
+        kids = children_after(0, process_table)
         if not kids:
             return
         for pid, _ in kids:
@@ -143,12 +142,12 @@ def kill_children():
         time.sleep(0.005)
 
 
-def serve(shim_main, load_entrypoint):
+def serve(shim_main, load_entrypoint, process_table):
     """The template's life: preload, report, then fork episodes until the control socket ends.
     Never returns: a thread the agent started must not hold up the exit."""
     code = 1
     try:
-        code = preload_and_loop(shim_main, load_entrypoint)
+        code = preload_and_loop(shim_main, load_entrypoint, process_table)
     finally:
         leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
 
@@ -164,7 +163,7 @@ def leave(code):
     os._exit(code)
 
 
-def preload_and_loop(shim_main, load_entrypoint):
+def preload_and_loop(shim_main, load_entrypoint, process_table):
     control = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -187,10 +186,10 @@ def preload_and_loop(shim_main, load_entrypoint):
         reason = "cannot import %s: %s: %s" % (message["entrypoint"], type(exc).__name__, exc)
         send(control, {"t": "refused", "reason": reason})
         return 1
-    reason = fork_hazard(control)
+    reason = fork_hazard(control, process_table)
     if reason is not None:
         sys.stderr.write("isolate template: preload refused: %s\n" % reason)
-        kill_children()  # nothing the import started outlives the refusal
+        kill_children(process_table)  # nothing the import started outlives the refusal
         send(control, {"t": "refused", "reason": reason})
         return 0
     # Objects that exist now are never collected in a fork: its collector leaves their pages
