@@ -571,3 +571,36 @@ def test_a_records_invalid_timeout_is_named(agents: Agents, value: Any, message:
     spec, _ = plan.build({"instance_id": "x", "econfig": {"timeout": 7}})
     assert spec.timeout == 7
     assert plan.build({"instance_id": "x"})[0].timeout == 5
+
+
+@pytest.mark.parametrize(
+    ("tamper", "said"),
+    [
+        ("spec.json", "spec.json was changed after it ran"),
+        ("record.json", "record.json was changed after it ran"),
+        ("secret_env.json", "secret_env.json was added after it ran"),
+    ],
+)
+def test_replay_refuses_a_bundle_changed_after_it_ran(
+    agents: Agents, tamper: str, said: str
+) -> None:
+    record = write_record(agents, reward=0.5)
+    first = isolate_cli(*run_args(agents, record))
+    assert first.returncode == 0, first.stderr
+    [bundle] = bundles(agents)
+    path = bundle / tamper
+    if path.exists():
+        data = json.loads(path.read_text())
+        if tamper == "spec.json":
+            data.update(python="/tmp/planted-script", sandbox=None, containment="session")
+        else:
+            data["behaviour"] = {"reward": 1.0}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    else:
+        path.write_text('["OPENAI_API_KEY"]\n')
+    replay = isolate_cli("run", "--replay", str(bundle), "--log-dir", str(agents.logs))
+    assert replay.returncode == 2, replay.stderr
+    errors = [ln for ln in replay.stderr.splitlines() if ln.startswith("isolate: error:")]
+    assert errors == [f"isolate: error: {bundle} is not replayed: {said} (digest.json)"]
+    assert "Traceback" not in replay.stderr
+    assert len(bundles(agents)) == 1  # nothing ran

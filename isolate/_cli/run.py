@@ -54,7 +54,12 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
             flags = ", ".join("--" + f.replace("_", "-") for f in given) or "RECORD"
             raise UsageError(f"--replay re-runs the bundle as it was; drop {flags}")
         bundle = args.replay
+        from .batch.job import bundle_changed
+
         try:
+            changed = bundle_changed(bundle)
+            if changed is not None:
+                raise UsageError(f"{bundle} is not replayed: {changed} (digest.json)")
             record = json.loads((bundle / "record.json").read_text())
             spec = EpisodeSpec.model_validate_json((bundle / "spec.json").read_text())
             kwargs = json.loads((bundle / "kwargs.json").read_text())
@@ -124,12 +129,9 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    bundle.mkdir(parents=True, exist_ok=True)
-    _write_json(bundle / "record.json", prep.record)
-    (bundle / "spec.json").write_text(prep.spec.model_dump_json(indent=2) + "\n")
-    _write_json(bundle / "kwargs.json", prep.kwargs)
-    if prep.secret_env:  # names only, for --replay to look up again
-        _write_json(bundle / "secret_env.json", sorted(prep.secret_env))
+    from .batch.job import write_bundle
+
+    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
 
     outcome: EpisodeOutcome | None = None

@@ -4,6 +4,7 @@ and the attempt itself, wherever it runs (the driver, or a Ray worker)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -212,12 +213,57 @@ def _keep_outcome(bundle: Path, outcome: EpisodeOutcome) -> dict[str, Any]:
 
 
 def _write_bundle(bundle: Path, job: Job) -> None:
+    write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env))
+
+
+#: The files of a replay bundle that decide what a replay runs; ``digest.json`` holds their
+#: SHA-256, so that a bundle changed after it ran is refused, not run.
+BUNDLE_FILES = ("record.json", "spec.json", "kwargs.json", "secret_env.json")
+
+
+def write_bundle(
+    bundle: Path,
+    record: dict[str, Any],
+    spec: EpisodeSpec,
+    kwargs: dict[str, Any],
+    secret_env: list[str],
+) -> None:
+    """The replay bundle of one attempt (``isolate run --replay BUNDLE``): what it ran, the
+    names of its ``secret_env`` (never a value), and their digest."""
     bundle.mkdir(parents=True, exist_ok=True)
-    (bundle / "record.json").write_text(json.dumps(job.record, indent=2) + "\n")
-    (bundle / "spec.json").write_text(job.spec.model_dump_json(indent=2) + "\n")
-    (bundle / "kwargs.json").write_text(json.dumps(job.kwargs, indent=2) + "\n")
-    if job.secret_env:  # the names, for --replay to look up again; never a value
-        (bundle / "secret_env.json").write_text(json.dumps(sorted(job.secret_env)) + "\n")
+    texts = {
+        "record.json": json.dumps(record, indent=2, default=str) + "\n",
+        "spec.json": spec.model_dump_json(indent=2) + "\n",
+        "kwargs.json": json.dumps(kwargs, indent=2, default=str) + "\n",
+    }
+    if secret_env:
+        texts["secret_env.json"] = json.dumps(secret_env) + "\n"
+    for name, text in texts.items():
+        (bundle / name).write_text(text)
+    digest = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+    (bundle / "digest.json").write_text(json.dumps(digest, indent=2) + "\n")
+
+
+def bundle_changed(bundle: Path) -> str | None:
+    """Which file of ``bundle`` no longer matches its digest, in words; None when none. A
+    bundle without a digest (written before there was one) is taken as it is."""
+    path = bundle / "digest.json"
+    if not path.exists():
+        return None
+    digest = json.loads(path.read_text())
+    if not isinstance(digest, dict):
+        return "digest.json is not an object"
+    for name in BUNDLE_FILES:
+        file = bundle / name
+        if name not in digest:
+            if file.exists():
+                return f"{name} was added after it ran"
+            continue
+        if not file.exists():
+            return f"{name} was removed after it ran"
+        if hashlib.sha256(file.read_bytes()).hexdigest() != digest[name]:
+            return f"{name} was changed after it ran"
+    return None
 
 
 def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
