@@ -55,6 +55,9 @@ _SHIM_DEADLINE_MARGIN_S = 2.0
 _READ_CHUNK = 64 * 1024
 #: Frames larger than this are parsed in a worker thread, not on the event loop (bytes).
 _BIG_FRAME = 256 * 1024
+#: stderr chunks larger than this are scrubbed in a worker thread (bytes): ~0.1 ms of work at
+#: the scrubber's usual pace, up to ~4 ms for one a hostile child crafted.
+_BIG_STDERR_CHUNK = 16 * 1024
 #: How much longer than ``cancel_grace`` the parent waits for the shim to report how the
 #: agent's clean-up went, before it terminates the tree itself (seconds). The shim counts the
 #: grace itself and reports at once; this only matters for a shim that cannot answer.
@@ -703,7 +706,13 @@ class _Run:
             eof.set()
 
     async def _on_stderr(self, chunk: bytes) -> None:
-        self._keep_stderr(self.redact.stream(chunk))
+        if self.redact and len(chunk) > _BIG_STDERR_CHUNK:
+            # A child that writes pieces of its key at every offset makes the scrubber slow:
+            # off the event loop, where the interpreter's switch interval bounds the lag.
+            scrubbed = await anyio.to_thread.run_sync(self.redact.stream, chunk)
+        else:
+            scrubbed = self.redact.stream(chunk)
+        self._keep_stderr(scrubbed)
 
     def _keep_stderr(self, data: bytes, *, final: bool = False) -> None:
         """Keep what the child wrote as valid UTF-8: bytes that are not are written as
