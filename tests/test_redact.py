@@ -15,6 +15,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from isolate._core.protocol import _clean_json
 from isolate._core.redact import MASK, Redactor, _forms
 
 CASES = settings(max_examples=50, deadline=None)
@@ -225,29 +226,28 @@ def test_a_key_that_repeats_itself_is_masked_only_whole() -> None:
     assert Redactor([key]).text(f"<{key[:20]}>") == f"<{MASK_TEXT}>"
 
 
-def test_json_walks_any_depth() -> None:
+def test_frame_values_are_walked_at_any_depth() -> None:
     key = realistic("anthropic", 2)
     value: Any = [key]
     for _ in range(100_000):
         value = [value]
-    out = Redactor([key]).json(value)
+    out = _clean_json(value, Redactor([key]))
     for _ in range(100_000):
         (out,) = out
     assert out == [MASK_TEXT]
 
 
-def test_json_scrubs_keys_and_values() -> None:
+def test_frame_values_are_scrubbed_keys_and_all() -> None:
     key = realistic("openai", 3)
     value = {"a": [key, {key: 1, 2: key[:30]}], "n": None, "t": True, 3: 1.5}
-    assert Redactor([key]).json(value) == {
+    assert _clean_json(value, Redactor([key])) == {
         "a": [MASK_TEXT, {MASK_TEXT: 1, "2": MASK_TEXT}],
         "n": None,
         "t": True,
         "3": 1.5,
     }
     # Two keys that scrub alike collide as in a dict display: the last value wins.
-    assert Redactor([key]).json({key: 1, key[:20]: 2}) == {MASK_TEXT: 2}
-    assert Redactor([]).json(value) is value
+    assert _clean_json({key: 1, key[:20]: 2}, Redactor([key])) == {MASK_TEXT: 2}
 
 
 def test_nothing_to_scrub() -> None:

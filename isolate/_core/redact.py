@@ -13,7 +13,6 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from itertools import compress
-from typing import Any
 from urllib.parse import quote, quote_plus
 
 MASK = b"[secret]"
@@ -355,34 +354,6 @@ class Redactor:
             return text
         raw = text.encode("utf-8", "surrogatepass")
         return self.scrub(raw).decode("utf-8", "surrogatepass")
-
-    def json(self, value: Any) -> Any:
-        """A copy of a JSON value with every string scrubbed (keys included), walked with an
-        explicit stack so that no depth of nesting raises RecursionError."""
-        if not self:
-            return value
-        root: list[Any] = [None]
-        todo: list[tuple[Any, Any, Any]] = [(value, root, 0)]  # (value, its copy's parent, slot)
-        copies: dict[int, Any] = {}  # id of a list or dict -> its copy: shared or cyclic values
-        while todo:
-            item, parent, slot = todo.pop()
-            if isinstance(item, str):
-                parent[slot] = self.text(item)
-            elif isinstance(item, (list, dict)) and id(item) in copies:
-                parent[slot] = copies[id(item)]
-            elif isinstance(item, list):
-                elements: list[Any] = [None] * len(item)
-                parent[slot] = copies[id(item)] = elements
-                todo += ((element, elements, i) for i, element in enumerate(item))
-            elif isinstance(item, dict):
-                # Keys that scrub alike collide as in a dict display: the last value wins.
-                entries = {self.text(str(key)): element for key, element in item.items()}
-                fields: dict[str, Any] = dict.fromkeys(entries)
-                parent[slot] = copies[id(item)] = fields
-                todo += ((element, fields, key) for key, element in entries.items())
-            else:
-                parent[slot] = item
-        return root[0]
 
     def _hold_from(self, data: bytes, low: int) -> int:
         """The earliest position >= ``low`` from which the rest of ``data`` could still grow
