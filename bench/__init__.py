@@ -1,1 +1,1 @@
-"""Side-by-side benchmarks of isolate against the other ways to run an episode (issue 5)."""
+"""Side-by-side benchmarks of isolate against the other ways to run an episode."""

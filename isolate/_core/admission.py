@@ -13,7 +13,7 @@ with ``Too many open files``. So, per event loop:
   makes the episode wait for room and retry, not fail;
 - only an episode that could never fit (a budget below one episode) is an error.
 
-The API, for the launcher and for other parts that hold fds (templates, issue 14)::
+The API, for the launcher and for other parts that hold fds (templates)::
 
     cost = episode_fds(spec)        # Cost(peak, steady): fds one episode holds here
     ticket = await admit(episode_id, cost)   # waits its turn; a str (the problem) if it never fits
