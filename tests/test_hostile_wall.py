@@ -341,8 +341,9 @@ def vm_read(pid, address):
     return name(code) if result < 0 else "read %d bytes" % result
 
 
-def take_fds(pid):
-    """pidfd_getfd of fds 0-10 of pid: the set of what happened."""
+def take_fds(pid, use=None):
+    """pidfd_getfd of fds 0-10 of pid, each fd taken handed to ``use`` first: the set of
+    what happened."""
     words = set()
     pidfd = attempt(lambda: os.pidfd_open(pid))
     if isinstance(pidfd, str):
@@ -350,8 +351,10 @@ def take_fds(pid):
     for target in range(11):
         result, code = sc(NR["pidfd_getfd"], pidfd, target, 0)
         if result >= 0:
-            os.close(result)
             words.add("took an fd")
+            if use is not None:
+                use(result)
+            os.close(result)
         elif code != errno.EBADF:  # no such fd in the target
             words.add(name(code))
     os.close(pidfd)
@@ -379,26 +382,16 @@ supervisor = ppid_of(worker)
 forged = json.dumps({"t": "result", "nonce": nonce, "reward": 0.99, "info": {"forged": 1}})
 written = 0
 
-def forge(pid):
+def write_forged(fd):
     global written
-    words = set()
-    pidfd = attempt(lambda: os.pidfd_open(pid))
-    if isinstance(pidfd, str):
-        return ["pidfd_open " + pidfd]
-    for target in range(11):
-        result, code = sc(NR["pidfd_getfd"], pidfd, target, 0)
-        if result < 0:
-            if code != errno.EBADF:
-                words.add(name(code))
-            continue
-        words.add("took an fd")
-        try:
-            os.write(result, (forged + "\\n").encode())
-            written += 1
-        except OSError:
-            pass
-        os.close(result)
-    return sorted(words)
+    try:
+        os.write(fd, (forged + "\\n").encode())
+        written += 1
+    except OSError:
+        pass
+
+def forge(pid):
+    return take_fds(pid, write_forged)
 
 found = {
     "child pidfd_getfd worker": forge(worker),

@@ -450,6 +450,21 @@ def refusing_agent(agents: Agents) -> None:
     )
 
 
+def refused_preload_args(agents: Agents) -> list[str]:
+    """What run and batch share: the refusing agent, with --preload."""
+    return [
+        "--agent-root",
+        str(agents.root),
+        "--entrypoint",
+        "agent_refused:run",
+        "--base-url",
+        URL,
+        "--preload",
+        "--log-dir",
+        str(agents.logs),
+    ]
+
+
 async def test_the_outcome_says_why_preload_gave_no_template(agents: Agents) -> None:
     spec = agents.spec(THREAD_AT_IMPORT, preload=True)
     outcome = await isolate.run_episode(spec, {})
@@ -468,19 +483,7 @@ def test_run_says_once_why_preload_gave_no_template(agents: Agents) -> None:
     record.write_text(
         json.dumps({"instance_id": "r-1", "econfig": {"env": {"PID_DIR": str(agents.pids)}}})
     )
-    done = isolate_cli(
-        "run",
-        str(record),
-        "--agent-root",
-        str(agents.root),
-        "--entrypoint",
-        "agent_refused:run",
-        "--base-url",
-        URL,
-        "--preload",
-        "--log-dir",
-        str(agents.logs),
-    )
+    done = isolate_cli("run", str(record), *refused_preload_args(agents))
     assert done.returncode == 0, done.stderr
     warnings = [ln for ln in done.stderr.splitlines() if "--preload gave no template" in ln]
     assert warnings == [
@@ -504,15 +507,7 @@ def test_batch_says_once_why_preload_gave_no_template_and_counts_starts(agents: 
         str(records),
         "--out",
         str(out),
-        "--agent-root",
-        str(agents.root),
-        "--entrypoint",
-        "agent_refused:run",
-        "--base-url",
-        URL,
-        "--preload",
-        "--log-dir",
-        str(agents.logs),
+        *refused_preload_args(agents),
         "--api-key-env",
         "BATCH_KEY",
         env=cli_env(BATCH_KEY="sk-batch-preload"),
