@@ -718,8 +718,7 @@ class _Run:
         """Keep what the child wrote as valid UTF-8: bytes that are not are written as
         ``\\xNN``, and a character split across reads is held until it is whole, so that
         isolate's own lines between two reads cannot land inside one."""
-        text = self.stderr_decoder.decode(data, final)
-        self._keep(text.encode("utf-8", "backslashreplace"))
+        self._keep(self.stderr_decoder.decode(data, final).encode())
 
     def _keep(self, data: bytes) -> None:
         if not data:
@@ -880,7 +879,6 @@ class _Run:
         return self.sandbox.report([self.redact.text(m) for m in missing], _sandbox.landlock_abi())
 
     def _conclude(self) -> EpisodeOutcome:
-        self._keep_stderr(self.redact.flush(), final=True)
         status, error, reward, info = self._classify()
         reason = self._limit_hit() if status in ("agent_error", "crashed", "timeout") else None
         if reason is not None:
