@@ -1,0 +1,815 @@
+"""The parent's side of an episode's network: an allow-list proxy.
+
+An episode with a network rule runs in its own network namespace with only loopback. The child
+listens there and hands the listening sockets to the parent, which accepts on them here. A
+socket accepted in the parent reaches the host's network, so every connection is checked first.
+
+Two kinds of listener:
+
+- a proxy port (:meth:`Egress.serve_proxy`) speaking HTTP ``CONNECT``, plain HTTP with an
+  absolute URL, and SOCKS5, told apart by the first byte;
+- a forward port (:meth:`Egress.serve_forward`) for each loopback rule with a port
+  (:func:`forwards`). Each connection goes to the same address and port on the host, so an agent
+  given ``http://127.0.0.1:8000/v1`` needs no proxy settings.
+
+A destination is checked as requested, before any resolution:
+
+- a name matches a rule ``*``, a rule ``*.suffix`` (subdomains only, not ``suffix`` itself), or a
+  rule naming it; case does not matter;
+- an IP literal matches a rule naming it, or ``*`` unless the trainer keeps it to itself:
+  loopback, link-local (the metadata service at 169.254.169.254), unspecified (0.0.0.0/8; Linux
+  routes 0.0.0.0 to loopback), multicast, another cloud's metadata address, or an address of
+  this machine's own interfaces (a server bound to 0.0.0.0 listens there too);
+- ``localhost`` and ``*.localhost`` are loopback by name. They need a rule naming them
+  (``localhost:8000``, ``*.localhost``): ``*`` does not let them through, as it does not let
+  ``127.0.0.1`` through.
+
+The parent resolves names itself. A name under ``localhost`` may use only the loopback
+addresses it resolves to, and any other name none of the addresses kept above. That way DNS
+cannot point an allowed wildcard name at the trainer's loopback or at the metadata service.
+
+A refusal (HTTP 403, SOCKS 0x02) is counted in :attr:`Egress.refused` and noted once per
+destination. A malformed request (400, 431) or an allowed destination that cannot be reached
+(502, SOCKS 0x04 or 0x05) is not a refusal.
+
+**Cancellation:** cancelling a ``serve_*`` call ends its connections at once, and every socket
+this module accepted or opened is closed on the way out. The listener stays the caller's: it is
+made non-blocking, not closed.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import math
+import os
+import re
+import socket
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeAlias
+
+import anyio
+import anyio.lowlevel
+import psutil
+
+_IP: TypeAlias = "ipaddress.IPv4Address | ipaddress.IPv6Address"
+_Target: TypeAlias = "tuple[int, tuple[str, int]]"  # (address family, socket address)
+
+_CHUNK = 64 * 1024  # bytes per recv
+_HEAD_LIMIT = 64 * 1024  # bytes of an HTTP request head; more gets 431
+_NAMES_KEPT = 32  # distinct refused destinations counted by name; the rest count as "other"
+_NOTE_LIMIT = 100  # note lines per episode
+_ACCEPT_BACKOFF = 0.1  # seconds to wait when the parent is out of file descriptors
+_LINGER = 1.0  # seconds a refused client has to close after its answer
+_LINGER_BYTES = 1024 * 1024  # bytes taken from it meanwhile
+
+# accept(2) errors that belong to one queued client; and those that mean "try again soon".
+_ACCEPT_RETRY = frozenset(
+    {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.ENETDOWN, errno.ENETUNREACH}
+    | {errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.ENONET}
+)
+_ACCEPT_BACKOFF_ON = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+_NOT_LISTED = "not in the allow-list"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_LABEL = re.compile(r"[a-z0-9_-]{1,63}")
+_PORT = re.compile(r"[0-9]{1,5}")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed in header values
+_HOP_BY_HOP = frozenset({b"connection", b"proxy-connection", b"proxy-authorization"})
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+# Metadata services that are not link-local: AWS over IPv6, Alibaba Cloud.
+_METADATA = frozenset(
+    {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
+)
+_REASONS = {
+    200: "Connection established",
+    400: "Bad Request",
+    403: "Forbidden",
+    431: "Request Header Fields Too Large",
+    502: "Bad Gateway",
+}
+
+# SOCKS5 reply codes (RFC 1928).
+_SOCKS_FAILURE = 0x01
+_SOCKS_NOT_ALLOWED = 0x02
+_SOCKS_HOST_UNREACHABLE = 0x04
+_SOCKS_REFUSED = 0x05
+_SOCKS_BAD_COMMAND = 0x07
+_SOCKS_BAD_ADDRESS = 0x08
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One allowed destination."""
+
+    host: str
+    """Lower-case: ``*`` (any host), ``*.example.com`` (any subdomain, not example.com itself),
+    ``example.com``, an IPv4 literal, or an IPv6 literal without brackets."""
+    port: int | None
+    """The TCP port; None for any port."""
+
+
+def parse_rules(entries: Iterable[str]) -> tuple[Rule, ...]:
+    """Rules from ``host``, ``host:port``, ``*.host:port``, ``[::1]:8000``, ``1.2.3.4:80``.
+
+    Deduplicated, in order. IPv6 literals go in brackets: ``::1:8000`` could be either.
+    Raises ValueError naming the first bad entry."""
+    rules: dict[Rule, None] = {}
+    for entry in entries:
+        try:
+            rules.setdefault(_parse_rule(entry), None)
+        except ValueError as exc:
+            raise ValueError(f"network rule {entry!r}: {exc}") from None
+    return tuple(rules)
+
+
+def rule_for_url(url: str) -> Rule:
+    """The rule that lets an episode reach the endpoint at ``url`` (http or https; the port
+    defaults to 80 or 443). The error message leaves out the URL: it may carry a key."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS:
+        raise ValueError(f"an endpoint URL must be http:// or https://, not {scheme or 'bare'!r}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise ValueError("the endpoint URL has a malformed port") from None
+    if not host:
+        raise ValueError("the endpoint URL names no host")
+    if "*" in host:
+        raise ValueError("the endpoint URL's host is a pattern, not a host")
+    if port == 0:
+        raise ValueError("the endpoint URL has port 0")
+    try:
+        return Rule(_rule_host(host), _DEFAULT_PORTS[scheme] if port is None else port)
+    except ValueError as exc:
+        raise ValueError(f"the endpoint URL's host: {exc}") from None
+
+
+def forwards(rules: Iterable[Rule]) -> list[tuple[str, int]]:
+    """The (address, port) pairs the child listens on in its namespace, one for each loopback
+    rule with a port; the parent forwards each to the same address and port on the host.
+    ``localhost`` is forwarded as 127.0.0.1. Sorted, deduplicated."""
+    found: set[tuple[str, int]] = set()
+    for rule in rules:
+        if rule.port is None:
+            continue
+        if rule.host == "localhost":
+            found.add(("127.0.0.1", rule.port))
+            continue
+        ip = _ip(rule.host)
+        if ip is not None and ip.is_loopback:
+            found.add((str(ip), rule.port))
+    return sorted(found)
+
+
+def _parse_rule(entry: str) -> Rule:
+    if not entry:
+        raise ValueError("empty")
+    if "://" in entry:
+        raise ValueError("a rule is host[:port], without a scheme")
+    odd = next((c for c in entry if c.isspace() or not c.isprintable()), None)
+    if odd is not None:
+        raise ValueError(f"contains {odd!r}")
+    for char, what in (("/", "path"), ("?", "query"), ("#", "fragment"), ("@", "user")):
+        if char in entry:
+            raise ValueError(f"a rule is host[:port], without a {what}")
+    host, port = _split_authority(entry)
+    return Rule(_rule_host(host), port)
+
+
+def _rule_host(host: str) -> str:
+    """``host`` of a rule, normalised; ValueError when it is none."""
+    if host == "*":
+        return host
+    if host.startswith("*."):
+        name = _name(host[2:])
+        if name is None:
+            raise ValueError(f"{host[2:]!r} after '*.' is not a host name")
+        return "*." + name
+    if "*" in host:
+        raise ValueError("'*' stands only for a whole host or a leading label ('*.example.com')")
+    ip = _ip(host)
+    if ip is not None:
+        return str(ip)
+    name = _name(host)
+    if name is None:
+        raise ValueError(f"{host!r} is not a host name or an IP address")
+    return name
+
+
+def _split_authority(text: str) -> tuple[str, int | None]:
+    """``host[:port]`` or ``[v6]:port`` as (host, port or None); ValueError when malformed."""
+    if text.startswith("["):
+        end = text.find("]")
+        host, rest = text[1:end], text[end + 1 :]
+        if end < 0 or "%" in host:
+            raise ValueError("malformed bracketed IPv6 address")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
+        if rest and not rest.startswith(":"):
+            raise ValueError("only ':port' may follow ']'")
+        return host, _port(rest[1:]) if rest else None
+    if text.count(":") > 1:
+        raise ValueError("an IPv6 address goes in brackets, as in [::1]:8000")
+    host, colon, port = text.partition(":")
+    if not host:
+        raise ValueError("no host")
+    return host, _port(port) if colon else None
+
+
+def _port(text: str) -> int:
+    if not _PORT.fullmatch(text) or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port {text!r}")
+    return int(text)
+
+
+def _name(text: str) -> str | None:
+    """``text`` as a lower-case host name (one trailing dot dropped), or None if it is none."""
+    if not text.isascii():
+        return None
+    name = text.lower().removesuffix(".")
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return None
+    # To getaddrinfo, "127.1" and "2130706433" are addresses, not names.
+    return None if labels[-1].isdigit() else name
+
+
+def _ip(text: str) -> _IP | None:
+    """``text`` as an IP address, IPv4-mapped IPv6 as IPv4; None if it is not one."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _local_name(name: str) -> bool:
+    return name == "localhost" or name.endswith(".localhost")
+
+
+def _kept(ip: _IP, own: frozenset[_IP]) -> str | None:
+    """What kind of address the trainer keeps to itself ``ip`` is, or None if it is none."""
+    if ip.is_loopback:
+        return "a loopback address"
+    if ip.is_link_local:
+        return "a link-local address"
+    if ip.is_unspecified or ip in _THIS_NETWORK:
+        return "an unspecified address"
+    if ip.is_multicast:
+        return "a multicast address"
+    if ip in _METADATA:
+        return "a cloud metadata address"
+    if ip in own:
+        return "an address of this machine"
+    return None
+
+
+def _own_addresses() -> frozenset[_IP]:
+    """The addresses of this machine's interfaces, read anew: interfaces come and go."""
+    found = set()
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6):
+                ip = _ip(address.address.partition("%")[0])
+                if ip is not None:
+                    found.add(ip)
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class _Dest:
+    """A destination as requested: a normalised name or IP literal, and a port."""
+
+    host: str
+    ip: _IP | None  # set for an IP literal
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _dest(host: str, port: int) -> _Dest:
+    if not 0 < port < 65536:
+        raise ValueError("bad port")
+    ip = _ip(host)
+    if ip is not None:
+        return _Dest(str(ip), ip, port)
+    name = _name(host)
+    if name is None:
+        raise ValueError("malformed host")
+    return _Dest(name, None, port)
+
+
+class _Closed(Exception):
+    """The client closed before its request was complete."""
+
+
+class _Refused(Exception):
+    """The destination is not allowed; counted and noted already."""
+
+    def __init__(self, dest: _Dest, reason: str) -> None:
+        super().__init__(reason)
+        extra = "" if reason == _NOT_LISTED else f" ({reason})"
+        self.text = f"isolate: {dest} is not in this episode's network allow-list{extra}"
+
+
+class _Failed(Exception):
+    """The destination is allowed but could not be reached."""
+
+    def __init__(self, dest: _Dest, reason: str, socks_code: int) -> None:
+        super().__init__(reason)
+        self.text = f"isolate: cannot connect to {dest}: {reason}"
+        self.socks_code = socks_code
+
+
+@dataclass(frozen=True)
+class _Request:
+    dest: _Dest
+    connect: bool  # CONNECT: answer 200, then splice; else send ``forwarded`` upstream first
+    forwarded: bytes
+
+
+class _Reader:
+    """A client's bytes, buffered while its request is parsed."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    async def fill(self) -> None:
+        data = await _recv(self.sock)
+        if not data:
+            raise _Closed
+        self.buf += data
+
+    async def take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            await self.fill()
+        return self.take_now(n)
+
+    async def head(self) -> bytes | None:
+        """An HTTP request head through its blank line, or None when it is over the limit."""
+        start = 0
+        while True:
+            end = self.buf.find(b"\r\n\r\n", max(0, start - 3))
+            if end >= 0:
+                return self.take_now(end + 4) if end + 4 <= _HEAD_LIMIT else None
+            if len(self.buf) >= _HEAD_LIMIT:
+                return None
+            start = len(self.buf)
+            await self.fill()
+
+    def take_now(self, n: int) -> bytes:
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
+def _parse_http(head: bytes) -> _Request:
+    """The destination of an HTTP proxy request; ValueError with a reason when malformed."""
+    lines = head[:-4].split(b"\r\n")
+    if any(_CONTROL.search(line) for line in lines):
+        raise ValueError("control character in the request head")
+    words = lines[0].decode("latin-1").split(" ")
+    if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise ValueError("malformed request line")
+    method, target, version = words
+    if not _TOKEN.fullmatch(method.encode("latin-1")):
+        raise ValueError("malformed method")
+    headers = lines[1:]
+    names = [line.partition(b":")[0] for line in headers]
+    if not all(b":" in line for line in headers) or not all(map(_TOKEN.fullmatch, names)):
+        raise ValueError("malformed header line")
+    if method == "CONNECT":
+        host, port = _split_authority(target)
+        if port is None:
+            raise ValueError("CONNECT needs host:port")
+        return _Request(_dest(host, port), True, b"")
+    if target[:7].lower() != "http://":
+        raise ValueError("this is a proxy: send an absolute http:// URL")
+    rest = target[7:]
+    cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority, path = rest[:cut], rest[cut:]
+    if "@" in authority:
+        raise ValueError("user information in the URL")
+    host, port = _split_authority(authority)
+    dest = _dest(host, 80 if port is None else port)
+    kept = [
+        line for line, name in zip(headers, names, strict=True) if name.lower() not in _HOP_BY_HOP
+    ]
+    if b"host" not in (name.lower() for name in names):
+        kept.insert(0, b"Host: " + authority.encode("latin-1"))
+    path = path if path.startswith("/") else "/" + path
+    forwarded = [f"{method} {path} {version}".encode("latin-1"), *kept, b"Connection: close"]
+    return _Request(dest, False, b"\r\n".join(forwarded) + b"\r\n\r\n")
+
+
+def _http_answer(status: int, text: str) -> bytes:
+    body = (text + "\n").encode()
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _socks_reply(code: int) -> bytes:
+    # The bound address 0.0.0.0:0: clients do not use it for CONNECT.
+    return bytes([0x05, code, 0x00, 0x01, 0, 0, 0, 0, 0, 0])
+
+
+async def _recv(sock: socket.socket) -> bytes:
+    """Up to 64 KiB; b"" at end of stream."""
+    while True:
+        try:
+            return sock.recv(_CHUNK)
+        except BlockingIOError:
+            await anyio.wait_readable(sock)
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+
+
+async def _last_word(sock: socket.socket, data: bytes) -> None:
+    """Send a client its last answer, then half-close and take what it still sends until it
+    closes, for at most 1 s and 1 MiB: closing with its bytes unread would reset the
+    connection, and the client could lose the answer."""
+    await _send_all(sock, data)
+    sock.shutdown(socket.SHUT_WR)
+    with anyio.move_on_after(_LINGER):
+        taken = 0
+        while taken < _LINGER_BYTES and (chunk := await _recv(sock)):
+            taken += len(chunk)
+
+
+async def _pump(
+    src: socket.socket, dst: socket.socket, first: bytes, scope: anyio.CancelScope
+) -> None:
+    """Copy ``src`` to ``dst`` until end of stream, then half-close ``dst``. An error on either
+    socket ends the other direction too: the connection is broken."""
+    try:
+        await _send_all(dst, first)
+        while data := await _recv(src):
+            await _send_all(dst, data)
+            await anyio.lowlevel.checkpoint()  # a fast sender must not starve the loop
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        scope.cancel()
+
+
+async def _splice(client: socket.socket, upstream: socket.socket, to_upstream: bytes) -> None:
+    """Copy both ways until both directions have ended."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_pump, client, upstream, to_upstream, tg.cancel_scope)
+        tg.start_soon(_pump, upstream, client, b"", tg.cancel_scope)
+
+
+async def _connect(targets: list[_Target]) -> socket.socket:
+    """A socket connected to the first of ``targets`` that answers; the last OSError if none."""
+    error = OSError(errno.EHOSTUNREACH, "no address to connect to")
+    for family, address in targets:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            try:
+                sock.connect(address)
+            except BlockingIOError:
+                await anyio.wait_writable(sock)
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code)) from None
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise error
+
+
+def _nodelay(sock: socket.socket) -> None:
+    # Bytes are passed on as they come: batching them again only adds latency (a token stream).
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
+class Egress:
+    """One episode's side of the proxy: its rules, its bound on connections, its counts.
+
+    ``note`` gets one line per refused destination (at most 100 lines per episode).
+    ``max_connections`` bounds the connections open at once over all listeners; at the bound
+    no more are accepted, so more wait in the kernel's backlog. ``head_timeout`` (seconds)
+    bounds the wait for a complete request; ``connect_timeout`` (seconds) resolving and
+    connecting upstream."""
+
+    def __init__(
+        self,
+        rules: Sequence[Rule],
+        *,
+        note: Callable[[str], None],
+        max_connections: int = 64,
+        head_timeout: float = 30.0,
+        connect_timeout: float = 30.0,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        if head_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("head_timeout and connect_timeout must be > 0 seconds")
+        self._rules = tuple(rules)
+        self._note = note
+        self._slots = anyio.Semaphore(max_connections)
+        self._head_timeout = head_timeout
+        self._connect_timeout = connect_timeout
+        self._refused: dict[str, int] = {}
+        self._refused_total = 0
+        self._allowed = 0
+        self._noted: set[str] = set()
+        self._notes = 0
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Refused connections by ``host:port``, first seen first; past 32 names, "other"."""
+        return dict(self._refused)
+
+    @property
+    def allowed(self) -> int:
+        """Connections let through (connected upstream)."""
+        return self._allowed
+
+    def summary(self) -> str | None:
+        """One line on what was refused, or None when nothing was."""
+        if not self._refused_total:
+            return None
+        names = [name for name in self._refused if name != "other"]
+        if "other" in self._refused:
+            names.append("others")
+        plural = "" if self._refused_total == 1 else "s"
+        return f"network: {self._refused_total} connection{plural} refused: {', '.join(names)}"
+
+    async def serve_proxy(self, listener: socket.socket) -> None:
+        """Accept proxy connections on ``listener`` until cancelled."""
+        await self._serve(listener, self._proxy)
+
+    async def serve_forward(self, listener: socket.socket, address: str, port: int) -> None:
+        """Accept connections on ``listener`` until cancelled and splice each to ``address``
+        (an IP literal) and ``port`` on the host. Allowed by construction: see :func:`forwards`."""
+        ip = _ip(address)
+        if ip is None or not 0 < port < 65536:
+            raise ValueError(f"cannot forward to {address!r} port {port}")
+        await self._serve(listener, partial(self._forward, _Dest(str(ip), ip, port)))
+
+    async def _serve(
+        self, listener: socket.socket, handle: Callable[[socket.socket], Awaitable[None]]
+    ) -> None:
+        listener.setblocking(False)
+        async with anyio.create_task_group() as tg:
+            while True:
+                # Take the slot before accepting: at the bound, clients wait in the backlog.
+                await self._slots.acquire()
+                try:
+                    conn = await self._accept(listener)
+                except BaseException:
+                    self._slots.release()
+                    raise
+                tg.start_soon(self._run, handle, conn)
+
+    async def _accept(self, listener: socket.socket) -> socket.socket:
+        """The next connection. A listener that fails for good (the child still holds it and
+        may shut it down) ends accepting, not the episode: this then waits to be cancelled."""
+        while True:
+            try:
+                return listener.accept()[0]
+            except BlockingIOError:
+                await anyio.wait_readable(listener)
+            except OSError as exc:
+                if exc.errno in _ACCEPT_RETRY:
+                    continue  # that client's trouble, reported early (accept(2))
+                problem = exc.strerror or str(exc)
+                if exc.errno not in _ACCEPT_BACKOFF_ON:
+                    self._say(f"network: stopped accepting connections: {problem}")
+                    await anyio.sleep_forever()
+                if problem not in self._noted:  # once: it may last
+                    self._noted.add(problem)
+                    self._say(f"network: cannot accept connections for now: {problem}")
+                await anyio.sleep(_ACCEPT_BACKOFF)
+
+    async def _run(
+        self, handle: Callable[[socket.socket], Awaitable[None]], conn: socket.socket
+    ) -> None:
+        try:
+            conn.setblocking(False)
+            _nodelay(conn)
+            await handle(conn)
+        except (OSError, _Closed):
+            pass  # the client went away: nothing to tell anyone
+        except Exception as exc:
+            # Every byte is the agent's: a request that trips a bug ends its own connection,
+            # never the episode's task group.
+            self._say(f"network: proxy error: {exc!r}")
+        finally:
+            conn.close()
+            self._slots.release()
+
+    async def _proxy(self, conn: socket.socket) -> None:
+        reader = _Reader(conn)
+        # Without a complete request in time, the connection is closed without a word. The
+        # handler lifts this deadline once it has the request.
+        with anyio.move_on_after(self._head_timeout) as head_scope:
+            await reader.fill()
+            handle = self._socks if reader.buf[0] == 0x05 else self._http
+            await handle(conn, reader, head_scope)
+
+    async def _http(
+        self, conn: socket.socket, reader: _Reader, head_scope: anyio.CancelScope
+    ) -> None:
+        head = await reader.head()
+        head_scope.deadline = math.inf
+        if head is None:
+            await _last_word(conn, _http_answer(431, "isolate: request head over 64 KiB"))
+            return
+        try:
+            request = _parse_http(head)
+        except ValueError as exc:
+            await _last_word(conn, _http_answer(400, f"isolate: {exc}"))
+            return
+        try:
+            upstream = await self._open(request.dest)
+        except _Refused as exc:
+            await _last_word(conn, _http_answer(403, exc.text))
+            return
+        except _Failed as exc:
+            await _last_word(conn, _http_answer(502, exc.text))
+            return
+        try:
+            if request.connect:
+                await _send_all(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await _splice(conn, upstream, request.forwarded + reader.take_now(len(reader.buf)))
+        finally:
+            upstream.close()
+
+    async def _socks(
+        self, conn: socket.socket, reader: _Reader, head_scope: anyio.CancelScope
+    ) -> None:
+        """SOCKS5 without authentication, CONNECT only (RFC 1928)."""
+        _, count = await reader.take(2)
+        if 0x00 not in await reader.take(count):
+            await _last_word(conn, b"\x05\xff")  # no acceptable method
+            return
+        await _send_all(conn, b"\x05\x00")
+        version, command, _, kind = await reader.take(4)
+        if version != 0x05:
+            return
+        if command != 0x01:
+            await _last_word(conn, _socks_reply(_SOCKS_BAD_COMMAND))
+            return
+        if kind == 0x01:
+            host = str(ipaddress.IPv4Address(await reader.take(4)))
+        elif kind == 0x04:
+            host = str(ipaddress.IPv6Address(await reader.take(16)))
+        elif kind == 0x03:
+            (length,) = await reader.take(1)
+            host = (await reader.take(length)).decode("ascii", "replace")
+        else:
+            await _last_word(conn, _socks_reply(_SOCKS_BAD_ADDRESS))
+            return
+        try:
+            dest = _dest(host, int.from_bytes(await reader.take(2), "big"))
+        except ValueError:
+            await _last_word(conn, _socks_reply(_SOCKS_FAILURE))
+            return
+        head_scope.deadline = math.inf
+        try:
+            upstream = await self._open(dest)
+        except _Refused:
+            await _last_word(conn, _socks_reply(_SOCKS_NOT_ALLOWED))
+            return
+        except _Failed as exc:
+            await _last_word(conn, _socks_reply(exc.socks_code))
+            return
+        try:
+            await _send_all(conn, _socks_reply(0x00))
+            await _splice(conn, upstream, reader.take_now(len(reader.buf)))
+        finally:
+            upstream.close()
+
+    async def _forward(self, dest: _Dest, conn: socket.socket) -> None:
+        try:
+            upstream = await self._dial(dest)
+        except _Failed:
+            return  # nothing to answer on a raw forward: the client sees the close
+        try:
+            await _splice(conn, upstream, b"")
+        finally:
+            upstream.close()
+
+    async def _open(self, dest: _Dest) -> socket.socket:
+        """A socket connected to ``dest`` if the rules allow it; else _Refused or _Failed."""
+        reason = self._check(dest)
+        if reason is not None:
+            raise self._refuse(dest, reason)
+        return await self._dial(dest)
+
+    def _check(self, dest: _Dest) -> str | None:
+        """Why ``dest`` is refused, or None when a rule lets it through."""
+        hosts = {rule.host for rule in self._rules if rule.port in (None, dest.port)}
+        if dest.host in hosts:
+            return None  # a rule names it
+        if dest.ip is not None:
+            if "*" not in hosts:
+                return _NOT_LISTED
+            kind = _kept(dest.ip, _own_addresses())
+            return None if kind is None else f"{kind} needs a rule naming it"
+        if _local_name(dest.host):
+            if any(host.startswith("*.") and dest.host.endswith(host[1:]) for host in hosts):
+                return None
+            return "localhost needs a rule naming it" if "*" in hosts else _NOT_LISTED
+        labels = dest.host.split(".")
+        suffixes = {"*." + ".".join(labels[i:]) for i in range(1, len(labels))}
+        return None if "*" in hosts or hosts & suffixes else _NOT_LISTED
+
+    async def _dial(self, dest: _Dest) -> socket.socket:
+        """A socket connected to ``dest``, resolved and filtered; else _Refused or _Failed."""
+        # Not fail_after: its TimeoutError could not be told from a connect's ETIMEDOUT.
+        with anyio.move_on_after(self._connect_timeout):
+            try:
+                sock = await _connect(await self._targets(dest))
+            except OSError as exc:
+                refused = exc.errno == errno.ECONNREFUSED
+                code = _SOCKS_REFUSED if refused else _SOCKS_HOST_UNREACHABLE
+                raise _Failed(dest, exc.strerror or str(exc), code) from None
+            _nodelay(sock)
+            self._allowed += 1
+            return sock
+        timeout = f"timed out after {self._connect_timeout:g} s"
+        raise _Failed(dest, timeout, _SOCKS_HOST_UNREACHABLE)
+
+    async def _targets(self, dest: _Dest) -> list[_Target]:
+        """Where to connect for ``dest``: an IP literal as it is, a name resolved and filtered."""
+        if dest.ip is not None:
+            family = socket.AF_INET6 if dest.ip.version == 6 else socket.AF_INET
+            return [(family, (dest.host, dest.port))]
+        try:
+            found = await anyio.getaddrinfo(dest.host, dest.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise _Failed(
+                dest, f"cannot resolve: {exc.strerror}", _SOCKS_HOST_UNREACHABLE
+            ) from None
+        local = _local_name(dest.host)
+        own: frozenset[_IP] = frozenset() if local else _own_addresses()
+        targets: list[_Target] = []
+        kinds: list[str] = []
+        for family, _, _, _, address in found:
+            ip = _ip(address[0])
+            if ip is None:
+                continue
+            kind = ("not loopback" if not ip.is_loopback else None) if local else _kept(ip, own)
+            if kind is None:
+                targets.append((family, address))
+            else:
+                kinds.append(f"{ip}, {kind}")
+        if not targets and kinds:
+            raise self._refuse(dest, f"resolves to {kinds[0]}")
+        return targets
+
+    def _refuse(self, dest: _Dest, reason: str) -> _Refused:
+        """Count and note a refusal; the exception to raise."""
+        name = str(dest)
+        named = len(self._refused) - ("other" in self._refused)
+        if name not in self._refused and named >= _NAMES_KEPT:
+            name = "other"
+        self._refused[name] = self._refused.get(name, 0) + 1
+        self._refused_total += 1
+        if str(dest) not in self._noted and self._notes < _NOTE_LIMIT:
+            self._noted.add(str(dest))
+            self._say(f"network: refused {dest} ({reason})")
+        return _Refused(dest, reason)
+
+    def _say(self, line: str) -> None:
+        """``note``, at most 100 lines per episode; the last says that more were left out."""
+        if self._notes < _NOTE_LIMIT - 1:
+            self._note(line)
+        elif self._notes == _NOTE_LIMIT - 1:
+            self._note("network: more refusals and errors of this episode are not shown")
+        self._notes += 1
