@@ -104,6 +104,22 @@ class Channel:
         while view:
             view = view[os.write(self.fd, view) :]
 
+    def send_fds(self, frame_type, fds, **fields):
+        """A frame with ``fds`` attached to its bytes (SCM_RIGHTS on the protocol socket)."""
+        import socket
+
+        fields["t"] = frame_type
+        fields["nonce"] = self.nonce
+        data = (to_json(fields) + "\n").encode("utf-8", "backslashreplace")
+        sock = socket.socket(fileno=os.dup(self.fd))
+        try:
+            sent = socket.send_fds(sock, [data], fds) if fds else sock.send(data)
+        finally:
+            sock.close()
+        view = memoryview(data)[sent:]
+        while view:
+            view = view[os.write(self.fd, view) :]
+
 
 # --- JSON without importing json -------------------------------------------------------------
 # In a plain virtualenv, importing json costs every start about 7 ms (it imports re and enum),
@@ -364,30 +380,34 @@ def unshare_pidns(userns):
             "user+pid+mount" if userns else "pid+mount",
             os.strerror(errno),
         )
-    if userns:
-        # Map our own ids to themselves: files the agent writes keep the caller's ownership.
-        # The files of a process that is not dumpable belong to root: dumpable just for the
-        # opens (what was opened stays writable), then at once not again.
-        maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
-        maps += (("gid_map", "%d %d 1" % (gid, gid)),)
-        files, problem = [], None
-        c_call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
+    return map_own_ids(uid, gid) if userns else None
+
+
+def map_own_ids(uid, gid):
+    """In a user namespace just made: map our own ids to themselves, so that files the agent
+    writes keep the caller's ownership. A problem or None."""
+    # The files of a process that is not dumpable belong to root: dumpable just for the opens
+    # (what was opened stays writable), then at once not again.
+    maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
+    maps += (("gid_map", "%d %d 1" % (gid, gid)),)
+    files, problem = [], None
+    c_call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        for name, _ in maps:
+            files.append(open("/proc/self/" + name, "w"))
+    except OSError as exc:
+        problem = exc
+    finally:
+        c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    for i, f in enumerate(files):
         try:
-            for name, _ in maps:
-                files.append(open("/proc/self/" + name, "w"))
+            with f:
+                if problem is None:
+                    f.write(maps[i][1])
         except OSError as exc:
-            problem = exc
-        finally:
-            c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-        for i, f in enumerate(files):
-            try:
-                with f:
-                    if problem is None:
-                        f.write(maps[i][1])
-            except OSError as exc:
-                problem = problem or exc
-        if problem is not None:
-            return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
+            problem = problem or exc
+    if problem is not None:
+        return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
     return None
 
 
@@ -564,8 +584,15 @@ def worker(hs, channel):
     look_like_a_program(hs["entrypoint"])
     sandbox = hs.get("sandbox")
     if sandbox is not None:
+        missing = []
+        network = sandbox.get("network")
+        if network is not None:
+            part = load_part("net")
+            problem = part.enter(network, channel, c_call, map_own_ids, capability_sets)
+            if problem is not None:
+                missing.append("network isolation: " + problem)
         # Last before the agent's import: the shim's own parts are loaded by now.
-        missing = load_part("sandbox").enter(sandbox, load_part("landlock"), c_call)
+        missing += load_part("sandbox").enter(sandbox, load_part("landlock"), c_call)
         if missing and not sandbox.get("best_effort"):
             message = "sandbox: cannot enforce " + "; ".join(missing)
             channel.send("error", kind="setup", type="SandboxError", message=message)
@@ -1083,6 +1110,8 @@ def main():
         return probe_pidns(sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
         return probe_landlock()
+    if sys.argv[1:] == ["--probe-net"]:
+        return load_part("net").probe(c_call, map_own_ids, capability_sets)
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
         # A subreaper, so that a process its import started stays its child, found and killed.

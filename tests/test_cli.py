@@ -18,6 +18,7 @@ import sysconfig
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -542,6 +543,35 @@ def test_run_with_the_sandbox(agents: Agents) -> None:
     assert (bundle / "result" / "cli-1.json").exists()
     spec = json.loads((bundle / "spec.json").read_text())
     assert spec["cwd"] == str(bundle / "work")
+
+
+def test_run_with_an_allow_list_reaches_the_base_url_through_the_proxy(agents: Agents) -> None:
+    record = write_record(agents, report=True, reward=0.5)
+    proc = isolate_cli(*run_args(agents, record, "--network", "api.example.com"))
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert outcome["reward"] == 0.5
+    port = urlsplit(URL).port
+    line = f"network: only through the proxy, to api.example.com, 127.0.0.1:{port}"
+    assert line in outcome["sandbox"]["enforced"]
+    assert outcome["sandbox"]["refused"] == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--network", "http://api.example.com"], "--network: "),
+        (["--network", "none", "--network", "api.example.com"], "cannot be combined"),
+    ],
+)
+def test_a_bad_network_flag_is_refused_before_anything_starts(
+    agents: Agents, flags: list[str], message: str
+) -> None:
+    record = write_record(agents)
+    proc = isolate_cli(*run_args(agents, record, *flags))
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert not agents.logs.exists()  # nothing started: not even the log directory
 
 
 def test_a_records_own_timeout_wins_over_the_flag(agents: Agents) -> None:

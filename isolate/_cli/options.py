@@ -111,6 +111,14 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
         help="also let the sandboxed agent write PATH (repeatable; implies --sandbox)",
     )
     group.add_argument(
+        "--network",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="let the sandboxed agent reach only HOST (a '*.' prefix for subdomains; any port "
+        "unless given) and the LLM endpoint, through an egress proxy, in a network of its own "
+        "(repeatable; 'none': no network at all; implies --sandbox; README: Network)",
+    )
+    group.add_argument(
         "--preload",
         action="store_true",
         default=None,

@@ -116,6 +116,7 @@ _AGENT_FLAGS = (
     "exit_grace",
     "sandbox",
     "sandbox_write",
+    "network",
     "preload",
 )
 

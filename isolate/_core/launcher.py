@@ -29,6 +29,7 @@ from . import templates as _templates
 from .config import EPISODE_ENV, EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
+from .netserve import EpisodeNetwork
 from .outcome import (
     Cleanup,
     EpisodeOutcome,
@@ -232,6 +233,7 @@ class _Run:
         self.stderr_eof = anyio.Event()
         self.sandbox: _sandbox.Prepared | None = None
         self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
+        self.network: EpisodeNetwork | None = None
 
     # --- the episode ------------------------------------------------------------------------
 
@@ -416,6 +418,8 @@ class _Run:
             return found
         self.sandbox = found
         self.public["sandbox"] = found.handshake
+        if found.plan.network is not None:
+            self.network = EpisodeNetwork(found.plan.network, self._note)
         return None
 
     async def _remove_leaves(self) -> None:
@@ -513,6 +517,8 @@ class _Run:
                 self._pump, self._fd("stdout"), self._on_stdout, self.stdout_eof, self._at_eof
             )
             tg.start_soon(self._pump, self._fd("stderr"), self._on_stderr, self.stderr_eof)
+            if self.network is not None:
+                tg.start_soon(self.network.serve)
             with anyio.move_on_after(deadline - time.monotonic()):
                 await self._wait_exit()
             if self.popen.returncode is None:
@@ -686,10 +692,11 @@ class _Run:
         eof: anyio.Event,
         at_eof: Callable[[], Any] | None = None,
     ) -> None:
+        read = self.network.recv if self.network is not None and fd == self.channel else os.read
         try:
             while True:
                 try:
-                    chunk = os.read(fd, _READ_CHUNK)
+                    chunk = read(fd, _READ_CHUNK)
                 except BlockingIOError:
                     await anyio.wait_readable(fd)
                     continue
@@ -834,6 +841,14 @@ class _Run:
             self.cleanup_seen.set()
         elif isinstance(frame, proto.Sandboxed):
             self.sandbox_missing = frame.missing
+        elif isinstance(frame, proto.Net):
+            problem = (
+                self.network.take()
+                if self.network is not None
+                else "a net frame, with no network asked for"
+            )
+            if problem is not None:
+                self._violate(problem)
         elif isinstance(frame, proto.Done):
             if self.done is not None:
                 self._violate("a second done frame")
@@ -861,6 +876,11 @@ class _Run:
             os.close(self.pidfd)
             self.pidfd = None
         self._keep_stderr(self.redact.flush(), final=True)
+        if self.network is not None:
+            self.network.close()
+            summary = self.network.egress.summary()
+            if summary is not None:
+                self._note(summary)
 
     def _close_log(self) -> None:
         if self.log is not None:
@@ -875,8 +895,9 @@ class _Run:
     def _sandbox_report(self) -> _sandbox.SandboxReport | None:
         if self.sandbox is None:
             return None
-        missing = self.sandbox_missing or []
-        return self.sandbox.report([self.redact.text(m) for m in missing], _sandbox.landlock_abi())
+        missing = [self.redact.text(m) for m in self.sandbox_missing or []]
+        refused = self.network.egress.refused if self.network is not None else {}
+        return self.sandbox.report(missing, _sandbox.landlock_abi(), refused)
 
     def _conclude(self) -> EpisodeOutcome:
         status, error, reward, info = self._classify()

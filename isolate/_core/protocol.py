@@ -124,6 +124,13 @@ class Sandboxed(_Frame):
     """What it could not enforce (best_effort), one line each."""
 
 
+class Net(_Frame):
+    """The worker is in its network namespace; the listeners the parent asked for come
+    attached (SCM_RIGHTS), in the order asked."""
+
+    t: Literal["net"]
+
+
 class Done(_Frame):
     """Last frame: the worker's exit and how many leftovers the supervisor killed."""
 
@@ -137,7 +144,7 @@ class Done(_Frame):
 
 
 Frame = Annotated[
-    Hello | Result | Error | Progress | Cleanup | Sandboxed | Done, Field(discriminator="t")
+    Hello | Result | Error | Progress | Cleanup | Sandboxed | Net | Done, Field(discriminator="t")
 ]
 _FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)
 

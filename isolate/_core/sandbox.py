@@ -26,12 +26,14 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
+
+from .network import NetworkPlan, plan_network
 
 #: Devices an agent may open for reading and writing (and ioctl: terminals).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "ptmx")
@@ -85,6 +87,10 @@ class Sandbox(BaseModel):
     each must exist."""
     connect: tuple[int, ...] | None = None
     """TCP ports the agent may connect to (Landlock ABI 4); None leaves the network alone."""
+    network: Literal["none"] | tuple[str, ...] | None = None
+    """None: the trainer's network. ``"none"``: no network at all, loopback of its own only.
+    Entries ``host[:port]`` (``"api.openai.com"``, ``"*.github.com:443"``, ``"127.0.0.1:8000"``):
+    the agent reaches those through an egress proxy and nothing else (README, "Network")."""
     best_effort: bool = False
     """Run even where the machine cannot enforce part of this; ``outcome.sandbox`` says what
     was. By default such an episode is a ``setup_error`` naming what is missing."""
@@ -106,6 +112,16 @@ class Sandbox(BaseModel):
             if "\x00" in str(path):
                 raise ValueError("write: paths cannot contain NUL")
         return value
+
+    @field_validator("network")
+    @classmethod
+    def _check_network(cls, value: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+        if value is None or value == "none":
+            return value
+        from .egress import parse_rules
+
+        parse_rules(value)  # raises ValueError naming the entry
+        return tuple(dict.fromkeys(value))
 
     @field_validator("connect")
     @classmethod
@@ -133,6 +149,8 @@ class SandboxReport(BaseModel):
     """What the profile asked for and this machine could not enforce (best_effort only)."""
     tmpdir: Path | None = None
     """The episode's private TMPDIR (removed at teardown)."""
+    refused: dict[str, int] = {}
+    """Destinations the network's proxy refused, ``host:port`` to how many times."""
 
 
 @dataclass
@@ -146,6 +164,7 @@ class Plan:
     """The worker makes its own mount namespace (the episode has none)."""
     enforced: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    network: NetworkPlan | None = None
 
     def handshake(self, best_effort: bool) -> dict[str, Any]:
         return {
@@ -154,6 +173,7 @@ class Plan:
             "ports": self.ports,
             "unshare_mounts": self.unshare_mounts,
             "best_effort": best_effort,
+            "network": None if self.network is None else self.network.handshake(),
         }
 
 
@@ -303,9 +323,15 @@ def plan(
                 f"hidden {path} has {st.st_nlink - 1} other hard link(s), readable where they are"
             )
 
+    if sandbox.network is not None:
+        out.network = plan_network(sandbox.network)
+        out.enforced.append(out.network.describe())
     if sandbox.connect is not None:
         if abi >= 4:
             out.ports = list(sandbox.connect)
+            if out.network is not None:
+                # The proxy and the carried ports, inside the episode's namespace.
+                out.ports = sorted({*out.ports, *out.network.ports})
             ports = ", ".join(map(str, sandbox.connect)) or "none"
             out.enforced.append(f"TCP connect only to ports {ports}")
         else:
@@ -384,7 +410,9 @@ class Prepared:
     tmpdir: str
     handshake: dict[str, Any]
 
-    def report(self, missing_in_child: Iterable[str], abi: int) -> SandboxReport:
+    def report(
+        self, missing_in_child: Iterable[str], abi: int, refused: Mapping[str, int] | None = None
+    ) -> SandboxReport:
         missing = list(self.plan.missing) + [m for m in missing_in_child if m]
         return SandboxReport(
             landlock_abi=abi,
@@ -392,6 +420,7 @@ class Prepared:
             enforced=tuple(self.plan.enforced),
             missing=tuple(dict.fromkeys(missing)),
             tmpdir=Path(self.tmpdir),
+            refused=dict(refused or {}),
         )
 
 
@@ -483,15 +512,40 @@ def doctor_lines() -> list[str]:
             if mountns
             else "not available: a checkout's .git and rc files cannot be made read-only"
         ),
+        "sandbox: network isolation " + _network_line(),
     ]
 
 
+def _network_line() -> str:
+    problem = network_problem()
+    if problem is None:
+        return "available (Sandbox(network=...): a namespace of its own, an egress proxy)"
+    return (
+        f"not available: {problem}; Sandbox(network=...) is a setup_error here. Run as root, "
+        "or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+        "or kernel.apparmor_restrict_unprivileged_userns=0)"
+    )
+
+
 def _userns_problem() -> str | None:
+    return _shim_probe("--probe-pidns", "userns")
+
+
+def network_problem() -> str | None:
+    """Why an episode cannot have a network of its own here, or None. Blocking."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces exist only on Linux"
+    return _shim_probe("--probe-net")
+
+
+def _shim_probe(*args: str) -> str | None:
+    """Run the shim with ``args`` in a short-lived child: None if it exits 0, else its last
+    line of stderr."""
     import subprocess
 
     from .shim import shim_path
 
-    argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns", "userns"]
+    argv = [sys.executable, "-I", str(shim_path()), *args]
     try:
         done = subprocess.run(
             argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, env={}

@@ -35,6 +35,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from .._core.config import EpisodeSpec, is_env_name
+from .._core.egress import parse_rules, rule_for_url
 from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
@@ -205,13 +206,23 @@ def timeout_of(econfig: dict[str, Any], default: float) -> float:
 def sandbox_of(
     econfig: dict[str, Any], result_dir: str | None = None, base_url: str | None = None
 ) -> Sandbox | None:
-    """econfig ``sandbox`` (True, or a dict of Sandbox's fields) with the episode's
-    ``result_dir`` writable and, when ``connect`` limits ports, ``base_url``'s port allowed."""
+    """econfig ``sandbox`` (True, or a dict of Sandbox's fields) and ``sandbox_network``
+    (Sandbox's ``network``; alone, it means a default sandbox with it), with the episode's
+    ``result_dir`` writable and ``base_url`` reachable: its port added to ``connect`` when
+    that is set, the endpoint to ``network`` when that is an allow-list."""
     raw = econfig.get("sandbox")
-    if raw is None or raw is False:
+    network = _plain(econfig.get("sandbox_network"))
+    if (raw is None or raw is False) and network is None:
         return None
-    box = Sandbox() if raw is True else Sandbox.model_validate(raw)
+    box = Sandbox() if raw is True or raw is None or raw is False else Sandbox.model_validate(raw)
     update: dict[str, Any] = {}
+    if network is not None:
+        update["network"] = network_of(network, "econfig.sandbox_network")
+    allowed = update.get("network", box.network)
+    if isinstance(allowed, tuple) and base_url is not None:
+        endpoint = rule_for_url(base_url)
+        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+        update["network"] = (*allowed, f"{host}:{endpoint.port}")
     if result_dir is not None:
         path = Path(result_dir).expanduser().absolute()
         try:
@@ -223,6 +234,20 @@ def sandbox_of(
     if box.connect is not None and port is not None:
         update["connect"] = (*box.connect, port)
     return Sandbox.model_validate({**box.model_dump(), **update}) if update else box
+
+
+def network_of(value: Any, name: str) -> str | tuple[str, ...]:
+    """A sandbox's ``network`` from config: ``"none"`` or a list of ``host[:port]`` entries;
+    a ValueError that names ``name``."""
+    if value == "none":
+        return "none"
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be 'none' or a list of 'host[:port]', got {value!r}")
+    try:
+        parse_rules(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    return tuple(value)
 
 
 def episode_spec(
@@ -278,7 +303,8 @@ class SWEAgentWorkflow:
             module names), ``secret_env`` (names of
             variables of this process passed as ``run_episode(secret_env=...)``), ``sandbox``
             (True, or a dict of :class:`~isolate.Sandbox`'s fields; ``result_dir`` is added
-            to ``write``, and ``base_url``'s port to ``connect`` when that is set) and
+            to ``write``, and ``base_url``'s port to ``connect`` when that is set),
+            ``sandbox_network`` (Sandbox's ``network``, ``base_url`` added to a list) and
             ``on_crash`` (``"zero"`` or ``"raise"``).
         gen_args: unused, as in AReaL (token limits come from the agent's config).
         timeout: seconds per episode; ``econfig["timeout"]`` overrides it, and a record's

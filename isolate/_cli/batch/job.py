@@ -23,6 +23,7 @@ from ...workflow import (
     episode_kwargs,
     episode_secret_env,
     episode_spec,
+    network_of,
     resolve_agent_root,
     sandbox_of,
     timeout_of,
@@ -69,8 +70,18 @@ class Plan:
         if secret_names:
             read_secret_env(secret_names)  # a UsageError now, not one per record
             self.econfig["secret_env"] = secret_names
-        if args.sandbox or args.sandbox_write:
+        network = getattr(args, "network", None)
+        if args.sandbox or args.sandbox_write or network:
             self.econfig["sandbox"] = {"write": [str(p) for p in args.sandbox_write or ()]}
+        if network:
+            if "none" in network and len(network) > 1:
+                raise UsageError("--network none cannot be combined with hosts")
+            try:
+                self.econfig["sandbox_network"] = network_of(
+                    "none" if network == ["none"] else network, "--network"
+                )
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         self.agent_root = resolve_agent_root(self.econfig)
         self.timeout = args.timeout if args.timeout is not None else 1800.0
         self.entrypoint: str | None = args.entrypoint
