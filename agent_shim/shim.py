@@ -42,9 +42,7 @@ except ImportError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-PROTOCOL_VERSION = 1
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
-LAYERS = ("cgroup", "pidns", "landlock")  # containment: "session" or some joined by "+"
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 # What a root agent keeps, as Docker's default does: file ownership and permissions, setuid and
@@ -58,7 +56,6 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
 # the parent promises its tree is gone within cancel_grace + 2 s of its own death.
 PARENT_GONE_GRACE = 1.0
-CANCEL = b"cancel\n"  # what the parent writes on stdin, after the handshake, to cancel
 
 
 def load_part(name):
@@ -84,6 +81,12 @@ def load_part(name):
     module.__name__ = private
     sys.modules[private] = module
     return module
+
+
+# The protocol's constants and the containment grammar, shared with the parent.
+wire = load_part("wire")
+PROTOCOL_VERSION, CANCEL, LAYERS = wire.PROTOCOL_VERSION, wire.CANCEL, wire.LAYERS
+MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS = wire.MAX_MESSAGE_CHARS, wire.MAX_TRACEBACK_CHARS
 
 
 class Channel:
@@ -320,10 +323,7 @@ def is_env(value):
 
 
 def is_containment(value):
-    if value == "session":
-        return True
-    parts = value.split("+") if isinstance(value, str) else ()
-    return bool(parts) and len(set(parts)) == len(parts) and all(p in LAYERS for p in parts)
+    return wire.canonical_containment(value) == value
 
 
 def layers_of(hs):
@@ -712,7 +712,6 @@ def load_entrypoint(entrypoint, agent_root):
 
 # What of an error the parent keeps (characters): the start of its message, the end of its
 # traceback (where it was raised). Cut here, so that the frame fits the parent's cap.
-MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS = 64 * 1024, 256 * 1024
 
 
 def report(message, traceback, secrets):

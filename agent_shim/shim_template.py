@@ -18,9 +18,7 @@ there runs shim.main(), the very code of a fresh start: its own handshake (secre
 through here), containment, supervisor, worker and teardown.
 """
 
-import array
 import gc
-import json
 import os
 import select
 import signal
@@ -28,33 +26,14 @@ import socket
 import sys
 import time
 
-EPISODE_ENV = "ISOLATE_EPISODE_ID"
-MAX_MESSAGE = 1 << 20
+# Loaded by shim.py, under its private name, before any part: the codec and constants the
+# parent uses too.
+import _isolate_shim_wire as wire
+
+EPISODE_ENV = wire.EPISODE_ENV
+send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
-
-
-def send(sock, message, fds=()):
-    data = json.dumps(message).encode()
-    if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendmsg([data])
-
-
-def receive(sock):
-    """One message and the fds it carried; (None, []) at EOF."""
-    size = array.array("i").itemsize
-    data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * size))
-    fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % size])
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    return json.loads(data.decode()), list(fds)
 
 
 def fork_hazard(control, process_table):

@@ -8,7 +8,9 @@
 See README.md for the failure taxonomy and docs/protocol.md for the wire protocol.
 """
 
-from ._core.config import DEFAULT_INHERIT_ENV, EPISODE_ENV, EpisodeSpec, Limits
+from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
+
+from ._core.config import DEFAULT_INHERIT_ENV, EpisodeSpec, Limits
 from ._core.errors import (
     AgentError,
     ArgumentError,
@@ -21,7 +23,6 @@ from ._core.errors import (
 )
 from ._core.launcher import run_episode
 from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
-from ._core.protocol import PROTOCOL_VERSION
 from ._core.sandbox import Sandbox, SandboxReport
 from ._core.shim import shim_path
 from ._core.templates import close_templates

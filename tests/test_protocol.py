@@ -541,6 +541,83 @@ def test_shim_protocol_version_matches() -> None:
     assert agent_shim.shim.PROTOCOL_VERSION == isolate.PROTOCOL_VERSION
 
 
+WIRE_NAMES = {
+    "PROTOCOL_VERSION",
+    "CANCEL",
+    "EPISODE_ENV",
+    "LAYERS",
+    "MAX_MESSAGE_CHARS",
+    "MAX_TRACEBACK_CHARS",
+    "MAX_MESSAGE",
+    "_MAX_MESSAGE",
+}
+
+
+def test_the_wire_is_written_once() -> None:
+    """Both sides take the protocol's constants, the containment grammar and the template
+    socket's codec from agent_shim/shim_wire.py: no other module gives one of them a value of
+    its own, and the shim's are the very values the parent uses."""
+    import ast
+
+    import agent_shim.shim_wire as wire
+
+    root = Path(isolate.__file__).resolve().parent.parent
+    own: list[str] = []
+    for path in sorted([*root.glob("isolate/**/*.py"), *root.glob("agent_shim/*.py")]):
+        if path.name == "shim_wire.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                names = {n.id for n in flat if isinstance(n, ast.Name)}
+                literal = any(isinstance(n, ast.Constant) for n in ast.walk(node.value))
+                if names & WIRE_NAMES and literal:
+                    own.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr in ("recvmsg", "sendmsg"):
+                # The channel socket's reader (netserve) takes a worker's listeners; no one
+                # else encodes messages with fds but the wire.
+                if path.name not in ("netserve.py",):
+                    own.append(f"{path.relative_to(root)}:{node.lineno} {node.attr}")
+    assert own == []
+    shim = agent_shim.shim
+    assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
+    for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
+        assert getattr(shim, name) == getattr(wire, name), name
+    from isolate._core import config, templates
+
+    assert _launcher.CANCEL is wire.CANCEL
+    assert config.LAYERS is wire.LAYERS
+    assert templates._receive is wire.receive_message
+
+
+@pytest.mark.parametrize(
+    ("value", "canonical"),
+    [
+        ("session", "session"),
+        ("pidns+cgroup", "cgroup+pidns"),
+        ("landlock+cgroup+pidns", "cgroup+pidns+landlock"),
+        ("cgroup+cgroup", None),
+        ("auto", None),
+        ("", None),
+        ("cgroup+", None),
+        (None, None),
+    ],
+)
+def test_one_containment_grammar_on_both_sides(value: Any, canonical: str | None) -> None:
+    import agent_shim.shim_wire as wire
+
+    assert wire.canonical_containment(value) == canonical
+    assert agent_shim.shim.is_containment(value) is (canonical == value)
+    if isinstance(value, str) and value != "auto":
+        if canonical is None:
+            with pytest.raises(ValueError, match="containment must be"):
+                isolate.EpisodeSpec(agent_root="/", entrypoint="m:f", containment=value)
+        else:
+            spec = isolate.EpisodeSpec(agent_root="/", entrypoint="m:f", containment=value)
+            assert spec.containment == canonical
+
+
 def test_the_shim_keeps_heavy_imports_off_the_launch_path(tmp_path: Path) -> None:
     """Every episode pays for what importing the shim imports: these are each 0.3-40 ms and are
     imported where needed (see bench.profile_launch), never at the top. -S: without site,
@@ -564,7 +641,7 @@ def test_the_shim_keeps_heavy_imports_off_the_launch_path(tmp_path: Path) -> Non
     imported = set(done.stdout.split())
     assert "shim" in imported  # the control: the import did happen
     heavy = {"asyncio", "ctypes", "enum", "inspect", "json", "numbers", "re", "resource", "signal"}
-    heavy.add("traceback")
+    heavy |= {"traceback", "socket", "array", "typing"}
     assert imported & heavy == set()
 
 

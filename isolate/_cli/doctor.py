@@ -12,12 +12,13 @@ from typing import Any
 
 import anyio
 
+from agent_shim.shim_wire import LAYERS, PROTOCOL_VERSION
+
 from .._core import containment as _containment
 from .._core import templates as _templates
-from .._core.config import LAYERS, EpisodeSpec
+from .._core.config import EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
-from .._core.protocol import PROTOCOL_VERSION
 from .._core.sandbox import doctor_lines as sandbox_lines
 from .._core.shim import shim_path
 from ..workflow import ENTRYPOINT, resolve_agent_root

@@ -10,6 +10,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agent_shim.shim_wire import EPISODE_ENV, LAYERS, canonical_containment
+
 from .sandbox import Sandbox
 
 #: Environment names a child inherits from the parent by default. Patterns use fnmatch syntax.
@@ -29,8 +31,6 @@ DEFAULT_INHERIT_ENV: tuple[str, ...] = (
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _ENV_NAME = re.compile(r"^[^=\x00]+$")
-#: Set by isolate in every child; tags the episode's processes for the sweep.
-EPISODE_ENV = "ISOLATE_EPISODE_ID"
 
 
 def is_env_name(name: str) -> bool:
@@ -46,22 +46,18 @@ def _finite(value: float) -> float:
 
 Seconds = Annotated[float, AfterValidator(_finite)]
 
-#: Containment layers, strongest first; a combination joins them with ``+`` in this order.
-LAYERS = ("cgroup", "pidns", "landlock")
-
 
 def _check_containment(value: str) -> str:
     """``auto``, ``session``, or layers joined by ``+``; returned in the order of LAYERS."""
-    if value in ("auto", "session"):
+    if value == "auto":
         return value
-    parts = value.split("+")
-    unknown = [p for p in parts if p not in LAYERS]
-    if unknown or len(set(parts)) != len(parts):
+    found = canonical_containment(value)
+    if found is None:
         raise ValueError(
             f"containment must be 'auto', 'session', or layers joined by '+' "
             f"({', '.join(LAYERS)}), each once; got {value!r}"
         )
-    return "+".join(layer for layer in LAYERS if layer in parts)
+    return found
 
 
 Containment = Annotated[str, AfterValidator(_check_containment)]

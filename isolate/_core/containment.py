@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .config import LAYERS, Limits
+from agent_shim.shim_wire import LAYERS
+
+from .config import Limits
 from .shim import shim_path
 
 #: What ``auto`` tries, strongest first: the PID namespace is the wall, Landlock the wall where

@@ -13,7 +13,7 @@ import functools
 import re
 from collections.abc import Collection, Iterable, Mapping
 
-from .config import EPISODE_ENV
+from agent_shim.shim_wire import EPISODE_ENV
 
 # Names that carry credentials by convention. They pass only when named exactly, never
 # through a wildcard: inherit_env=("*",) must not hand the parent's OPENAI_API_KEY over.

@@ -21,12 +21,14 @@ import psutil
 from anyio.lowlevel import RunVar
 from pydantic import SecretStr
 
+from agent_shim.shim_wire import CANCEL, EPISODE_ENV, PROTOCOL_VERSION
+
 from . import admission as _admission
 from . import containment as _containment
 from . import protocol as proto
 from . import sandbox as _sandbox
 from . import templates as _templates
-from .config import EPISODE_ENV, EpisodeSpec, is_env_name
+from .config import EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
 from .netserve import EpisodeNetwork
@@ -168,7 +170,7 @@ class _Run:
             raise ArgumentError(f"episode_id must be 1-200 of [A-Za-z0-9_.-], got {episode_id!r}")
         self.nonce = _secrets.token_hex(16)
         self.public = {
-            "protocol": proto.PROTOCOL_VERSION,
+            "protocol": PROTOCOL_VERSION,
             "nonce": self.nonce,
             "entrypoint": spec.entrypoint,
             "agent_root": None,
@@ -605,7 +607,7 @@ class _Run:
             ):
                 return
             try:
-                os.write(self._fd("stdin"), proto.CANCEL)
+                os.write(self._fd("stdin"), CANCEL)
             except OSError:
                 return  # the shim is gone: its exit says how the episode ended
             try:
@@ -966,10 +968,10 @@ class _Run:
                 None,
                 None,
             )
-        if self.hello.protocol != proto.PROTOCOL_VERSION:
+        if self.hello.protocol != PROTOCOL_VERSION:
             message = (
                 f"the shim speaks protocol {self.hello.protocol}, "
-                f"this isolate speaks {proto.PROTOCOL_VERSION}"
+                f"this isolate speaks {PROTOCOL_VERSION}"
             )
             return "protocol_error", _err("ProtocolError", message), None, None
         if self.timed_out:

@@ -24,9 +24,9 @@ from pydantic import (
     field_validator,
 )
 
-from .redact import Redactor
+from agent_shim.shim_wire import MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS
 
-PROTOCOL_VERSION = 1
+from .redact import Redactor
 
 #: JSON nesting a frame may have: an agent's info is a trajectory of messages, some levels deep;
 #: a hostile one could nest until the parent's recursion limit (in pydantic, or in json).
@@ -39,9 +39,6 @@ _INFO_SLACK = 8 * 1024
 #: shim cuts to MAX_MESSAGE_CHARS and MAX_TRACEBACK_CHARS (up to 12 bytes a character once
 #: JSON-escaped), a reward per completion. A longer line is refused before it is buffered.
 FRAME_ROOM = 8 * 1024 * 1024
-#: Characters of an error's message and traceback kept: the rest is said, not kept.
-MAX_MESSAGE_CHARS = 64 * 1024
-MAX_TRACEBACK_CHARS = 256 * 1024
 
 
 class _Frame(BaseModel):
@@ -411,10 +408,6 @@ class LineSplitter:
         if self._oversize:
             return self._oversize
         return bytes(self._buf) if self._buf else None
-
-
-#: What the parent writes on the shim's stdin, after the handshake, to cancel the agent.
-CANCEL = b"cancel\n"
 
 
 def encode_handshake(

@@ -20,9 +20,7 @@ Everything here but :func:`acquire` and :func:`close_templates` blocks: run it i
 
 from __future__ import annotations
 
-import array
 import hashlib
-import json
 import os
 import select
 import signal
@@ -37,9 +35,11 @@ from typing import IO, Any
 
 import anyio
 
+from agent_shim.shim_wire import EPISODE_ENV, receive_message, send_message
+
 from . import admission as _admission
 from . import containment as _containment
-from .config import EPISODE_ENV, EpisodeSpec
+from .config import EpisodeSpec
 from .env import split_env
 from .outcome import describe_exit, signal_name
 from .shim import _boot_path
@@ -51,7 +51,6 @@ _FORK_TIMEOUT_S = 10.0
 _STATUS_WAIT_S = 2.0
 #: After its control socket closes, how long a template gets to exit before SIGKILL (seconds).
 _CLOSE_GRACE_S = 2.0
-_MAX_MESSAGE = 1 << 16
 #: ``returncode`` of a fork whose template died before reporting its exit status.
 _UNKNOWN = 255
 
@@ -60,28 +59,7 @@ class TemplateGone(Exception):
     """The template did not fork the episode (it died, or is stuck); the episode starts fresh."""
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
-    data = json.dumps(message).encode()
-    if fds:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendmsg([data])
-
-
-def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds it carried; (None, []) at EOF."""
-    size = array.array("i").itemsize
-    data, ancillary, _, _ = sock.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(4 * size))
-    fds = array.array("i")
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % size])
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    message = json.loads(data)
-    return (message if isinstance(message, dict) else None), list(fds)
+_send, _receive = send_message, receive_message
 
 
 class Forked:

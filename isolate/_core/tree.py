@@ -23,7 +23,7 @@ from typing import Protocol
 import anyio
 import psutil
 
-from .config import EPISODE_ENV
+from agent_shim.shim_wire import EPISODE_ENV
 
 _Key = tuple[int, float]
 
