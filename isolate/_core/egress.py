@@ -9,28 +9,10 @@ Two kinds of listener:
 - a proxy port (:meth:`Egress.serve_proxy`) speaking HTTP ``CONNECT``, plain HTTP with an
   absolute URL, and SOCKS5, told apart by the first byte;
 - a forward port (:meth:`Egress.serve_forward`) for each loopback rule with a port
-  (:func:`forwards`). Each connection goes to the same address and port on the host, so an agent
+  (:func:`.allowlist.forwards`). Each connection goes to the same address and port on the host, so an agent
   given ``http://127.0.0.1:8000/v1`` needs no proxy settings.
 
-A destination is checked as requested, before any resolution:
-
-- a name matches a rule ``*``, a rule ``*.suffix`` (subdomains only, not ``suffix`` itself), or a
-  rule naming it; case does not matter;
-- an IP literal matches a rule naming it, or ``*`` unless the trainer keeps it to itself:
-  loopback, link-local (the metadata service at 169.254.169.254), unspecified (0.0.0.0/8; Linux
-  routes 0.0.0.0 to loopback), multicast, another cloud's metadata address, or an address of
-  this machine's own interfaces (a server bound to 0.0.0.0 listens there too);
-- ``localhost`` and ``*.localhost`` are loopback by name. They need a rule naming them
-  (``localhost:8000``, ``*.localhost``): ``*`` does not let them through, as it does not let
-  ``127.0.0.1`` through.
-
-The parent resolves names itself. A name under ``localhost`` may use only the loopback
-addresses it resolves to, and any other name none of the addresses kept above. That way DNS
-cannot point an allowed wildcard name at the trainer's loopback or at the metadata service.
-
-A refusal (HTTP 403, SOCKS 0x02) is counted in :attr:`Egress.refused` and noted once per
-destination. A malformed request (400, 431) or an allowed destination that cannot be reached
-(502, SOCKS 0x04 or 0x05) is not a refusal.
+Each destination is checked first (:mod:`.allowlist` says how).
 
 **Cancellation:** cancelling a ``serve_*`` call ends its connections at once, and every socket
 this module accepted or opened is closed on the way out. The listener stays the caller's: it is
@@ -45,17 +27,28 @@ import math
 import os
 import re
 import socket
-import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeAlias
 
 import anyio
 import anyio.lowlevel
-import psutil
 
-_IP: TypeAlias = "ipaddress.IPv4Address | ipaddress.IPv6Address"
+from .allowlist import (
+    IP,
+    NOT_LISTED,
+    Destination,
+    Rule,
+    destination,
+    ip_of,
+    is_local_name,
+    own_addresses,
+    refusal,
+    reserved,
+    split_authority,
+)
+
 _Target: TypeAlias = "tuple[int, tuple[str, int]]"  # (address family, socket address)
 
 _CHUNK = 64 * 1024  # bytes per recv
@@ -73,18 +66,9 @@ _ACCEPT_RETRY = frozenset(
 )
 _ACCEPT_BACKOFF_ON = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-_NOT_LISTED = "not in the allow-list"
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-_LABEL = re.compile(r"[a-z0-9_-]{1,63}")
-_PORT = re.compile(r"[0-9]{1,5}")
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed in header values
 _HOP_BY_HOP = frozenset({b"connection", b"proxy-connection", b"proxy-authorization"})
-_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
-# Metadata services that are not link-local: AWS over IPv6, Alibaba Cloud.
-_METADATA = frozenset(
-    {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
-)
 _REASONS = {
     200: "Connection established",
     400: "Bad Request",
@@ -102,214 +86,6 @@ _SOCKS_BAD_COMMAND = 0x07
 _SOCKS_BAD_ADDRESS = 0x08
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One allowed destination."""
-
-    host: str
-    """Lower-case: ``*`` (any host), ``*.example.com`` (any subdomain, not example.com itself),
-    ``example.com``, an IPv4 literal, or an IPv6 literal without brackets."""
-    port: int | None
-    """The TCP port; None for any port."""
-
-
-def parse_rules(entries: Iterable[str]) -> tuple[Rule, ...]:
-    """Rules from ``host``, ``host:port``, ``*.host:port``, ``[::1]:8000``, ``1.2.3.4:80``.
-
-    Deduplicated, in order. IPv6 literals go in brackets: ``::1:8000`` could be either.
-    Raises ValueError naming the first bad entry."""
-    rules: dict[Rule, None] = {}
-    for entry in entries:
-        try:
-            rules.setdefault(_parse_rule(entry), None)
-        except ValueError as exc:
-            raise ValueError(f"network rule {entry!r}: {exc}") from None
-    return tuple(rules)
-
-
-def rule_for_url(url: str) -> Rule:
-    """The rule that lets an episode reach the endpoint at ``url`` (http or https; the port
-    defaults to 80 or 443). The error message leaves out the URL: it may carry a key."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS:
-        raise ValueError(f"an endpoint URL must be http:// or https://, not {scheme or 'bare'!r}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        raise ValueError("the endpoint URL has a malformed port") from None
-    if not host:
-        raise ValueError("the endpoint URL names no host")
-    if "*" in host:
-        raise ValueError("the endpoint URL's host is a pattern, not a host")
-    if port == 0:
-        raise ValueError("the endpoint URL has port 0")
-    try:
-        return Rule(_rule_host(host), _DEFAULT_PORTS[scheme] if port is None else port)
-    except ValueError as exc:
-        raise ValueError(f"the endpoint URL's host: {exc}") from None
-
-
-def forwards(rules: Iterable[Rule]) -> list[tuple[str, int]]:
-    """The (address, port) pairs the child listens on in its namespace, one for each loopback
-    rule with a port; the parent forwards each to the same address and port on the host.
-    ``localhost`` is forwarded as 127.0.0.1. Sorted, deduplicated."""
-    found: set[tuple[str, int]] = set()
-    for rule in rules:
-        if rule.port is None:
-            continue
-        if rule.host == "localhost":
-            found.add(("127.0.0.1", rule.port))
-            continue
-        ip = _ip(rule.host)
-        if ip is not None and ip.is_loopback:
-            found.add((str(ip), rule.port))
-    return sorted(found)
-
-
-def _parse_rule(entry: str) -> Rule:
-    if not entry:
-        raise ValueError("empty")
-    if "://" in entry:
-        raise ValueError("a rule is host[:port], without a scheme")
-    odd = next((c for c in entry if c.isspace() or not c.isprintable()), None)
-    if odd is not None:
-        raise ValueError(f"contains {odd!r}")
-    for char, what in (("/", "path"), ("?", "query"), ("#", "fragment"), ("@", "user")):
-        if char in entry:
-            raise ValueError(f"a rule is host[:port], without a {what}")
-    host, port = _split_authority(entry)
-    return Rule(_rule_host(host), port)
-
-
-def _rule_host(host: str) -> str:
-    """``host`` of a rule, normalised; ValueError when it is none."""
-    if host == "*":
-        return host
-    if host.startswith("*."):
-        name = _name(host[2:])
-        if name is None:
-            raise ValueError(f"{host[2:]!r} after '*.' is not a host name")
-        return "*." + name
-    if "*" in host:
-        raise ValueError("'*' stands only for a whole host or a leading label ('*.example.com')")
-    ip = _ip(host)
-    if ip is not None:
-        return str(ip)
-    name = _name(host)
-    if name is None:
-        raise ValueError(f"{host!r} is not a host name or an IP address")
-    return name
-
-
-def _split_authority(text: str) -> tuple[str, int | None]:
-    """``host[:port]`` or ``[v6]:port`` as (host, port or None); ValueError when malformed."""
-    if text.startswith("["):
-        end = text.find("]")
-        host, rest = text[1:end], text[end + 1 :]
-        if end < 0 or "%" in host:
-            raise ValueError("malformed bracketed IPv6 address")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
-        if rest and not rest.startswith(":"):
-            raise ValueError("only ':port' may follow ']'")
-        return host, _port(rest[1:]) if rest else None
-    if text.count(":") > 1:
-        raise ValueError("an IPv6 address goes in brackets, as in [::1]:8000")
-    host, colon, port = text.partition(":")
-    if not host:
-        raise ValueError("no host")
-    return host, _port(port) if colon else None
-
-
-def _port(text: str) -> int:
-    if not _PORT.fullmatch(text) or not 0 < int(text) < 65536:
-        raise ValueError(f"bad port {text!r}")
-    return int(text)
-
-
-def _name(text: str) -> str | None:
-    """``text`` as a lower-case host name (one trailing dot dropped), or None if it is none."""
-    if not text.isascii():
-        return None
-    name = text.lower().removesuffix(".")
-    labels = name.split(".")
-    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        return None
-    # To getaddrinfo, "127.1" and "2130706433" are addresses, not names.
-    return None if labels[-1].isdigit() else name
-
-
-def _ip(text: str) -> _IP | None:
-    """``text`` as an IP address, IPv4-mapped IPv6 as IPv4; None if it is not one."""
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
-def _local_name(name: str) -> bool:
-    return name == "localhost" or name.endswith(".localhost")
-
-
-def _kept(ip: _IP, own: frozenset[_IP]) -> str | None:
-    """What kind of address the trainer keeps to itself ``ip`` is, or None if it is none."""
-    if ip.is_loopback:
-        return "a loopback address"
-    if ip.is_link_local:
-        return "a link-local address"
-    if ip.is_unspecified or ip in _THIS_NETWORK:
-        return "an unspecified address"
-    if ip.is_multicast:
-        return "a multicast address"
-    if ip in _METADATA:
-        return "a cloud metadata address"
-    if ip in own:
-        return "an address of this machine"
-    return None
-
-
-def _own_addresses() -> frozenset[_IP]:
-    """The addresses of this machine's interfaces, read anew: interfaces come and go."""
-    found = set()
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            if address.family in (socket.AF_INET, socket.AF_INET6):
-                ip = _ip(address.address.partition("%")[0])
-                if ip is not None:
-                    found.add(ip)
-    return frozenset(found)
-
-
-@dataclass(frozen=True)
-class _Dest:
-    """A destination as requested: a normalised name or IP literal, and a port."""
-
-    host: str
-    ip: _IP | None  # set for an IP literal
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def _dest(host: str, port: int) -> _Dest:
-    if not 0 < port < 65536:
-        raise ValueError("bad port")
-    ip = _ip(host)
-    if ip is not None:
-        return _Dest(str(ip), ip, port)
-    name = _name(host)
-    if name is None:
-        raise ValueError("malformed host")
-    return _Dest(name, None, port)
-
-
 class _Closed(Exception):
     """The client closed before its request was complete."""
 
@@ -317,16 +93,16 @@ class _Closed(Exception):
 class _Refused(Exception):
     """The destination is not allowed; counted and noted already."""
 
-    def __init__(self, dest: _Dest, reason: str) -> None:
+    def __init__(self, dest: Destination, reason: str) -> None:
         super().__init__(reason)
-        extra = "" if reason == _NOT_LISTED else f" ({reason})"
+        extra = "" if reason == NOT_LISTED else f" ({reason})"
         self.text = f"isolate: {dest} is not in this episode's network allow-list{extra}"
 
 
 class _Failed(Exception):
     """The destination is allowed but could not be reached."""
 
-    def __init__(self, dest: _Dest, reason: str, socks_code: int) -> None:
+    def __init__(self, dest: Destination, reason: str, socks_code: int) -> None:
         super().__init__(reason)
         self.text = f"isolate: cannot connect to {dest}: {reason}"
         self.socks_code = socks_code
@@ -334,7 +110,7 @@ class _Failed(Exception):
 
 @dataclass(frozen=True)
 class _Request:
-    dest: _Dest
+    dest: Destination
     connect: bool  # CONNECT: answer 200, then splice; else send ``forwarded`` upstream first
     forwarded: bytes
 
@@ -391,10 +167,10 @@ def _parse_http(head: bytes) -> _Request:
     if not all(b":" in line for line in headers) or not all(map(_TOKEN.fullmatch, names)):
         raise ValueError("malformed header line")
     if method == "CONNECT":
-        host, port = _split_authority(target)
+        host, port = split_authority(target)
         if port is None:
             raise ValueError("CONNECT needs host:port")
-        return _Request(_dest(host, port), True, b"")
+        return _Request(destination(host, port), True, b"")
     if target[:7].lower() != "http://":
         raise ValueError("this is a proxy: send an absolute http:// URL")
     rest = target[7:]
@@ -402,8 +178,8 @@ def _parse_http(head: bytes) -> _Request:
     authority, path = rest[:cut], rest[cut:]
     if "@" in authority:
         raise ValueError("user information in the URL")
-    host, port = _split_authority(authority)
-    dest = _dest(host, 80 if port is None else port)
+    host, port = split_authority(authority)
+    dest = destination(host, 80 if port is None else port)
     kept = [
         line for line, name in zip(headers, names, strict=True) if name.lower() not in _HOP_BY_HOP
     ]
@@ -575,10 +351,10 @@ class Egress:
     async def serve_forward(self, listener: socket.socket, address: str, port: int) -> None:
         """Accept connections on ``listener`` until cancelled and splice each to ``address``
         (an IP literal) and ``port`` on the host. Allowed by construction: see :func:`forwards`."""
-        ip = _ip(address)
+        ip = ip_of(address)
         if ip is None or not 0 < port < 65536:
             raise ValueError(f"cannot forward to {address!r} port {port}")
-        await self._serve(listener, partial(self._forward, _Dest(str(ip), ip, port)))
+        await self._serve(listener, partial(self._forward, Destination(str(ip), ip, port)))
 
     async def _serve(
         self, listener: socket.socket, handle: Callable[[socket.socket], Awaitable[None]]
@@ -695,7 +471,7 @@ class Egress:
             await _last_word(conn, _socks_reply(_SOCKS_BAD_ADDRESS))
             return
         try:
-            dest = _dest(host, int.from_bytes(await reader.take(2), "big"))
+            dest = destination(host, int.from_bytes(await reader.take(2), "big"))
         except ValueError:
             await _last_word(conn, _socks_reply(_SOCKS_FAILURE))
             return
@@ -714,7 +490,7 @@ class Egress:
         finally:
             upstream.close()
 
-    async def _forward(self, dest: _Dest, conn: socket.socket) -> None:
+    async def _forward(self, dest: Destination, conn: socket.socket) -> None:
         try:
             upstream = await self._dial(dest)
         except _Failed:
@@ -724,32 +500,14 @@ class Egress:
         finally:
             upstream.close()
 
-    async def _open(self, dest: _Dest) -> socket.socket:
+    async def _open(self, dest: Destination) -> socket.socket:
         """A socket connected to ``dest`` if the rules allow it; else _Refused or _Failed."""
-        reason = self._check(dest)
+        reason = refusal(self._rules, dest)
         if reason is not None:
             raise self._refuse(dest, reason)
         return await self._dial(dest)
 
-    def _check(self, dest: _Dest) -> str | None:
-        """Why ``dest`` is refused, or None when a rule lets it through."""
-        hosts = {rule.host for rule in self._rules if rule.port in (None, dest.port)}
-        if dest.host in hosts:
-            return None  # a rule names it
-        if dest.ip is not None:
-            if "*" not in hosts:
-                return _NOT_LISTED
-            kind = _kept(dest.ip, _own_addresses())
-            return None if kind is None else f"{kind} needs a rule naming it"
-        if _local_name(dest.host):
-            if any(host.startswith("*.") and dest.host.endswith(host[1:]) for host in hosts):
-                return None
-            return "localhost needs a rule naming it" if "*" in hosts else _NOT_LISTED
-        labels = dest.host.split(".")
-        suffixes = {"*." + ".".join(labels[i:]) for i in range(1, len(labels))}
-        return None if "*" in hosts or hosts & suffixes else _NOT_LISTED
-
-    async def _dial(self, dest: _Dest) -> socket.socket:
+    async def _dial(self, dest: Destination) -> socket.socket:
         """A socket connected to ``dest``, resolved and filtered; else _Refused or _Failed."""
         # Not fail_after: its TimeoutError could not be told from a connect's ETIMEDOUT.
         with anyio.move_on_after(self._connect_timeout):
@@ -765,7 +523,7 @@ class Egress:
         timeout = f"timed out after {self._connect_timeout:g} s"
         raise _Failed(dest, timeout, _SOCKS_HOST_UNREACHABLE)
 
-    async def _targets(self, dest: _Dest) -> list[_Target]:
+    async def _targets(self, dest: Destination) -> list[_Target]:
         """Where to connect for ``dest``: an IP literal as it is, a name resolved and filtered."""
         if dest.ip is not None:
             family = socket.AF_INET6 if dest.ip.version == 6 else socket.AF_INET
@@ -776,15 +534,15 @@ class Egress:
             raise _Failed(
                 dest, f"cannot resolve: {exc.strerror}", _SOCKS_HOST_UNREACHABLE
             ) from None
-        local = _local_name(dest.host)
-        own: frozenset[_IP] = frozenset() if local else _own_addresses()
+        local = is_local_name(dest.host)
+        own: frozenset[IP] = frozenset() if local else own_addresses()
         targets: list[_Target] = []
         kinds: list[str] = []
         for family, _, _, _, address in found:
-            ip = _ip(address[0])
+            ip = ip_of(address[0])
             if ip is None:
                 continue
-            kind = ("not loopback" if not ip.is_loopback else None) if local else _kept(ip, own)
+            kind = ("not loopback" if not ip.is_loopback else None) if local else reserved(ip, own)
             if kind is None:
                 targets.append((family, address))
             else:
@@ -793,7 +551,7 @@ class Egress:
             raise self._refuse(dest, f"resolves to {kinds[0]}")
         return targets
 
-    def _refuse(self, dest: _Dest, reason: str) -> _Refused:
+    def _refuse(self, dest: Destination, reason: str) -> _Refused:
         """Count and note a refusal; the exception to raise."""
         name = str(dest)
         named = len(self._refused) - ("other" in self._refused)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .egress import Rule, forwards, parse_rules
+from .allowlist import Rule, forwards, parse_rules
 
 #: The proxy's port inside the namespace (squid's), or the next one a carried port leaves free.
 PROXY_PORT = 3128

@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from .._core.allowlist import parse_rules, rule_for_url
 from .._core.config import EpisodeSpec, is_env_name
-from .._core.egress import parse_rules, rule_for_url
 from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
