@@ -163,7 +163,36 @@ def curl_probe(data, proxy):
     }
 
 
-PROBES = {"httpx": httpx_probe, "curl": curl_probe}
+def escape_probe(data, proxy):
+    """Leave the namespace for the trainer's: setns into its network namespace (by /proc and by
+    pidfd), or make namespaces of one's own; then try the dashboard again."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = {}
+
+    def call(fn):
+        result = fn()
+        return "ok" if result == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+
+    try:
+        fd = os.open("/proc/%d/ns/net" % data["trainer"], os.O_RDONLY)
+        out["setns by /proc"] = call(lambda: libc.setns(fd, 0x40000000))
+    except OSError as exc:
+        out["setns by /proc"] = word(exc)
+    try:
+        pidfd = os.pidfd_open(data["trainer"])
+        out["setns by pidfd"] = call(lambda: libc.setns(pidfd, 0x40000000))
+    except OSError as exc:
+        out["setns by pidfd"] = word(exc)
+    out["unshare user+net"] = call(lambda: libc.unshare(0x10000000 | 0x40000000))
+    out["dashboard after"] = attempt(
+        lambda: raw_http("127.0.0.1", data["dashboard"], b"GET / HTTP/1.0\r\n\r\n")
+    )
+    return out
+
+
+PROBES = {"httpx": httpx_probe, "curl": curl_probe, "escape": escape_probe}
 '''
 
 
@@ -311,6 +340,22 @@ async def test_an_agents_clients_work_unchanged_behind_the_proxy(
     assert found["curl"] == {"llm": "200", "dashboard": "403", "dashboard direct": "000"}
     assert outcome.sandbox is not None
     assert outcome.sandbox.refused == {f"127.0.0.1:{servers.dashboard}": 4}
+
+
+@pytest.mark.parametrize("containment", ["auto", "session"])
+async def test_the_agent_cannot_leave_its_network_namespace(
+    agents: Agents, servers: Servers, containment: str
+) -> None:
+    spec = agents.spec(
+        AGENT, sandbox=isolate.Sandbox(network=servers.allow()), containment=containment
+    )
+    data = {**servers.data(), "trainer": os.getpid()}
+    found = findings(await isolate.run_episode(spec, data, kwargs={"probes": ["escape"]}))
+    escape = found["escape"]
+    assert escape["dashboard after"] == "ECONNREFUSED"
+    # Each way out is refused, whatever refuses it (Landlock, the syscall filter, capabilities).
+    assert "ok" not in escape.values()
+    assert escape["unshare user+net"] == "EPERM"
 
 
 async def test_none_is_no_network_at_all(agents: Agents, servers: Servers) -> None:
