@@ -9,8 +9,8 @@ Two kinds of listener:
 - a proxy port (:meth:`Egress.serve_proxy`) speaking HTTP ``CONNECT``, plain HTTP with an
   absolute URL, and SOCKS5, told apart by the first byte;
 - a forward port (:meth:`Egress.serve_forward`) for each loopback rule with a port
-  (:func:`.allowlist.forwards`). Each connection goes to the same address and port on the host, so an agent
-  given ``http://127.0.0.1:8000/v1`` needs no proxy settings.
+  (:func:`.allowlist.forwards`). Each connection goes to the same address and port on the
+  host, so an agent given ``http://127.0.0.1:8000/v1`` needs no proxy settings.
 
 Each destination is checked first (:mod:`.allowlist` says how).
 
