@@ -1,5 +1,5 @@
-"""The ``isolate`` command line: ``run`` (and ``--replay``), ``batch``, ``doctor``, ``demo``,
-``scripted-llm``.
+"""The ``isolate`` command line: ``run`` (and ``--replay``), ``batch``, ``report``, ``doctor``,
+``demo``, ``scripted-llm``.
 
 Exit status of ``isolate run``: 0 ok, 10 agent_error, 11 crashed, 12 timeout, 13 protocol_error,
 14 setup_error; 2 bad usage; 130 interrupted (Ctrl-C or SIGTERM, after the tree is torn down).
@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 
 from .._core.errors import ArgumentError
-from .batch import add_batch_parser
+from .batch import add_batch_parser, add_report_parser
 from .options import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     add_batch_parser(sub)
+    add_report_parser(sub)
 
     doctor = sub.add_parser(
         "doctor", allow_abbrev=False, help="check an agent checkout without running an episode"
@@ -108,6 +109,10 @@ def _command(args: argparse.Namespace) -> int:
         from .batch import batch_command
 
         return batch_command(args)
+    if args.command == "report":
+        from .batch.report import report_command
+
+        return report_command(args)
     if args.command == "doctor":
         from .doctor import doctor
 

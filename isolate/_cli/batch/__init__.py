@@ -24,9 +24,10 @@ from ..options import (
     positive_seconds,
     read_api_key,
 )
+from .selection import count, id_list, shard
 
 if TYPE_CHECKING:
-    from .io import Records
+    from .io import Records, Unit
     from .job import Plan
     from .scheduler import Backend
 
@@ -83,6 +84,26 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="SECONDS",
         help="progress refresh (default 0.5 on a terminal, else a plain line every 30)",
     )
+    pick = batch.add_argument_group(
+        "evaluation (records chosen by --instance-ids, then --shard, then --limit)"
+    )
+    pick.add_argument(
+        "--samples",
+        type=count,
+        metavar="K",
+        help="K attempts per record, each a sample of its own with its own episode; the "
+        "summary shows pass@k",
+    )
+    pick.add_argument("--limit", type=count, metavar="N", help="only the first N records")
+    pick.add_argument(
+        "--instance-ids", type=id_list, metavar="A,B", help="only the records with these ids"
+    )
+    pick.add_argument(
+        "--shard",
+        type=shard,
+        metavar="I/N",
+        help="only the records whose position modulo N is I (from 0)",
+    )
     _agent_options(batch)
     _key_options(batch)
     ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
@@ -91,6 +112,26 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
     ray.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs per episode (1)")
     ray.add_argument("--ray-memory", metavar="BYTES", help="memory per episode, e.g. 4GiB")
+
+
+def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    report = sub.add_parser(
+        "report",
+        allow_abbrev=False,
+        help="summarize a results file of isolate batch",
+        description="Summarize RESULTS.jsonl, as `isolate batch --out` writes it, without "
+        "running anything: the last line of each instance (and sample) is its result. "
+        "Exit status: 0, 1 the plot could not be written, 2 bad usage or not a results file.",
+    )
+    report.add_argument("results", type=Path, metavar="RESULTS.jsonl", help="the results file")
+    report.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    report.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw the results over time and their durations, as a PNG "
+        "(pip install 'episode-isolate[report]')",
+    )
 
 
 def parse_size(text: str) -> int:
@@ -168,12 +209,18 @@ def batch_command(args: argparse.Namespace) -> int:
     from .io import BatchError, Results
     from .job import Plan
     from .scheduler import RetryPolicy, Scheduler
+    from .selection import select
     from .view import View, summary
 
     _check_options(args)
     policy = RetryPolicy(args.retries, args.retry_timeouts)
     plan = Plan(args)
     records = _load(args, plan)
+    try:
+        chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)
+    except UsageError:
+        records.close()
+        raise
     results = Results(args.out)
     ray_backend: Any = None
     try:
@@ -187,13 +234,16 @@ def batch_command(args: argparse.Namespace) -> int:
                 "bytes): the driver was stopped while writing it; that episode runs again",
                 file=sys.stderr,
             )
-        ids = [r.instance_id for r in records.items]
-        todo = [r for r in records.items if not policy.done(results.last.get(r.instance_id))]
-        pending = {r.instance_id for r in todo}
-        done = Counter(results.last[i]["status"] for i in ids if i not in pending)
+        samples = args.samples or 1
+        units = [(r, n) for r in chosen for n in range(samples)]
+        keys = [(r.instance_id, n) for r, n in units]
+        todo = [(r, n) for r, n in units if not policy.done(results.last.get((r.instance_id, n)))]
+        pending = {(r.instance_id, n) for r, n in todo}
+        done = Counter(results.last[u]["status"] for u in keys if u not in pending)
         if done:
+            what = "samples" if args.samples else "instances"
             print(
-                f"isolate: resuming: {sum(done.values())} of {len(ids)} instances already have "
+                f"isolate: resuming: {sum(done.values())} of {len(keys)} {what} already have "
                 f"a final result in {args.out}; {len(todo)} to run",
                 file=sys.stderr,
             )
@@ -209,8 +259,8 @@ def batch_command(args: argparse.Namespace) -> int:
                 return 1
             concurrency = concurrency or fit
         concurrency = concurrency or default_concurrency()
-        view = View(len(ids), done, args.status_interval)
-        scheduler = Scheduler(records, plan, results, policy, backend, view)
+        view = View(len(keys), done, args.status_interval)
+        scheduler = Scheduler(records, plan, results, policy, backend, view, args.samples)
         with view:
             if todo:
                 anyio.run(scheduler.run, todo, concurrency)
@@ -219,14 +269,23 @@ def batch_command(args: argparse.Namespace) -> int:
             ray_backend.stop()
         results.close()
         records.close()
-    final = {i: e for i, e in results.last.items() if policy.done(e)}
-    setup = {i: e for i, e in results.last.items() if e["status"] == "setup_error"}
-    summary(sys.stdout, ids, final, setup, view)
-    return _exit_status(ids, final, scheduler.failure, scheduler.interrupted)
+    final = {u: e for u, e in results.last.items() if policy.done(e)}
+    setup = {u: e for u, e in results.last.items() if e["status"] == "setup_error"}
+    summary(
+        sys.stdout,
+        keys,
+        final,
+        setup,
+        view,
+        samples=args.samples,
+        results=args.out,
+        log_dir=plan.log_dir,
+    )
+    return _exit_status(keys, final, scheduler.failure, scheduler.interrupted)
 
 
 def _exit_status(
-    ids: list[str], final: dict[str, dict[str, Any]], failure: str | None, interrupted: bool
+    ids: list[Unit], final: dict[Unit, dict[str, Any]], failure: str | None, interrupted: bool
 ) -> int:
     if failure:
         print(f"isolate: error: {failure}", file=sys.stderr)
@@ -235,8 +294,9 @@ def _exit_status(
         return EXIT_INTERRUPTED
     missing = [i for i in ids if i not in final or final[i]["status"] == "setup_error"]
     if missing:
+        what = "instance(s)" if all(n == 0 for _, n in ids) else "sample(s)"
         print(
-            f"isolate: {len(missing)} instance(s) without a final result (setup_error runs "
+            f"isolate: {len(missing)} {what} without a final result (setup_error runs "
             "again on the next run)",
             file=sys.stderr,
         )

@@ -103,6 +103,59 @@ def _instance_id(record: dict[str, Any]) -> str:
     return str(value)
 
 
+#: What a result line is the result of: its instance id and its sample (0 for a line without
+#: one, written without ``--samples``). Resume, retries and the reports go by it.
+Unit = tuple[str, int]
+
+
+def unit_of(entry: dict[str, Any]) -> Unit:
+    return str(entry["instance_id"]), int(entry.get("sample", 0))
+
+
+def is_final(entry: dict[str, Any]) -> bool:
+    """Whether the run that wrote ``entry`` took it as its unit's result (a rerun with the
+    same options skips the unit). Lines written before ``final`` existed: all but a
+    ``setup_error``."""
+    final = entry.get("final")
+    return bool(final) if final is not None else entry["status"] != "setup_error"
+
+
+@dataclass
+class ResultLines:
+    """What a results file holds, read without a lock or a change: :func:`read_results`."""
+
+    entries: list[dict[str, Any]]
+    """Every complete line, in file order."""
+    last: dict[Unit, dict[str, Any]]
+    """The latest line of each unit: its result, the earlier lines its earlier attempts."""
+    partial: bytes
+    """A last line without its newline (a driver stopped while writing it, or writing it
+    now): not a result, as :meth:`Results.open` drops it."""
+
+
+def split_results(data: bytes, path: Path, hint: str = "") -> ResultLines:
+    """The result lines of ``data``, the contents of ``path``; BatchError names the first
+    line that is not one (``hint`` is added to its message)."""
+    end = data.rfind(b"\n") + 1
+    entries = [
+        _result_line(line, f"{path}:{number}", hint)
+        for number, line in enumerate(data[:end].splitlines(), 1)
+        if line.strip()
+    ]
+    last = {unit_of(e): e for e in entries}
+    return ResultLines(entries, last, data[end:])
+
+
+def read_results(path: Path) -> ResultLines:
+    """A results file as it is now, for a report: no lock (a batch may be writing it), and
+    nothing changed (a partial last line is left where it is)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BatchError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return split_results(data, path)
+
+
 class Results:
     """RESULTS.jsonl. Each line is written with one ``write`` and fsynced before the next
     episode's line, so a driver killed at any moment loses no finished attempt; at worst the
@@ -111,8 +164,8 @@ class Results:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.last: dict[str, dict[str, Any]] = {}
-        """The latest line of each instance id."""
+        self.last: dict[Unit, dict[str, Any]] = {}
+        """The latest line of each unit (instance id and sample)."""
         self.dropped = b""
         """The partial last line found (and removed) when the file was opened."""
         self._fd = -1
@@ -135,19 +188,17 @@ class Results:
             _fsync_dir(self.path.parent)
         with open(fd, "rb", closefd=False) as f:
             data = f.read()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
+        lines = split_results(data, self.path, "; give another --out, or remove the line")
+        if lines.partial:
             # Only a driver stopped in the middle of a write leaves this: drop it, so the next
             # line starts on a line of its own. Its episode has no result and runs again.
-            self.dropped = data[end:]
-            os.ftruncate(fd, end)
+            self.dropped = lines.partial
+            os.ftruncate(fd, len(data) - len(lines.partial))
             os.fsync(fd)
-        for number, line in enumerate(data[:end].splitlines(), 1):
-            if line.strip():
-                self._take(_result_line(line, f"{self.path}:{number}"))
+        self.last = lines.last
 
     def _take(self, entry: dict[str, Any]) -> None:
-        self.last[str(entry["instance_id"])] = entry
+        self.last[unit_of(entry)] = entry
 
     def append(self, entry: dict[str, Any]) -> None:
         """Write one line and fsync it. Blocking: call from a worker thread."""
@@ -165,23 +216,38 @@ class Results:
             self._fd = -1
 
 
-def _result_line(line: bytes, where: str) -> dict[str, Any]:
+def _result_line(line: bytes, where: str, hint: str = "") -> dict[str, Any]:
     try:
         entry = json.loads(line)
-        ok = (
-            isinstance(entry, dict)
-            and isinstance(entry.get("instance_id"), str)
-            and isinstance(entry.get("attempt"), int)
-            and entry.get("status") in STATUSES
-        )
     except ValueError:
-        ok = False
-    if not ok:
-        raise BatchError(
-            f"{where} is not a result line of isolate batch; give another --out, or remove the line"
-        )
+        why = "not JSON"
+    else:
+        why = _not_a_result(entry)
+    if why:
+        raise BatchError(f"{where} is not a result line of isolate batch ({why}){hint}")
     result: dict[str, Any] = entry
     return result
+
+
+def _not_a_result(entry: Any) -> str:
+    """Why a JSON value is not a result line, in a few words; "" when it is one."""
+    if not isinstance(entry, dict):
+        return f"a JSON {type(entry).__name__}, not an object"
+    if "instance_id" in entry and "attempt" not in entry and "status" not in entry:
+        return 'no "attempt" or "status": a records file?'
+    for name in ("instance_id", "attempt", "status"):
+        if name not in entry:
+            return f'no "{name}"'
+    sample = entry.get("sample", 0)
+    if not isinstance(entry["instance_id"], str):
+        return '"instance_id" is not a string'
+    if isinstance(entry["attempt"], bool) or not isinstance(entry["attempt"], int):
+        return '"attempt" is not an integer'
+    if entry["status"] not in STATUSES:
+        return f'"status" {entry["status"]!r} is not one of isolate\'s'
+    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
+        return '"sample" is not an integer of 0 or more'
+    return ""
 
 
 def _fsync_dir(path: Path) -> None:

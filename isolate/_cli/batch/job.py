@@ -159,8 +159,13 @@ class Plan:
         self.build(record)
         self.secret_env(record)
 
-    def job(self, record: dict[str, Any]) -> Job:
+    def job(self, record: dict[str, Any], sample: int | None = None) -> Job:
+        """One attempt at ``record``; with a ``sample`` (``--samples``), its episode id says
+        which: ``<instance_id>.s<sample>.<random>``."""
         episode_id = _default_episode_id(record)
+        if sample is not None:
+            stem, _, token = episode_id.rpartition(".")
+            episode_id = f"{stem}.s{sample}.{token}"
         spec, kwargs = self.build(record, episode_id)
         return Job(record, spec, kwargs, episode_id, self.log_dir, self.secret_env(record))
 

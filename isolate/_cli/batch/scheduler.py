@@ -65,14 +65,18 @@ class Scheduler:
         policy: RetryPolicy,
         backend: Backend,
         view: View,
+        samples: int | None = None,
     ) -> None:
         self.records, self.plan, self.results = records, plan, results
         self.policy, self.backend, self.view = policy, backend, view
+        self.samples = samples
+        """``--samples``, if given: each line then says its sample."""
         self.interrupted = False
         self.failure: str | None = None
         self._work: anyio.CancelScope | None = None
 
-    async def run(self, todo: list[Record], concurrency: int) -> None:
+    async def run(self, todo: list[tuple[Record, int]], concurrency: int) -> None:
+        """Run each ``(record, sample)`` of ``todo`` until it has a final result."""
         self._work = anyio.CancelScope()
         async with anyio.create_task_group() as outer:
             outer.start_soon(self._watch_signals)
@@ -81,9 +85,9 @@ class Scheduler:
                 slots = anyio.Semaphore(concurrency)
                 try:
                     async with anyio.create_task_group() as tg:
-                        for record in todo:
+                        for record, sample in todo:
                             await slots.acquire()
-                            tg.start_soon(self._instance, record, slots)
+                            tg.start_soon(self._unit, record, sample, slots)
                 finally:
                     await close_templates()  # with --preload; the batch's episodes are done
             outer.cancel_scope.cancel()
@@ -105,16 +109,20 @@ class Scheduler:
         assert self._work is not None
         self._work.cancel()
 
-    async def _instance(self, record: Record, slots: anyio.Semaphore) -> None:
+    async def _unit(self, record: Record, sample: int, slots: anyio.Semaphore) -> None:
+        """The attempts at one sample of one record, one after the other."""
         try:
-            last = self.results.last.get(record.instance_id)
+            last = self.results.last.get((record.instance_id, sample))
             attempt = last["attempt"] if last else 0
             again = True
             while again:
                 attempt += 1
-                fields = await self._attempt(record)
+                fields = await self._attempt(record, sample)
                 again = self.policy.again(fields["status"], attempt)
-                entry = {"instance_id": record.instance_id, "attempt": attempt, "final": False}
+                entry: dict[str, Any] = {"instance_id": record.instance_id}
+                if self.samples is not None:
+                    entry["sample"] = sample
+                entry.update(attempt=attempt, final=False)
                 entry.update(fields)
                 # Final exactly when a rerun would skip it: a setup error is not (the run's
                 # configuration failed, and the next run tries again).
@@ -131,9 +139,10 @@ class Scheduler:
         finally:
             slots.release()
 
-    async def _attempt(self, record: Record) -> dict[str, Any]:
+    async def _attempt(self, record: Record, sample: int) -> dict[str, Any]:
         try:
-            job = self.plan.job(await anyio.to_thread.run_sync(self.records.read, record))
+            data = await anyio.to_thread.run_sync(self.records.read, record)
+            job = self.plan.job(data, sample if self.samples is not None else None)
         except (OSError, ValueError) as exc:
             return failure("setup_error", "SetupError", str(exc))
         self.view.running += 1

@@ -4,10 +4,12 @@ installed, plain lines otherwise) and the summary, plain text, on stdout at the 
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -16,6 +18,8 @@ import anyio
 from ..._core import admission
 from ..._core.outcome import STATUSES
 from ..options import preload_warning
+from .io import Unit
+from .selection import pass_at_ks, pass_lines
 
 if TYPE_CHECKING:
     from .bar import Bar
@@ -149,21 +153,28 @@ def percentile(values: list[float], share: float) -> float:
     return values[max(0, math.ceil(share * len(values)) - 1)]
 
 
-def _mean_reward(reward: Any) -> float:
+def mean_reward(reward: Any) -> float:
+    """A reward as one number: a dict of rewards is their mean; no reward (a failure) is 0."""
     if isinstance(reward, dict):
-        return sum(reward.values()) / len(reward) if reward else 0.0
-    return float(reward or 0.0)
+        values = [float(v) for v in reward.values() if _is_number(v)]
+        return sum(values) / len(values) if values else 0.0
+    return float(reward) if _is_number(reward) else 0.0
 
 
-def _resolved(entry: dict[str, Any]) -> bool:
-    reward = entry["reward"]
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def resolved(entry: dict[str, Any]) -> bool:
+    """Resolved: ``ok`` with a reward of at least 1 (each of them, for a dict of rewards)."""
+    reward = entry.get("reward")
     if entry["status"] != "ok" or reward is None:
         return False
-    values = reward.values() if isinstance(reward, dict) else [reward]
-    return bool(values) and all(v >= 1.0 for v in values)
+    values = list(reward.values()) if isinstance(reward, dict) else [reward]
+    return bool(values) and all(_is_number(v) and v >= 1.0 for v in values)
 
 
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+def table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
     """Rows as aligned columns, a rule under the first; columns in ``right`` right-aligned."""
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = []
@@ -177,48 +188,80 @@ def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
     return [lines[0], rule, *lines[1:]]
 
 
+def unit_label(entry: dict[str, Any]) -> str:
+    """An instance id, and its sample when the line has one: ``django-1#2``."""
+    if "sample" in entry:
+        return f"{entry['instance_id']}#{entry['sample']}"
+    return str(entry["instance_id"])
+
+
+def report_hint(results: Path) -> str:
+    """The command that reports on ``results``, as a shell would take it."""
+    return f"isolate report {shlex.quote(str(results))}"
+
+
+def samples_of(entries: Iterable[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Per instance id: how many samples have a final result (n), how many resolved (c)."""
+    found: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        n, c = found.get(str(entry["instance_id"]), (0, 0))
+        found[str(entry["instance_id"])] = (n + 1, c + resolved(entry))
+    return found
+
+
 def summary(
     out: TextIO,
-    ids: Iterable[str],
-    final: dict[str, dict[str, Any]],
-    setup_errors: dict[str, dict[str, Any]],
+    units: Iterable[Unit],
+    final: dict[Unit, dict[str, Any]],
+    setup_errors: dict[Unit, dict[str, Any]],
     view: View,
+    *,
+    samples: int | None,
+    results: Path,
+    log_dir: Path,
 ) -> None:
-    """The end-of-run report over every instance of the records file, resumed ones included.
-    ``final`` maps an instance id to its final result line; ``setup_errors`` the instances
-    whose latest line is a setup error (not final: they run again), each cause shown once."""
-    ids = list(ids)
-    entries = [final[i] for i in ids if i in final]
+    """The end-of-run report over every unit (instance, sample) the run covers, resumed ones
+    included. ``final`` maps a unit to its final result line; ``setup_errors`` the units whose
+    latest line is a setup error (not final: they run again), each cause shown once.
+    ``samples``: the ``--samples`` given, if any. It ends with where the results and logs
+    are, and the command that reports on them."""
+    units = list(units)
+    entries = [final[u] for u in units if u in final]
     counts = Counter(e["status"] for e in entries)
     elapsed = time.monotonic() - view.start
+    what = f"{len({i for i, _ in units})} instances"
+    if samples is not None:
+        what += f" x {samples} samples"
     lines = [
-        f"isolate batch: {len(ids)} instances, {view.finished} run now in {elapsed:.1f} s "
+        f"isolate batch: {what}, {view.finished} run now in {elapsed:.1f} s "
         f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
         "",
     ]
     rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
-    setup = [i for i in ids if i not in final and i in setup_errors]
+    setup = [u for u in units if u not in final and u in setup_errors]
     if setup:
         rows.append(("setup_error (runs again)", len(setup)))
-    missing = len(ids) - len(entries) - len(setup)
+    missing = len(units) - len(entries) - len(setup)
     if missing:
         rows.append(("no result", missing))
-    table: list[tuple[str, ...]] = [("status", "count", "share")]
-    table += [(s, str(n), f"{100.0 * n / len(ids):.1f}%") for s, n in rows]
-    table.append(("total", str(len(ids)), "100.0%" if ids else "-"))
-    lines += _table(table, right={1, 2})
+    cells: list[tuple[str, ...]] = [("status", "count", "share")]
+    cells += [(s, str(n), f"{100.0 * n / len(units):.1f}%") for s, n in rows]
+    cells.append(("total", str(len(units)), "100.0%" if units else "-"))
+    lines += table(cells, right={1, 2})
     if setup:
-        causes = Counter(_cause(setup_errors[i]) for i in setup)
+        causes = Counter(_cause(setup_errors[u]) for u in setup)
         lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
         lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
+    facts: list[tuple[str, str]] = []
+    more: list[str] = []
     if entries:
-        mean = sum(_mean_reward(e["reward"]) for e in entries) / len(entries)
-        resolved = sum(_resolved(e) for e in entries)
+        mean = sum(mean_reward(e["reward"]) for e in entries) / len(entries)
+        done = sum(resolved(e) for e in entries)
         durations = sorted(float(e["duration_s"]) for e in entries)
         p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
-        facts = [
+        facts += [
             ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
-            ("resolved", f"{resolved}/{len(ids)} ({100.0 * resolved / len(ids):.1f}%)"),
+            ("resolved", f"{done}/{len(units)} ({100.0 * done / len(units):.1f}%)"),
             ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
         ]
         # Results written before containment was recorded have none.
@@ -236,10 +279,25 @@ def summary(
             facts.append(("start", text))
         slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
         for n, e in enumerate(slowest):
-            text = f"{e['instance_id']}  {float(e['duration_s']):.2f} s  {e['status']}"
+            text = f"{unit_label(e)}  {float(e['duration_s']):.2f} s  {e['status']}"
             facts.append(("slowest" if n == 0 else "", text))
+        per_instance = samples_of(entries)
+        more = pass_lines(
+            pass_at_ks(per_instance.values()),
+            len(per_instance),
+            (n for n, _ in per_instance.values()),
+        )
+    where = [
+        ("results", str(results)),
+        ("logs", f"{log_dir} (a replay bundle per attempt)"),
+        ("report", report_hint(results)),
+    ]
+    if facts:
         lines.append("")
-        lines += [f"{name:<11}  {text}" for name, text in facts]
+    lines += [f"{name:<11}  {text}" for name, text in facts[:2]]
+    lines += more
+    lines += [f"{name:<11}  {text}" for name, text in facts[2:]]
+    lines += ["", *(f"{name:<11}  {text}" for name, text in where)]
     print("\n".join(lines), file=out, flush=True)
 
 
