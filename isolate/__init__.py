@@ -52,3 +52,15 @@ __all__ = [
     "run_episode",
     "shim_path",
 ]
+
+
+def __getattr__(name: str) -> str:
+    # Looked up on first use, not at import: reading the installed metadata costs a few ms.
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("episode-isolate")
+        except PackageNotFoundError:  # imported from a checkout that was never installed
+            return "0+unknown"
+    raise AttributeError(f"module 'isolate' has no attribute {name!r}")

@@ -336,3 +336,15 @@ def test_runs_on_trio(agents: Agents) -> None:
     assert outcome.status == "ok", outcome.summary()
     assert outcome.reward == 0.5
     assert outcome.info == {"seen": {"x": 0.25}}
+
+
+def test_the_version_is_the_installed_ones_and_the_command_line_says_it() -> None:
+    from importlib.metadata import version
+
+    assert isolate.__version__ == version("episode-isolate")
+    done = subprocess.run(
+        [sys.executable, "-m", "isolate", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, f"isolate {isolate.__version__}\n")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        isolate.nope  # noqa: B018

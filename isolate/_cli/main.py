@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # "--api-key" must not be taken for "--api-key-file"
         description="Run coding-agent episodes in fresh processes; always get the tree back.",
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"isolate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
