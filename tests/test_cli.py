@@ -574,6 +574,28 @@ def test_a_bad_network_flag_is_refused_before_anything_starts(
     assert not agents.logs.exists()  # nothing started: not even the log directory
 
 
+@pytest.mark.parametrize("command", ["run", "batch"])
+@pytest.mark.parametrize("where", ["a file", "under /proc"])
+def test_a_log_dir_that_cannot_be_written_is_one_line_and_exit_2(
+    agents: Agents, command: str, where: str
+) -> None:
+    record = write_record(agents)
+    afile = agents.tmp / "afile"
+    afile.write_text("")
+    log_dir = str(afile) if where == "a file" else "/proc/nope"
+    args = run_args(agents, record, "--log-dir", log_dir)
+    if command == "batch":
+        records = agents.tmp / "records.jsonl"
+        records.write_text(json.dumps(json.loads(record.read_text())) + "\n")
+        args = ["batch", str(records), "--out", str(agents.tmp / "out.jsonl"), *args[2:]]
+    proc = isolate_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    error = f"isolate: error: --log-dir {log_dir}: "
+    assert [line for line in proc.stderr.splitlines() if "Traceback" in line] == []
+    assert error in proc.stderr
+    assert ("not a directory" if where == "a file" else "No such file") in proc.stderr
+
+
 def test_a_records_own_timeout_wins_over_the_flag(agents: Agents) -> None:
     record = write_record(agents, sleep=60)
     data = json.loads(record.read_text())

@@ -39,6 +39,22 @@ class UsageError(Exception):
     """Bad command-line input; the message is shown as is, with exit status 2."""
 
 
+def make_log_dir(path: Path) -> None:
+    """Create ``path`` (``--log-dir``) or say, as a UsageError, why it cannot be."""
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".isolate-write-check.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(
+            f"--log-dir {path}: {exc.strerror or exc}; give a directory this user can write "
+            "(default: env LOG_DIR, else ./logs)"
+        ) from None
+
+
 def port_number(text: str) -> int:
     """An argparse type: a TCP port, 0 for any free one."""
     try:

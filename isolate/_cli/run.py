@@ -23,7 +23,14 @@ from .._core.config import EpisodeSpec
 from .._core.launcher import _default_episode_id, run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.templates import close_templates
-from .options import EXIT_CODES, EXIT_INTERRUPTED, UsageError, preload_warning, read_secret_env
+from .options import (
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    UsageError,
+    make_log_dir,
+    preload_warning,
+    read_secret_env,
+)
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
 _TTY_TICK_S = 0.5
@@ -132,6 +139,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     spec = prep.spec.model_copy(update={"log_dir": bundle})
     from .batch.job import write_bundle
 
+    make_log_dir(prep.log_dir)
     write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
 

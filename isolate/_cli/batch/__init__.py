@@ -21,6 +21,7 @@ from ..options import (
     UsageError,
     _agent_options,
     _key_options,
+    make_log_dir,
     positive_seconds,
     read_api_key,
 )
@@ -218,6 +219,11 @@ def batch_command(args: argparse.Namespace) -> int:
     records = _load(args, plan)
     try:
         chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)
+    except UsageError:
+        records.close()
+        raise
+    try:
+        make_log_dir(plan.log_dir)
     except UsageError:
         records.close()
         raise
