@@ -1049,9 +1049,12 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
             signal_all([worker_pid], signal.SIGKILL)
             exit_by = None
         remaining = deadline - now
-        if remaining <= 0:
+        if remaining <= 0 and not exiting:
+            # Once the final frame is out, the result stands: exit_grace bounds the rest.
             why = "deadline"
             break
+        if exiting:
+            remaining = 3600.0  # past the deadline too: exit_by decides
         if exit_by is not None:
             remaining = min(remaining, exit_by - now)
         for fd, _ in poller.poll(min(remaining, 3600.0) * 1000):

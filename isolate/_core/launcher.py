@@ -974,8 +974,9 @@ class _Run:
                 f"this isolate speaks {PROTOCOL_VERSION}"
             )
             return "protocol_error", _err("ProtocolError", message), None, None
-        if self.timed_out:
-            # No final frame by the deadline: one that came during teardown does not count.
+        if self.timed_out or (self.done is not None and self.done.why == "deadline"):
+            # No final frame by the deadline (ours, or the shim's own when we were stopped):
+            # one that came during teardown does not count.
             return "timeout", self._timeout_error(), None, None
         if isinstance(final, proto.Error):
             error = ErrorInfo(type=final.type, message=final.message, traceback=final.traceback)
@@ -985,8 +986,6 @@ class _Run:
             if problem is not None:
                 return "protocol_error", _err("ProtocolError", problem), None, None
             return "ok", None, final.reward, final.info
-        if self.done is not None and self.done.why == "deadline":
-            return "timeout", self._timeout_error(), None, None
         exit_code, sig = self._exit()
         if sig is None and exit_code == 0:
             return (
