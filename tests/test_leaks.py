@@ -105,7 +105,7 @@ def base_frame(model: type[BaseModel]) -> dict[str, Any]:
     }
     frame["nonce"] = "@NONCE@"
     if model is proto.Hello:
-        frame["protocol"] = proto.PROTOCOL_VERSION
+        frame["protocol"] = isolate.PROTOCOL_VERSION
     return frame
 
 
@@ -281,11 +281,14 @@ async def test_a_key_in_what_an_agent_returns_raises_or_prints_never_shows(
     agents: Agents, body: str
 ) -> None:
     code = f"import os\ndef run(data, *, key):\n    wide = os.environ['WIDE']\n    {body}\n"
-    spec = agents.spec(code, max_info_bytes=400_000 if "256 KiB" in body else 4096)
+    big = "300_000" in body  # a frame over 256 KiB: parsed in a worker thread
+    spec = agents.spec(code, max_info_bytes=400_000 if big else 4096)
     outcome = await isolate.run_episode(spec, {}, **SECRETS_BOTH_WAYS)
     # The control: the agent did run, and what it sent came back (scrubbed).
     assert outcome.status != "setup_error", outcome.summary()
     assert leaks(outcome) == [], outcome.summary()
+    if big:  # the info came back whole, not cut to a preview, with the keys masked
+        assert outcome.info == {"pad": "x" * 300_000, "[secret]": "[secret]"}, outcome.summary()
 
 
 # --- the check itself can fail ------------------------------------------------------------------
