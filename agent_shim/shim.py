@@ -75,7 +75,7 @@ def load_part(name):
         module = __import__(public)
     finally:
         sys.path.remove(HERE)
-        del sys.modules[public]
+        sys.modules.pop(public, None)  # absent when the import failed
         if theirs is not None:
             sys.modules[public] = theirs
     module.__name__ = private

@@ -167,6 +167,7 @@ def test_child_parts_never_shadow_agent_modules(tmp_path: Path, agent_first: boo
     shim_dir.mkdir()
     agent_dir.mkdir()
     shutil.copy(isolate.shim_path(), shim_dir / "shim.py")
+    shutil.copy(isolate.shim_path().with_name("shim_wire.py"), shim_dir / "shim_wire.py")
     (shim_dir / "shim_probe.py").write_text("WHOSE = 'the shim'\n")
     (agent_dir / "shim_probe.py").write_text("WHOSE = 'the agent'\n")
     code = f"""
