@@ -39,11 +39,17 @@ class UsageError(Exception):
     """Bad command-line input; the message is shown as is, with exit status 2."""
 
 
-def make_log_dir(path: Path) -> None:
-    """Create ``path`` (``--log-dir``) or say, as a UsageError, why it cannot be."""
+def check_log_dir(path: Path) -> None:
+    """Say, as a UsageError, why bundles cannot be written under ``path`` (``--log-dir``).
+    Leaves nothing behind: directories made for the check are removed again."""
+    made: list[Path] = []
     try:
         if path.exists() and not path.is_dir():
             raise NotADirectoryError(20, "not a directory")
+        missing = path
+        while not missing.exists():
+            made.append(missing)
+            missing = missing.parent
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".isolate-write-check.{os.getpid()}"
         probe.touch()
@@ -53,6 +59,12 @@ def make_log_dir(path: Path) -> None:
             f"--log-dir {path}: {exc.strerror or exc}; give a directory this user can write "
             "(default: env LOG_DIR, else ./logs)"
         ) from None
+    finally:
+        for directory in made:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
 
 
 def port_number(text: str) -> int:

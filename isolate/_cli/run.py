@@ -27,7 +27,7 @@ from .options import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
     UsageError,
-    make_log_dir,
+    check_log_dir,
     preload_warning,
     read_secret_env,
 )
@@ -139,7 +139,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     spec = prep.spec.model_copy(update={"log_dir": bundle})
     from .batch.job import write_bundle
 
-    make_log_dir(prep.log_dir)
+    check_log_dir(prep.log_dir)
     write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
 

@@ -2,8 +2,9 @@
 episode, N at once, each result appended (fsynced) as it finishes; rerun to resume.
 
 Exit status: 0 every record has a final result; 1 some have none (a ``setup_error``, which a
-rerun tries again, or RESULTS.jsonl could not be written); 2 bad usage or bad records, before
-anything runs; 130 interrupted (Ctrl-C or SIGTERM, after the running episodes are torn down).
+rerun tries again, or RESULTS.jsonl could not be written); 2 bad usage, bad records or a Ray
+cluster that cannot be reached, before anything runs; 130 interrupted (Ctrl-C or SIGTERM,
+after the running episodes are torn down).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..options import (
     UsageError,
     _agent_options,
     _key_options,
-    make_log_dir,
+    check_log_dir,
     positive_seconds,
     read_api_key,
 )
@@ -74,6 +75,14 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=0,
         metavar="K",
         help="extra attempts for crashed and protocol_error, never agent_error (default 0)",
+    )
+    run.add_argument(
+        "--retries-infra",
+        type=int,
+        default=3,
+        metavar="K",
+        help="extra attempts for infrastructure failures (a Ray worker or node lost), apart "
+        "from --retries (default 3)",
     )
     run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
     run.add_argument(
@@ -148,6 +157,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--concurrency must be at least 1")
     if args.retries < 0:
         raise UsageError("--retries must be 0 or more")
+    if args.retries_infra < 0:
+        raise UsageError("--retries-infra must be 0 or more")
     if args.backend != "ray":
         given = [f for f in ("ray_address", "ray_local_cpus", "ray_memory") if getattr(args, f)]
         if given or args.ray_num_cpus != 1.0:
@@ -214,7 +225,7 @@ def batch_command(args: argparse.Namespace) -> int:
     from .view import View, summary
 
     _check_options(args)
-    policy = RetryPolicy(args.retries, args.retry_timeouts)
+    policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra)
     plan = Plan(args)
     records = _load(args, plan)
     try:
@@ -223,7 +234,7 @@ def batch_command(args: argparse.Namespace) -> int:
         records.close()
         raise
     try:
-        make_log_dir(plan.log_dir)
+        check_log_dir(plan.log_dir)
     except UsageError:
         records.close()
         raise
@@ -260,9 +271,21 @@ def batch_command(args: argparse.Namespace) -> int:
             try:
                 fit = ray_backend.start()
             except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
+                ray_backend.stop()
                 where = args.ray_address or "a local instance"
-                print(f"isolate: error: cannot start Ray ({where}): {exc}", file=sys.stderr)
-                return 1
+                first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+                hint = (
+                    "; check the address, and a cluster's token auth (RAY_AUTH_MODE=token "
+                    "with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+                    if args.ray_address
+                    else ""
+                )
+                print(
+                    f"isolate: error: cannot start Ray ({where}): "
+                    f"{first or type(exc).__name__}{hint}",
+                    file=sys.stderr,
+                )
+                return 2
             concurrency = concurrency or fit
         concurrency = concurrency or default_concurrency()
         view = View(len(keys), done, args.status_interval)

@@ -308,5 +308,11 @@ def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
 def failure(status: str, kind: str, message: str) -> dict[str, Any]:
     """Result fields for an attempt that ended before or outside ``run_episode``."""
     fields = outcome_fields(EpisodeOutcome(status="setup_error"))
-    fields.update(status=status, exit="exit unknown", error={"type": kind, "message": message})
+    # No episode reported a containment: none is claimed.
+    fields.update(
+        status=status,
+        exit="exit unknown",
+        error={"type": kind, "message": message},
+        containment=None,
+    )
     return fields

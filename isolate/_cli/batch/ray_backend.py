@@ -4,8 +4,19 @@ those of a local run; the driver writes the results, with the local rules for re
 retries. Imported only when ``--backend ray`` is chosen (``pip install 'episode-isolate[ray]'``).
 
 Ray's own retries are off (``max_retries=0``): a worker or node that dies mid-episode surfaces
-as a Ray error, recorded as a ``crashed`` attempt and retried under ``--retries`` like any crash.
-The episode's shim sees its stdin close when the worker dies and kills its tree within a second.
+as a Ray error (``WorkerCrashedError``, ``NodeDiedError``, ``ObjectLostError``, ...), recorded
+as a ``crashed`` attempt with ``infra: true`` and the exception's name as ``error.type``, and
+retried under ``--retries-infra``, apart from ``--retries``. The episode's shim sees its stdin
+close when the worker dies and kills its tree within a second.
+
+**Where an attempt ran:** the task is a generator whose first item is its node (Ray node id and
+address), sent before the episode starts; the line's ``node`` is ``ray:<node id>@<address>``,
+for a failed attempt too when the node was known before it failed (else null). The driver
+measures a failed attempt's ``duration_s`` from submission, and names its ``episode_id`` (given
+before submission) and ``log_path`` (where the attempt writes its log, on its node).
+
+**Ray's output** (its processes' logs, a dying raylet's dump) never reaches the summary: while
+Ray is up, file descriptor 1 of the driver is its stderr, and Ray's processes inherit that.
 
 **The key** travels as a task argument of a few bytes. Ray inlines arguments under 100 KiB into
 the task specification, sent over Ray's gRPC channels (authenticated by the cluster's token;
@@ -27,6 +38,9 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -40,9 +54,16 @@ from .job import Job, failure, run_attempt
 _LOCAL_OBJECT_STORE = 256 * 1024 * 1024
 
 
-def _episode(job: Job, key: SecretStr) -> dict[str, Any]:
-    """The Ray task: one attempt, on an event loop of its own in the worker."""
-    return asyncio.run(_cancellable(job, key))
+def _episode(job: Job, key: SecretStr) -> Iterator[dict[str, Any]]:
+    """The Ray task: its node first, then one attempt, on an event loop of its own."""
+    context = ray.get_runtime_context()
+    address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    yield {"node": _node_name(context.get_node_id(), address)}
+    yield asyncio.run(_cancellable(job, key))
+
+
+def _node_name(node_id: str, address: str) -> str:
+    return f"ray:{node_id}@{address}"
 
 
 async def _cancellable(job: Job, key: SecretStr) -> dict[str, Any]:
@@ -83,9 +104,14 @@ class RayBackend:
         self.num_cpus = num_cpus
         self.memory = memory
         self._remote: Any = None
+        self._stdout = -1
 
     def start(self) -> int:
-        """Connect (or start a local instance); return how many tasks fit at once."""
+        """Connect (or start a local instance); return how many tasks fit at once. Until
+        :meth:`stop`, file descriptor 1 is stderr: what Ray prints is not the summary."""
+        sys.stdout.flush()
+        self._stdout = os.dup(1)
+        os.dup2(2, 1)
         common: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
         if self.address:
             ray.init(address=self.address, **common)
@@ -107,6 +133,10 @@ class RayBackend:
     def stop(self) -> None:
         if ray.is_initialized():
             ray.shutdown()
+        if self._stdout >= 0:
+            os.dup2(self._stdout, 1)
+            os.close(self._stdout)
+            self._stdout = -1
 
     async def run(self, job: Job) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -116,30 +146,63 @@ class RayBackend:
         }
         if self.memory:
             options["memory"] = self.memory
-        ref = self._remote.options(**options).remote(job, self.key)
+        submitted = time.monotonic()
+        stream = self._remote.options(**options).remote(job, self.key)
+        where: dict[str, Any] = {"node": None}
         try:
-            return await _result(ref)
+            return await _result(stream, job, submitted, where)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(ray.cancel, ref)
+                await anyio.to_thread.run_sync(ray.cancel, stream)
                 with anyio.move_on_after(job.spec.cancel_grace + job.spec.kill_grace + 5.0):
-                    await _result(ref)
+                    await _result(stream, job, submitted, where)
             raise
 
 
-async def _result(ref: Any) -> dict[str, Any]:
+async def _next(stream: Any) -> dict[str, Any]:
+    ref = await stream.__anext__()
+    value: dict[str, Any] = await asyncio.wrap_future(ref.future())
+    return value
+
+
+async def _result(stream: Any, job: Job, submitted: float, where: dict[str, Any]) -> dict[str, Any]:
+    """The attempt's result line fields; ``where["node"]`` is set as soon as it is known."""
     try:
-        value: dict[str, Any] = await asyncio.wrap_future(ref.future())
+        if where["node"] is None:
+            where.update(await _next(stream))
+        value = await _next(stream)
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None) or exc
         if isinstance(cause, asyncio.CancelledError):
-            return failure("crashed", "TaskCancelledError", "the Ray task was cancelled")
+            return infra_failure(
+                job, "TaskCancelledError", "the Ray task was cancelled", where, submitted
+            )
         # Our task raised: the node cannot run it (isolate missing there, a path unwritable).
-        return failure("setup_error", type(cause).__name__, _first_line(cause))
-    except ray.exceptions.RayError as exc:
+        fields = failure("setup_error", type(cause).__name__, _first_line(cause))
+        fields.update(node=where["node"], episode_id=job.episode_id)
+        return fields
+    except (ray.exceptions.RayError, StopAsyncIteration) as exc:
         # The worker or its node died, was OOM-killed, or the task was cancelled.
-        return failure("crashed", type(exc).__name__, _first_line(exc))
+        return infra_failure(job, type(exc).__name__, _first_line(exc), where, submitted)
+    value["node"] = where["node"]
     return value
+
+
+def infra_failure(
+    job: Job, kind: str, message: str, where: dict[str, Any], submitted: float
+) -> dict[str, Any]:
+    """The fields of an attempt that Ray lost: ``infra``, what the driver knows of it."""
+    fields = failure("crashed", kind, message)
+    fields.update(
+        infra=True,
+        node=where["node"],
+        duration_s=round(time.monotonic() - submitted, 3),
+        episode_id=job.episode_id,
+        log_path=str(job.log_dir / job.episode_id / f"{job.episode_id}.log"),
+        containment=None,
+        containment_asked=job.spec.containment,
+    )
+    return fields
 
 
 def _first_line(exc: BaseException) -> str:

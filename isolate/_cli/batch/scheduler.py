@@ -16,7 +16,8 @@ from .io import Record, Records, Results
 from .job import Job, Plan, failure, run_attempt
 from .view import View
 
-#: Statuses worth another attempt: the infrastructure failed, not the agent.
+#: Statuses worth another attempt under ``--retries``: the episode's process failed, not the
+#: agent's code.
 RETRYABLE = ("crashed", "protocol_error")
 
 
@@ -26,18 +27,32 @@ class RetryPolicy:
     """Extra attempts after the first, for ``crashed`` and ``protocol_error``."""
     retry_timeouts: bool
     """Whether ``timeout`` is retried too."""
+    retries_infra: int = 3
+    """Extra attempts for infrastructure failures (``infra: true``: a Ray worker or node
+    lost), counted apart from ``retries``."""
 
-    def again(self, status: str, attempt: int) -> bool:
-        """Whether attempt number ``attempt`` (from 1) ending in ``status`` gets another."""
+    def again(
+        self, status: str, attempt: int, *, infra: bool = False, infra_failures: int = 0
+    ) -> bool:
+        """Whether attempt number ``attempt`` (from 1) ending in ``status`` gets another;
+        ``infra_failures``: how many of the unit's attempts so far, this one included, were
+        infrastructure failures (``infra``: whether this one was)."""
+        if infra:
+            return infra_failures <= self.retries_infra
         retryable = status in RETRYABLE or (status == "timeout" and self.retry_timeouts)
-        return retryable and attempt <= self.retries
+        return retryable and attempt - infra_failures <= self.retries
 
     def done(self, last: dict[str, Any] | None) -> bool:
         """Whether an instance whose latest result line is ``last`` needs no more attempts.
         A ``setup_error`` is the run's configuration, not the instance: it runs again."""
         if last is None or last["status"] == "setup_error":
             return False
-        return not self.again(last["status"], last["attempt"])
+        return not self.again(
+            last["status"],
+            last["attempt"],
+            infra=bool(last.get("infra")),
+            infra_failures=int(last.get("infra_failures") or 0),
+        )
 
 
 class Backend(Protocol):
@@ -114,16 +129,22 @@ class Scheduler:
         try:
             last = self.results.last.get((record.instance_id, sample))
             attempt = last["attempt"] if last else 0
+            infra_failures = int(last.get("infra_failures") or 0) if last else 0
             again = True
             while again:
                 attempt += 1
                 fields = await self._attempt(record, sample)
-                again = self.policy.again(fields["status"], attempt)
+                infra = bool(fields.get("infra"))
+                infra_failures += infra
+                again = self.policy.again(
+                    fields["status"], attempt, infra=infra, infra_failures=infra_failures
+                )
                 entry: dict[str, Any] = {"instance_id": record.instance_id}
                 if self.samples is not None:
                     entry["sample"] = sample
                 entry.update(attempt=attempt, final=False)
                 entry.update(fields)
+                entry.update(infra=infra, infra_failures=infra_failures)
                 # Final exactly when a rerun would skip it: a setup error is not (the run's
                 # configuration failed, and the next run tries again).
                 entry["final"] = self.policy.done(entry)

@@ -48,6 +48,8 @@ class View:
         """Instances finished in this run."""
         self.retried = 0
         """Attempts of this run that got another attempt."""
+        self.infra_retried = 0
+        """Of them, infrastructure failures (``infra``: a Ray worker or node lost)."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -92,6 +94,7 @@ class View:
             self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
         else:
             self.retried += 1
+            self.infra_retried += bool(entry.get("infra"))
         self._refresh()
 
     def note(self, text: str) -> None:
@@ -115,6 +118,8 @@ class View:
             parts.append(f"waiting for file descriptors {fds}")
         if self.retried:
             parts.append(f"retried {self.retried}")
+        if self.infra_retried:
+            parts.append(f"infra {self.infra_retried}")
         return ", ".join(parts)
 
     def _refresh(self) -> None:
@@ -287,6 +292,15 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
+    infra_final = sum(bool(e.get("infra")) for e in entries)
+    if view.infra_retried or infra_final:
+        # Infrastructure failures (a Ray worker or node lost), under --retries-infra.
+        parts = [
+            f"{n} ({what})"
+            for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
+            if n
+        ]
+        facts.append(("infra", ", ".join(parts) + "; a Ray worker or node lost, not the agent"))
     where = [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
