@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LINTED := isolate agent_shim tests examples bench
+LINTED := isolate agent_shim tests examples bench tools
 
-.PHONY: setup demo test
+.PHONY: setup demo test mutate
 
 # The package alone (anyio, pydantic, psutil): all the demo needs.
 $(VENV)/.installed: pyproject.toml
@@ -30,3 +30,10 @@ test: setup
 	$(BIN)/python -m pytest; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
+
+# Mutation testing (docs/testing.md): not part of make test, about an hour or more on 2 cores.
+# MODULES=isolate/_core/env.py picks modules; MUTATE_ARGS=--show prints each survivor's diff.
+MODULES ?=
+MUTATE_ARGS ?=
+mutate: setup
+	$(BIN)/python tools/mutate.py $(MODULES) $(MUTATE_ARGS)

@@ -1,10 +1,14 @@
 """Test toolkit: real processes only. Agents are small files written to tmp_path; processes
-they start write pid files; every test proves afterwards that no process of it is left."""
+they start write pid files; every test proves afterwards that no process of it is left, no
+zombie isolate failed to reap, and no cgroup leaf of the run (docs/testing.md)."""
 
 from __future__ import annotations
 
 import ctypes
+import datetime
+import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import hypothesis
 import psutil
 import pytest
 
@@ -22,12 +27,107 @@ from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.tree import has_live_thread
 
-# The skip summary line, and no skipped containment test on CI (see tests/_skips.py);
-# pytester, to prove that.
+# The plugin below, imported here first: marked for assertion rewriting before that import.
+pytest.register_assert_rewrite("tests._skips")
+from ._skips import _is_containment, _reason, on_ci  # noqa: E402
+
+# The skip summary line, and no skipped containment test on CI (see tests/_skips.py; the
+# hooks below fail the other skips on CI); pytester, to prove that.
 pytest_plugins = ["tests._skips", "pytester"]
 
-# CI machines are slower and shared: scale every bounded wait.
-SLOW = 3.0 if os.environ.get("CI") else 1.0
+
+def _slow() -> float:
+    """How much slower than the development machine this one may be: every wall-clock bound
+    of the suite is multiplied by it. ``ISOLATE_TEST_SLOW`` sets it (say 4 on a loaded machine);
+    by default 3 on CI (slower and shared), else 1."""
+    value = os.environ.get("ISOLATE_TEST_SLOW", "").strip()
+    if not value:
+        return 3.0 if on_ci() else 1.0
+    try:
+        factor = float(value)
+    except ValueError:
+        raise pytest.UsageError(f"ISOLATE_TEST_SLOW must be a number, got {value!r}") from None
+    if not factor >= 1.0:
+        raise pytest.UsageError(f"ISOLATE_TEST_SLOW must be at least 1, got {value!r}")
+    return factor
+
+
+#: The factor of every wall-clock bound: a wait's timeout, a duration's upper bound.
+SLOW = _slow()
+
+# Hypothesis's deadline per example (200 ms unless a test sets its own) is one as well.
+hypothesis.settings.register_profile("isolate", deadline=datetime.timedelta(seconds=0.2 * SLOW))
+hypothesis.settings.load_profile("isolate")
+
+
+# --- skips on CI --------------------------------------------------------------------------------
+
+#: What a test may skip for on CI: a program that the README's test command (``make test``,
+#: which installs the project and its dev extras into .venv, nothing else) does not install,
+#: each a pattern its skip reasons match, with the package that brings it. Every other skip
+#: on CI is a failure: a dev extra that did not import (rich, Ray), a kernel feature, root, a
+#: containment layer (tests/_skips.py) all mean the machine is not the one CI promises.
+CI_MAY_LACK: dict[str, tuple[str, str]] = {
+    "other Pythons": (
+        r"python ?3\.\d+|Python 3\.\d+|this Python version|no interpreter the unprivileged",
+        "CPython 3.8, 3.9, 3.10, 3.13 (pyenv builds) and the system's python3, for the agent's "
+        "interpreter: make test makes only the project's .venv",
+    ),
+    "pkill": (r"\bpkill\b", "procps"),
+    "unshare, setpriv, mount": (r"\b(unshare|setpriv|mount)\b", "util-linux"),
+    "kernel headers": (r"\bkernel headers\b", "linux-libc-dev, for the system call numbers"),
+}
+_MAY_LACK = re.compile("|".join(f"(?:{pattern})" for pattern, _ in CI_MAY_LACK.values()))
+
+
+def ci_skip_allowed(reason: str) -> bool:
+    """Whether a test may skip on CI for ``reason``: it names a program CI_MAY_LACK lists."""
+    return _MAY_LACK.search(reason) is not None
+
+
+def _fail_skip_on_ci(report: pytest.TestReport | pytest.CollectReport, reason: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped on CI (CI={os.environ.get('CI')}), for a reason that names no program "
+        f"make test leaves out (tests/conftest.py, CI_MAY_LACK): {reason}"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome: Any = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not (report.skipped and on_ci()) or hasattr(report, "wasxfail"):
+        return
+    reason = _reason(report)
+    if not _is_containment(item, reason) and not ci_skip_allowed(reason):
+        _fail_skip_on_ci(report, reason)  # a containment skip: tests/_skips.py fails it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A whole module skipped (``allow_module_level``) counts the same; collection then stops
+    with the error, as for any module that fails to collect."""
+    outcome: Any = yield
+    report: pytest.CollectReport = outcome.get_result()
+    if report.skipped and on_ci():
+        reason = _reason(report)  # type: ignore[arg-type]
+        if not ci_skip_allowed(reason):
+            _fail_skip_on_ci(report, reason)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's bound on each test (``timeout`` in pyproject.toml) is a wall-clock
+    bound too: scaled by SLOW, unless given on the command line or by a test's own marker."""
+    if SLOW == 1.0 or config.getoption("timeout", None) is not None:
+        return
+    base = float(config.getini("timeout") or 0)
+    if base <= 0:
+        return
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(base * SLOW))
 
 
 @pytest.fixture
@@ -122,28 +222,46 @@ def subreaper() -> bool:
 
 @pytest.fixture(autouse=True)
 def no_process_left(subreaper: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Fail the test if any process it started outlives it, or a cgroup leaf of its episodes.
+    """Fail the test if any process it started outlives it, if isolate left a zombie of its
+    own, or if a cgroup leaf of this run is left on disk; then clean each up, so the next test
+    starts clean.
 
     Authoritative: with the test process as subreaper, every live descendant is one of this
-    run's processes, in a PID namespace or not, tagged or not; at the cgroup level every leaf
-    this process made must be removed. Where there is no subreaper, processes whose PID_DIR lies
-    under this run's temporary directory (see :class:`Agents`) are this run's too; the trailing
-    slash keeps ``pytest-1`` from matching a concurrent run's ``pytest-12``."""
-    marker = run_marker(tmp_path_factory.getbasetemp())
+    run's processes, in a PID namespace or not, tagged or not. Where there is no subreaper,
+    processes whose PID_DIR lies under this run's temporary directory (see :class:`Agents`) are
+    this run's too; the trailing slash keeps ``pytest-1`` from matching a concurrent run's
+    ``pytest-12``. A zombie child of the test process is isolate's own when the process that
+    started it (see :func:`own_zombies`) ran the shim or isolate; other zombie children are
+    orphans re-parented to the subreaper, reaped here in silence. Leaves: see
+    :func:`run_leaves`."""
+    basetemp = tmp_path_factory.getbasetemp()
+    marker = run_marker(basetemp)
     yield
     left = {p.pid: p for p in episode_processes(marker) + live_children()}
-    leaves = own_leaves()
-    _reap_orphans()
+    described = [f"{p.pid} {_cmd(p)}" for p in left.values()]
+    zombies = own_zombies()  # before the kills below make more
+    for proc in left.values():
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    try:
+        wait_for(lambda: all(_dead(p) for p in left.values()), 10.0, "the leftovers to die")
+    except AssertionError as exc:
+        described.append(str(exc))
+    _reap_zombies()
+    leaves = run_leaves(basetemp)
+    for leaf in leaves:
+        _remove_leaf(leaf)
+    problems = []
     if left:
-        described = [f"{p.pid} {_cmd(p)}" for p in left.values()]
-        for proc in left.values():
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        pytest.fail(f"processes left behind: {described}")
+        problems.append(f"processes left behind: {described}")
+    if zombies:
+        problems.append(f"zombies isolate left unreaped: {zombies}")
     if leaves:
-        pytest.fail(f"cgroup leaves left behind: {[str(p) for p in leaves]}")
+        problems.append(f"cgroup leaves left behind: {[str(p) for p in leaves]}")
+    if problems:
+        pytest.fail("; ".join(problems))
 
 
 def run_marker(basetemp: Path) -> bytes:
@@ -151,12 +269,22 @@ def run_marker(basetemp: Path) -> bytes:
     return f"\0PID_DIR={basetemp}/".encode()
 
 
+def _cgroup_roots() -> list[Path]:
+    groups = _containment.cgroups()
+    return [r for r in [groups.v2, *groups.v1.values()] if r is not None]
+
+
+def remove_dead_parents_leaves() -> None:
+    """Remove the cgroup leaves of isolate parents that died without removing them, as the
+    next isolate process to start does: for a test that killed one (no_process_left fails a
+    test that leaves them)."""
+    _containment.clean_stale(_cgroup_roots())
+
+
 def own_leaves() -> list[Path]:
     """Cgroup leaves of episodes this process started that still exist."""
-    groups = _containment.cgroups()
-    roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
     found: list[Path] = []
-    for root in roots:
+    for root in _cgroup_roots():
         try:
             found += [p for p in (root / _containment._owner_name()).iterdir() if p.is_dir()]
         except OSError:
@@ -164,14 +292,166 @@ def own_leaves() -> list[Path]:
     return found
 
 
-def _reap_orphans() -> None:
-    """Reap the zombies of orphans re-parented to the test process. Its own children are
-    waited for by whoever started them, by the end of the test."""
-    for proc in psutil.Process().children():
+#: The test process's start, in clock ticks since boot: what a cgroup owner's name records.
+_SESSION_START = _containment._start_time(os.getpid()) or 0
+#: Leaves of dead owners already judged (by path): the basetemp scan runs once per leaf.
+_judged: dict[Path, bool] = {}
+
+
+def run_leaves(basetemp: Path) -> list[Path]:
+    """Cgroup leaves of this test run still on disk, whoever made them: this process, an
+    isolate CLI or script it started, or any process below those.
+
+    A leaf is ``<root>/isolate/<owner pid>.<owner start>/<episode id>.<random>`` (see
+    :class:`isolate._core.containment.Leaves`). Its owner is this run's when it is this
+    process, or alive and a descendant of it. An owner that died without removing its leaves
+    (killed, or crashed) is this run's when it started after this test process did and the
+    leaf's episode id names a file or directory under ``basetemp``: the episode's log
+    (``<log_dir>/<episode id>.log``) or the CLI's log bundle (``<log dir>/<episode id>/``);
+    episode ids end in 8 random hex digits, so another run's cannot name one. A leaf of a
+    concurrent run (its pytest process, its CLI processes alive or dead) is none of these.
+    A dead owner of this run whose episode had no log directory under ``basetemp`` goes
+    unseen, and so does a leaf another isolate process removed first (any isolate process
+    that starts removes the leaves of dead owners)."""
+    me = psutil.Process()
+    found: list[Path] = []
+    for root in _cgroup_roots():
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(proc.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
+            owners = [p for p in root.iterdir() if re.fullmatch(r"\d+\.\d+", p.name)]
+        except OSError:
+            continue
+        for owner in owners:
+            try:
+                leaves = [p for p in owner.iterdir() if p.is_dir()]
+            except OSError:
+                continue  # removed meanwhile
+            if not leaves:
+                continue
+            pid, start = (int(x) for x in owner.name.split("."))
+            if pid == me.pid and start == _SESSION_START:
+                found += leaves
+            elif _containment._start_time(pid) == start:
+                if _descends_from(pid, me):
+                    found += leaves
+            elif start >= _SESSION_START:
+                found += [leaf for leaf in leaves if _named_under(leaf, basetemp)]
+    return found
+
+
+def _descends_from(pid: int, ancestor: psutil.Process) -> bool:
+    try:
+        return any(p.pid == ancestor.pid for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+def _named_under(leaf: Path, basetemp: Path) -> bool:
+    """Whether the episode id of ``leaf`` (its name less the random suffix) names a log file
+    or log directory somewhere under ``basetemp``."""
+    if leaf not in _judged:
+        episode_id = leaf.name.rpartition(".")[0]
+        names = {f"{episode_id}.log", episode_id}
+        _judged[leaf] = any(
+            names.intersection(dirs) or names.intersection(files)
+            for _, dirs, files in os.walk(basetemp)
+        )
+    return _judged[leaf]
+
+
+def _dead(proc: psutil.Process) -> bool:
+    """Gone, or a zombie with no live thread: what a SIGKILLed process is about to be."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE and not has_live_thread(proc.pid)
+    except psutil.Error:
+        return True
+
+
+def _remove_leaf(leaf: Path) -> None:
+    """Kill what is in ``leaf``, remove it with the cgroups made inside it, and its owner's
+    directory once that is empty: the next test starts clean."""
+
+    def empty() -> bool:
+        if not _containment._procs(leaf) and not _containment._populated(leaf):
+            return True
+        _containment._kill_leaf(leaf)
+        return False
+
+    try:
+        wait_for(empty, 5.0, f"{leaf} to empty")
+    except AssertionError:
+        return  # the failure names the leaf already
+    try:
+        _containment._rmdir_tree(leaf)
+        leaf.parent.rmdir()
+    except OSError:
+        pass  # still populated, or the owner has other leaves: the failure says so
+
+
+def own_zombies() -> list[str]:
+    """Zombie children of the test process that isolate started (the shim, a template, the
+    isolate command) and never reaped: ``pid command`` each. A zombie has no command line of
+    its own left; the :class:`subprocess.Popen` that started it, still in this process and
+    never told of the exit, has."""
+    zombies = {
+        proc.pid
+        for proc in psutil.Process().children()
+        if _status(proc) == psutil.STATUS_ZOMBIE and not has_live_thread(proc.pid)
+    }
+    if not zombies:
+        return []
+    found = []
+    for popen in _popens():
+        if popen.pid in zombies and popen.returncode is None and _is_isolate(popen.args):
+            found.append(f"{popen.pid} {_args_text(popen.args)}")
+    return found
+
+
+def _popens() -> list[subprocess.Popen[Any]]:
+    """Every Popen object of this process: alive, or collected and kept by subprocess for
+    reaping (its ``_active`` list)."""
+    found = [o for o in gc.get_objects() if isinstance(o, subprocess.Popen)]
+    active = getattr(subprocess, "_active", None) or []
+    return found + [p for p in active if p not in found]
+
+
+def _is_isolate(args: Any) -> bool:
+    """Whether a command line is one of isolate's: the shim or a template (a file of the
+    ``agent_shim`` package), or the isolate command (``python -m isolate``, ``isolate``)."""
+    argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+    if any("agent_shim" in Path(arg).parts for arg in argv):
+        return True
+    if any(argv[i : i + 2] == ["-m", "isolate"] for i in range(len(argv))):
+        return True
+    return bool(argv) and Path(argv[0]).name == "isolate"
+
+
+def _args_text(args: Any) -> str:
+    argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+    return " ".join(argv)[:120]
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return str(proc.status())
+    except psutil.Error:
+        return None
+
+
+def _reap_zombies() -> None:
+    """Reap every zombie child of the test process: isolate's own (through its Popen, which
+    then knows the exit), and orphans re-parented to the subreaper."""
+    zombies = {p.pid for p in psutil.Process().children() if _status(p) == psutil.STATUS_ZOMBIE}
+    zombies = {pid for pid in zombies if not has_live_thread(pid)}
+    if not zombies:
+        return
+    for popen in _popens():
+        if popen.pid in zombies and popen.returncode is None:
+            popen.poll()
+            zombies.discard(popen.pid)
+    for pid in zombies:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
             continue
 
 

@@ -26,7 +26,14 @@ from isolate._cli.batch import parse_size
 from isolate._cli.batch.scheduler import RetryPolicy
 from isolate._core import containment as _containment
 
-from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for
+from .conftest import (
+    SLOW,
+    Agents,
+    episode_processes,
+    is_gone,
+    remove_dead_parents_leaves,
+    wait_for,
+)
 from .test_cli import SCRIPTED, URL, cli_env, isolate_cli
 
 # Unique per run: a scan of /proc must not find another test session's drivers.
@@ -540,7 +547,7 @@ def run_ray_driver(args: list[str], tmp: Path, ray_tmp: Path) -> subprocess.Pope
     finally:
         if driver.poll() is None:
             driver.send_signal(signal.SIGINT)
-            driver.wait(timeout=30)
+            driver.wait(timeout=30 * SLOW)
     assert scanned
     # ray.shutdown() stopped the whole instance (gcs, raylet, workers) with the driver.
     wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in started), 5, "Ray to stop")
@@ -612,6 +619,8 @@ def test_ray_worker_death_costs_a_retry_not_the_batch(agents: Agents, ray_tmp: P
             driver.kill()
             driver.wait()
     wait_for(lambda: not ray_processes(ray_tmp), 5, "the Ray instance to stop")
+    # The killed worker's cgroup leaves stay until an isolate process starts and removes them.
+    remove_dead_parents_leaves()
     seen = sorted((e["instance_id"], e["attempt"], e["status"]) for e in results(out))
     assert seen == [("w-0", 1, "crashed"), ("w-0", 2, "ok"), ("w-1", 1, "ok")]
     [died] = [e for e in results(out) if e["attempt"] == 1 and e["instance_id"] == "w-0"]

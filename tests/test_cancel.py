@@ -19,7 +19,14 @@ import pytest
 import isolate
 from isolate._core import containment as _containment
 
-from .conftest import SLOW, Agents, episode_processes, wait_for, wait_until
+from .conftest import (
+    SLOW,
+    Agents,
+    episode_processes,
+    remove_dead_parents_leaves,
+    wait_for,
+    wait_until,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -405,6 +412,8 @@ def run(data):
     finally:
         parent.kill()
         parent.wait()
+    # Now that the shim is done, the next start removes the dead parent's leaves.
+    remove_dead_parents_leaves()
 
 
 def test_clean_up_runs_at_ctrl_c_of_isolate_run(agents: Agents) -> None:

@@ -502,7 +502,11 @@ def test_console_script_help() -> None:
     script = Path(sysconfig.get_path("scripts")) / "isolate"
     assert script.is_file()
     proc = subprocess.run(
-        [str(script), "run", "--help"], capture_output=True, text=True, env=cli_env(), timeout=60
+        [str(script), "run", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60 * SLOW,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: isolate run ")

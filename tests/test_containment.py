@@ -36,6 +36,7 @@ from .conftest import (
     episode_processes,
     from_template,
     is_gone,
+    live_children,
     wait_for,
     wait_until,
 )
@@ -269,7 +270,7 @@ def test_a_zombie_leader_does_not_outlive_the_parent(agents: Agents, combination
 
 
 ESCAPER = """
-import os, signal, subprocess, sys, time
+import errno, os, signal, subprocess, sys, time
 
 DAEMON = '''
 import os, signal, sys, time
@@ -284,46 +285,109 @@ open(sys.argv[1] + ".up", "w").close()
 time.sleep(300)
 '''
 
+
+def until(predicate, what):
+    end = time.monotonic() + 20
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(what)
+        time.sleep(0.005)
+
+
+def orphan():
+    # A process re-parented to the supervisor (a subreaper) that exits at once: its pid
+    # vanishes from /proc only when the supervisor reaps it.
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        if os.fork() == 0:
+            os.write(w, b"%d" % os.getpid())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(child, 0)
+    pid = int(os.read(r, 32))
+    os.close(r)
+    return pid
+
+
 def run(data):
     # No episode tag in its environment, its own session, re-parented: invisible to every
     # scan of the parent's sweep once the supervisor is gone.
     subprocess.run([sys.executable, "-c", DAEMON, data["fifo"]], env={})
-    end = time.monotonic() + 20
-    while not os.path.exists(data["fifo"] + ".up") and time.monotonic() < end:
-        time.sleep(0.005)  # until the daemon has said "alive": no fixed while
-    os.kill(os.getppid(), signal.SIGKILL)  # the supervisor
-    time.sleep(0.5)
-    return 1.0
+    until(lambda: os.path.exists(data["fifo"] + ".up"), "the daemon's 'alive'")
+    supervisor = os.getppid()
+    try:
+        os.kill(supervisor, signal.SIGKILL)
+    except OSError as exc:
+        return 1.0, {"kill": errno.errorcode[exc.errno], "supervisor": supervisor}
+    # Sent. Either the supervisor dies (and this worker with it, or it is re-parented), or it
+    # lives on and reaps an orphan made after the kill: proof that the kill did nothing.
+    pid = orphan()
+    until(lambda: os.getppid() != supervisor or not os.path.exists("/proc/%d" % pid), "a sign")
+    if os.getppid() == supervisor:
+        return 1.0, {"kill": "ignored", "supervisor": supervisor}
+    time.sleep(300)  # the parent must end the episode
+    return 0.0
 """
 
 
 @both_starts
-@pytest.mark.parametrize("strong", ["cgroup", "pidns"])
-async def test_an_agent_that_kills_its_supervisor_leaves_nothing(
-    agents: Agents, tmp_path: Path, strong: str
+async def test_an_agent_that_kills_its_supervisor(
+    agents: Agents, tmp_path: Path, combination: str
 ) -> None:
-    """Only the stronger levels hold this: at the session level the escaped daemon survives
-    (README, "What no containment here covers")."""
-    needs(strong)
+    """The agent starts a daemon with an empty environment in its own session, then sends
+    SIGKILL to its supervisor. With ``landlock`` the kill is refused (EPERM); in a PID
+    namespace the supervisor is its PID 1, which the kernel shields: the kill does nothing.
+    There the episode ends as the agent returns. At ``session`` and ``cgroup`` the supervisor
+    dies: the episode is ``crashed`` by its SIGKILL, and nothing is left, except at ``session``
+    the daemon, which nothing finds (README, "What no containment here covers")."""
+    layers = _containment.layers(combination)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    heard = b""
+
+    def daemon_gone() -> bool:
+        # EOF once every writer, the daemon, is dead; but first its "alive".
+        nonlocal heard
+        try:
+            chunk = os.read(reader, 100)
+        except BlockingIOError:
+            return False
+        heard += chunk
+        return not chunk and heard == b"alive\n"
+
     try:
-        spec = agents.spec(ESCAPER, kill_grace=0.5, containment=strong)
+        spec = agents.spec(ESCAPER, kill_grace=0.5, containment=combination)
         outcome = await isolate.run_episode(spec, {"fifo": str(fifo)})
-        assert outcome.containment == strong
-        heard = b""
-
-        def daemon_gone() -> bool:
-            # EOF once every writer, the daemon, is dead; but first its "alive".
-            nonlocal heard
-            try:
-                chunk = os.read(reader, 100)
-            except BlockingIOError:
-                return False
-            heard += chunk
-            return not chunk and heard == b"alive\n"
-
+        assert outcome.containment == combination
+        if "landlock" in layers or "pidns" in layers:
+            # Refused, or shielded: the supervisor ran the episode to its normal end.
+            assert outcome.status == "ok", outcome.summary()
+            assert outcome.reward == 1.0
+            assert outcome.exit_code == 0, outcome.summary()
+            assert outcome.signal is None
+            refusal = "EPERM" if "landlock" in layers else "ignored"
+            assert outcome.info["kill"] == refusal, outcome.info
+            if "pidns" in layers:
+                assert outcome.info["supervisor"] == 1  # the namespace's init
+        else:
+            # The supervisor died without a result: the design's "crashed", with its signal.
+            assert outcome.status == "crashed", outcome.summary()
+            assert outcome.reward is None
+            assert outcome.signal == "SIGKILL"
+            assert outcome.error is not None
+            assert outcome.error.type == "EpisodeCrashed"
+            assert "killed by SIGKILL" in outcome.error.message, outcome.error.message
+        assert tree(agents) == []  # nothing tagged, worker included, is left
+        if combination == "session":
+            # The untagged daemon in its own session outlives the episode: nothing finds it.
+            # Kill it here (the test process, a subreaper, is its parent now).
+            daemons = [p for p in live_children() if str(fifo) in " ".join(p.cmdline())]
+            assert len(daemons) == 1, daemons
+            assert not daemon_gone()
+            assert heard == b"alive\n"
+            daemons[0].kill()
         await anyio.to_thread.run_sync(wait_for, daemon_gone, 5.0, "the daemon to die")
     finally:
         os.close(reader)

@@ -15,7 +15,7 @@ import pytest
 
 import isolate
 
-from .conftest import is_gone
+from .conftest import SLOW, is_gone
 
 # Loads the part the way the shim does, then runs the test's code; prints one JSON line.
 _PRELUDE = """
@@ -38,7 +38,9 @@ def run_child(code: str, python: str = sys.executable) -> dict[str, Any]:
     """Run ``code`` (after the prelude) in a fresh interpreter; the ``out`` dict it filled."""
     shim_dir = str(isolate.shim_path().parent)
     source = _PRELUDE.format(shim_dir=shim_dir) + textwrap.dedent(code) + "\nprint(json.dumps(out))"
-    proc = subprocess.run([python, "-I", "-c", source], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [python, "-I", "-c", source], capture_output=True, text=True, timeout=30 * SLOW
+    )
     assert proc.returncode == 0, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result

@@ -25,6 +25,8 @@ import pytest
 
 import agent_shim.shim as shim
 
+from .conftest import SLOW
+
 PART = shim.load_part("seccomp")
 MACHINE = os.uname().machine
 if PART.program(MACHINE) is None:
@@ -286,7 +288,7 @@ def test_a_thread_started_before_is_covered() -> None:
     go, out = threading.Event(), {}
 
     def early() -> None:
-        go.wait(30)
+        go.wait(30 * SLOW)
         out["mount"] = syscall(NR["mount"], 0, 0, 0, 0, 0)
 
     def start() -> None:
@@ -334,7 +336,7 @@ def ordinary_work() -> dict[str, Any]:
     if pid == 0:
         os._exit(7)
     out["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    sh = subprocess.run(["sh", "-c", "echo ok"], capture_output=True, text=True, timeout=30)
+    sh = subprocess.run(["sh", "-c", "echo ok"], capture_output=True, text=True, timeout=30 * SLOW)
     out["sh"] = sh.stdout.strip()
     grep = subprocess.run(["grep", "Seccomp:", "/proc/self/status"], capture_output=True)
     out["exec inherits"] = grep.stdout.decode().split()
@@ -385,7 +387,7 @@ def test_unshare_and_mount_tools_fail(tmp_path: Path) -> None:
             ("mount", ["mount", "-t", "tmpfs", "none", str(target)]),
         ):
             try:
-                done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=30 * SLOW)
                 out[name] = [done.returncode, done.stderr.strip()]
             except FileNotFoundError:
                 out[name] = None
@@ -674,11 +676,11 @@ def test_install_cost(how: str, tmp_path: Path) -> None:
     script = tmp_path / "cost.py"
     script.write_text(_COST)
     command = [sys.executable, "-I", str(script), SHIM_DIR, how]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120 * SLOW)
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout)
     print(
         f"seccomp install ({how}), medians of 50 forks: {r['inside_ms']:.3f} ms in the child; "
         f"fork to reap {r['fork_to_reap_ms']:.3f} ms, without it {r['bare_fork_to_reap_ms']:.3f}"
     )
-    assert r["inside_ms"] < 1000
+    assert r["inside_ms"] < 1000 * SLOW

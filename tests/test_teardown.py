@@ -24,6 +24,7 @@ from .conftest import (
     episode_processes,
     is_gone,
     record_pid_sh,
+    remove_dead_parents_leaves,
     wait_for,
     wait_until,
 )
@@ -252,7 +253,7 @@ async def test_cancel_during_the_grace_period(agents: Agents, tmp_path: Path) ->
     assert term_seen > 0.0  # the timeout's SIGTERM came before the cancel
     assert agents.left() == []
     # What was left of the grace (half of it) and the SIGKILL sweep; a restart: all of it.
-    assert time.monotonic() - cancelled_at < grace / 2 + 1.0
+    assert time.monotonic() - cancelled_at < grace / 2 + 1.0 * SLOW
 
 
 PARENT = """
@@ -285,6 +286,8 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
     finally:
         parent.kill()
         parent.wait()
+    # The dead parent's cgroup leaves stay until an isolate process starts and removes them.
+    remove_dead_parents_leaves()
 
 
 # A shim that reads its handshake and never says hello: it holds its place at the start gate.

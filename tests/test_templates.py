@@ -28,7 +28,15 @@ from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate.workflow import SWEAgentWorkflow, episode_spec
 
-from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for, wait_until
+from .conftest import (
+    SLOW,
+    Agents,
+    episode_processes,
+    is_gone,
+    remove_dead_parents_leaves,
+    wait_for,
+    wait_until,
+)
 from .test_cli import URL, cli_env, isolate_cli
 
 pytestmark = pytest.mark.anyio
@@ -284,6 +292,8 @@ def test_the_parents_death_takes_template_and_episode_with_it(agents: Agents) ->
     finally:
         parent.kill()
         parent.wait()
+    # The dead parent's cgroup leaves stay until an isolate process starts and removes them.
+    remove_dead_parents_leaves()
 
 
 async def test_a_template_under_python_3_9(agents: Agents) -> None:

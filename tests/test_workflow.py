@@ -23,7 +23,7 @@ from isolate.workflow import (
     sandbox_of,
 )
 
-from .conftest import Agents
+from .conftest import SLOW, Agents
 
 pytestmark = pytest.mark.anyio
 
@@ -653,7 +653,7 @@ async def test_a_per_record_timeout_counts_for_that_record(
     ):
         await wf.run(data, base_url=URL)
     assert isinstance(info.value, isolate.EpisodeTimeout)
-    assert info.value.outcome.duration_s < 1.0 + 0.5 + 5.0  # not the workflow's 600 s
+    assert info.value.outcome.duration_s < 1.0 + 0.5 + 5.0 * SLOW  # not the workflow's 600 s
     assert "TIMEOUT: Instance short-1 exceeded 1.0s" in caplog.text
     assert agents.left() == []
     # Another record of the same workflow keeps the workflow's timeout.
