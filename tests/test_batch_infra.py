@@ -9,13 +9,12 @@ from typing import Any
 
 import psutil
 
-from isolate._core import containment as _containment
-
 from . import test_batch
 from .conftest import (
     SLOW,
     Agents,
     episode_processes,
+    remove_dead_parents_leaves,
     wait_for,
 )
 from .test_batch import (
@@ -31,13 +30,6 @@ from .test_batch import (
 from .test_cli import cli_env
 
 ray_tmp = test_batch.ray_tmp  # the fixture
-
-
-def remove_dead_parents_leaves() -> None:
-    """The killed worker's cgroup leaves stay until an isolate process starts and removes
-    them: remove them as that process would."""
-    groups = _containment.cgroups()
-    _containment.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
 
 
 ANSI = re.compile(r"\x1b\[")

@@ -29,10 +29,17 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 from isolate._core import sandbox as _sandbox
 
-from .conftest import SLOW, Agents, both_starts, episode_processes, wait_for, wait_until
+from .conftest import (
+    SLOW,
+    Agents,
+    both_starts,
+    episode_processes,
+    remove_dead_parents_leaves,
+    wait_for,
+    wait_until,
+)
 from .test_hostile_wall import as_nobody, unprivileged_python
 
 pytestmark = [
@@ -686,8 +693,7 @@ def test_the_parents_death_leaves_no_process_and_no_connection(
     # Nothing holds the carried connections any more: the endpoint's side of each is closed.
     wait_for(lambda: established(servers.llm) == 0, 5.0, "the carried connections to close")
     # The dead parent's cgroup leaf stays until an isolate process starts and removes it.
-    groups = _containment.cgroups()
-    _containment.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
+    remove_dead_parents_leaves()
 
 
 def established(port: int) -> int:
