@@ -349,9 +349,24 @@ def is_rlimit(name, value):
 
 def contain(hs):
     """Join the episode's cgroups; with pidns, fork PID 1 of a new PID namespace, and turn this
-    process into a relay. Returns a problem, or None in the process that carries on."""
+    process into a relay. Returns a problem, or None in the process that carries on. A
+    template's fork (``forked``) lives in its template's PID namespace already."""
+    problem = join_cgroups(hs.get("cgroups", ()))
+    if problem is not None or "pidns" not in layers_of(hs) or hs.get("forked"):
+        return problem
+    problem = unshare_pidns(hs.get("userns", False))
+    if problem is not None:
+        return problem
+    pid = os.fork()
+    if pid:
+        relay(pid)  # exits
+    return become_init()
+
+
+def join_cgroups(paths):
+    """Be in each of these cgroup directories before creating any process; a problem or None."""
     me = str(os.getpid())
-    for path in hs.get("cgroups", ()):
+    for path in paths:
         try:
             with open(os.path.join(path, "cgroup.procs")) as f:
                 if me in f.read().split():
@@ -360,15 +375,7 @@ def contain(hs):
                 f.write(me)
         except OSError as exc:
             return "cannot join cgroup %s: %s" % (path, exc.strerror or exc)
-    if "pidns" not in layers_of(hs):
-        return None
-    problem = unshare_pidns(hs.get("userns", False))
-    if problem is not None:
-        return problem
-    pid = os.fork()
-    if pid:
-        relay(pid)  # exits
-    return become_init()
+    return None
 
 
 def unshare_pidns(userns):
@@ -554,7 +561,9 @@ def probe_landlock():
 def worker(hs, channel):
     """Enter the Landlock domain, set the rlimits, import and call the entrypoint; exit code 0
     after a result, else the error's code."""
-    if "landlock" in layers_of(hs):
+    # A template's forks share its PID namespace: each worker gets a domain of its own, so that
+    # no episode can signal or trace another (``scoped``).
+    if "landlock" in layers_of(hs) or hs.get("scoped"):
         problem = enter_landlock()
         if problem is not None:
             channel.send("error", kind="setup", type="ContainmentError", message=problem)
@@ -1107,6 +1116,17 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
     os._exit(0 if why == "exited" else 3)
 
 
+def template_helpers():
+    """What the template part uses of the shim: its wall is an episode's."""
+    import types
+
+    names = (
+        "main load_entrypoint process_table layers_of unshare_pidns become_init set_subreaper "
+        "join_cgroups enter_landlock harden load_part c_call"
+    )
+    return types.SimpleNamespace(**{name: globals()[name] for name in names.split()})
+
+
 def main():
     if sys.argv[1:2] == ["--probe-pidns"]:
         return probe_pidns(sys.argv[2:] == ["userns"])
@@ -1116,9 +1136,7 @@ def main():
         return load_part("net").probe(c_call, map_own_ids, capability_sets)
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
-        # A subreaper, so that a process its import started stays its child, found and killed.
-        set_subreaper()
-        return load_part("template").serve(main, load_entrypoint, process_table)
+        return load_part("template").serve(template_helpers())
     if sys.platform.startswith("linux"):
         # Before anything else: nothing the agent starts (same user) may read or write this
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID

@@ -1,21 +1,40 @@
-"""A preloaded template: import the agent once, then fork one ordinary episode per request.
+"""A preloaded template: import the agent once, then fork one episode per request.
 
-Started by the parent as ``<python> -I boot.py --template`` with one end of a SOCK_SEQPACKET
-socket pair as fd 0: the control socket. EOF on it means the parent closed it or died, and the
-template exits. It never runs an episode itself. Messages are JSON, one per packet:
+Started by the parent as ``<python> -I boot.py --template LIFE`` with one end of a
+SOCK_SEQPACKET socket pair as fd 0: the control socket. EOF on it means the parent closed it
+or died, and the template exits. LIFE is the fd of a second socket pair, held by the parent
+for as long as it lives: EOF there means the parent is gone. Messages are JSON, one per
+packet:
 
-- parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...]}``;
-- template -> parent: ``{"t": "ready", "seconds"}``, or ``{"t": "refused", "reason"}`` (then it
-  kills what the import started and exits): not importable, or not safe to fork (a thread
-  running, a process the import started still alive, a socket open);
+- parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...]}``
+  carrying a file (a memfd) that holds the wall as JSON: an episode's containment
+  (``containment``, ``cgroups``, ``userns``, ``sandbox``), which can outgrow a message;
+- template -> parent: ``{"t": "ready", "seconds"}`` carrying a pidfd of the importing process,
+  or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
+  containable, not importable, or not safe to fork (a thread running, a process the import
+  started still alive, a socket open);
 - parent -> template: ``{"t": "fork", "episode_id"}`` carrying three fds (SCM_RIGHTS): the
   episode's channel (its stdin and stdout, one socket), its stderr pipe and a reply socket;
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
   the episode is reaped ``{"t": "exit", "status"}`` (a wait status).
 
-The fork puts the channel on fds 0 and 1 and the pipe on 2, starts its own session, and from
-there runs shim.main(), the very code of a fresh start: its own handshake (secrets never pass
-through here), containment, supervisor, worker and teardown.
+The import is the agent's code: it runs inside the wall a fresh episode gets, entered before
+it. Three processes, of which only the last ever holds the agent's code:
+
+- the outer one (the parent's child) watches LIFE and its child. When the parent is gone it
+  kills the rest; with a PID namespace its child is that namespace's PID 1, otherwise the
+  importer, whose wait status it sends on LIFE;
+- with a PID namespace, its PID 1: it mounts the namespace's /proc, forks the importer, sends
+  its wait status on LIFE and reaps what is left; it ends, and the namespace with it, once
+  the importer and every episode forked from it have ended;
+- the importer joins its cgroup leaf, enters the Landlock domain, the sandbox and the syscall
+  filter, drops its capabilities, and only then imports.
+
+A fork puts the channel on fds 0 and 1 and the pipe on 2, starts its own session, and from
+there runs shim.main(), the code of a fresh start: its own handshake (secrets never pass
+through here), supervisor, worker and teardown. It stays in the template's PID namespace,
+where the parent moves it into its own cgroup leaf before the handshake; its worker enters a
+Landlock domain of its own, so that no episode reaches another.
 """
 
 import gc
@@ -31,6 +50,7 @@ import time
 import _isolate_shim_wire as wire
 
 EPISODE_ENV = wire.EPISODE_ENV
+PR_SET_PDEATHSIG = 1
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
@@ -121,12 +141,17 @@ def kill_children(process_table):
         time.sleep(0.005)
 
 
-def serve(shim_main, load_entrypoint, process_table):
-    """The template's life: preload, report, then fork episodes until the control socket ends.
-    Never returns: a thread the agent started must not hold up the exit."""
+def serve(shim):
+    """The template's life: contain, preload, report, then fork episodes until the control
+    socket ends. Never returns: a thread the agent started must not hold up the exit.
+    ``shim``: the shim's functions (``template_helpers()``)."""
     code = 1
     try:
-        code = preload_and_loop(shim_main, load_entrypoint, process_table)
+        code = preload_and_loop(shim)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # a bug of the template itself: leave a trace in the log
     finally:
         leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
 
@@ -142,7 +167,12 @@ def leave(code):
     os._exit(code)
 
 
-def preload_and_loop(shim_main, load_entrypoint, process_table):
+def preload_and_loop(shim):
+    import faulthandler
+
+    # A template that a signal kills (SIGSEGV in an extension the agent imports, say) leaves
+    # the Python traceback of each of its processes in its log.
+    faulthandler.enable()
     control = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -150,12 +180,21 @@ def preload_and_loop(shim_main, load_entrypoint, process_table):
     os.dup2(2, 1)  # what the agent prints at import goes to the template's log
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
-    message, _ = receive(control)
+    life = int(sys.argv[2]) if sys.argv[2:3] and sys.argv[2].isdigit() else None
+    message, fds = receive(control)
     if message is None:
         return 0
+    wall = wire.read_json_file(fds.pop(0)) if fds else {}
+    for fd in fds:
+        os.close(fd)
+    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life, shim)
+    if problem is not None:
+        sys.stderr.write("isolate template: cannot contain the template: %s\n" % problem)
+        send(control, {"t": "refused", "reason": "cannot contain the template: " + problem})
+        return 1
     started = time.monotonic()
     try:
-        load_entrypoint(message["entrypoint"], message.get("agent_root"))
+        shim.load_entrypoint(message["entrypoint"], message.get("agent_root"))
         for name in message.get("preload", ()):
             __import__(name)
     except BaseException as exc:
@@ -165,10 +204,10 @@ def preload_and_loop(shim_main, load_entrypoint, process_table):
         reason = "cannot import %s: %s: %s" % (message["entrypoint"], type(exc).__name__, exc)
         send(control, {"t": "refused", "reason": reason})
         return 1
-    reason = fork_hazard(control, process_table)
+    reason = fork_hazard(control, shim.process_table)
     if reason is not None:
         sys.stderr.write("isolate template: preload refused: %s\n" % reason)
-        kill_children(process_table)  # nothing the import started outlives the refusal
+        kill_children(shim.process_table)  # nothing the import started outlives the refusal
         send(control, {"t": "refused", "reason": reason})
         return 0
     # Objects that exist now are never collected in a fork: its collector leaves their pages
@@ -177,9 +216,153 @@ def preload_and_loop(shim_main, load_entrypoint, process_table):
     gc.freeze()
     random = sys.modules.get("random")
     state = hash(random.getstate()) if random is not None else None
-    send(control, {"t": "ready", "seconds": time.monotonic() - started})
-    loop(control, shim_main, state)
+    me = os.pidfd_open(os.getpid()) if hasattr(os, "pidfd_open") else None
+    fds = [me] if me is not None else []
+    send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
+    if me is not None:
+        os.close(me)
+    loop(control, shim.main, state)
     return 0
+
+
+def enter_wall(wall, control, life, shim):
+    """Become the importer, inside what a fresh episode of this containment gets; a problem,
+    or None. The outer process and PID 1 stay in here until they exit."""
+    layers = shim.layers_of(wall)
+    pidns = "pidns" in layers
+    if pidns:
+        problem = shim.unshare_pidns(wall.get("userns", False))
+        if problem is not None:
+            return problem
+    outer = os.getpid()
+    child = os.fork()
+    if child:
+        control.close()
+        leaves = () if pidns else wall.get("cgroups", ())
+        watch(child, life, leaves, None if pidns else shim.process_table)
+    if pidns:
+        problem = shim.become_init()  # dies with the outer process
+        if problem is not None:
+            return problem
+        child = os.fork()
+        if child:
+            control.close()
+            init(child, life)
+    else:
+        # The outer process is single-threaded: its death is the parent-death signal's.
+        shim.c_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != outer:
+            os._exit(1)  # it died before the signal was armed
+    if life is not None:
+        os.close(life)
+    # A subreaper, so that a process the import started stays its child, found and killed.
+    shim.set_subreaper()
+    problem = shim.join_cgroups(wall.get("cgroups", ()))
+    if problem is not None:
+        return problem
+    # Loaded once here, before the sandbox: each fork's worker uses them.
+    for part in ("cancel", "seccomp", "sandbox", "landlock"):
+        shim.load_part(part)
+    if "landlock" in layers:
+        problem = shim.enter_landlock()
+        if problem is not None:
+            return problem
+    sandbox = wall.get("sandbox")
+    if sandbox is not None:
+        part = shim.load_part("sandbox")
+        missing = part.enter(sandbox, shim.load_part("landlock"), shim.c_call)
+        if missing and not sandbox.get("best_effort"):
+            return "sandbox: cannot enforce " + "; ".join(missing)
+    if sys.platform.startswith("linux"):
+        return shim.harden()
+    return None
+
+
+def tell(life, status):
+    """Send the importer's wait status to the parent (on LIFE)."""
+    if life is not None:
+        try:
+            send(socket.socket(fileno=os.dup(life)), {"t": "exit", "status": status})
+        except OSError:
+            pass  # the parent is gone
+
+
+def watch(child, life, leaves, process_table):
+    """The outer process: exit once ``child`` has. Should the parent go first, kill ``child``:
+    PID 1, and with it the whole namespace; or, without a namespace (``process_table`` given),
+    the importer, its cgroup ``leaves`` and every process below it (a subreaper: whatever it
+    started is there), and send its wait status on LIFE. Never returns."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
+    poller = select.poll()
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    if life is not None:
+        poller.register(life, select.POLLIN)
+    status = None
+    while status is None:
+        ready = [fd for fd, _ in poller.poll(None if pidfd is not None else 100)]
+        if pidfd in ready or pidfd is None:
+            pid, found = os.waitpid(child, os.WNOHANG)
+            if pid == child:
+                status = found
+                break
+        if life in ready and not os.read(life, 64):
+            kill_all(child, leaves, process_table)
+            status = os.waitpid(child, 0)[1]
+    if process_table is not None:
+        tell(life, status)
+    os._exit(0)
+
+
+def kill_all(child, leaves, process_table):
+    """SIGKILL ``child`` and, when there is a ``process_table``, every process below it: the
+    child is stopped first, so that nothing new appears below it meanwhile."""
+    for leaf in leaves:
+        try:
+            with open(os.path.join(leaf, "cgroup.kill"), "w") as f:
+                f.write("1")
+        except OSError:
+            pass  # cgroup v1, or gone already
+    if process_table is not None:
+        try:
+            os.kill(child, signal.SIGSTOP)
+        except OSError:
+            pass
+        for _ in range(100):
+            table = process_table()
+            below, todo = [], [child]
+            while todo:
+                parent = todo.pop()
+                kids = [p for p, (pp, st) in table.items() if pp == parent and st not in "ZX"]
+                below += kids
+                todo += kids
+            if not below:
+                break
+            for pid in below:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+    try:
+        os.kill(child, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def init(importer, life):
+    """PID 1 of the template's namespace: report the importer's end, reap, and exit once no
+    process is left. Never returns."""
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        except InterruptedError:
+            continue
+        if pid == importer:
+            tell(life, status)
 
 
 def loop(control, shim_main, random_state):

@@ -49,6 +49,8 @@ def send_message(
     import socket
 
     data = json.dumps(message).encode()
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ValueError("a control message of %d bytes: pass what is larger as a file" % len(data))
     if fds:
         sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     else:
@@ -63,13 +65,17 @@ def receive_message(sock: "socket.socket") -> "tuple[dict[str, Any] | None, list
     import socket
 
     size = array.array("i").itemsize
-    data, ancillary, _, _ = sock.recvmsg(
-        MAX_CONTROL_BYTES, socket.CMSG_SPACE(MAX_CONTROL_FDS * size)
+    data, ancillary, flags, _ = sock.recvmsg(
+        MAX_CONTROL_BYTES + 1, socket.CMSG_SPACE(MAX_CONTROL_FDS * size)
     )
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % size])
+    if len(data) > MAX_CONTROL_BYTES or flags & socket.MSG_TRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a control message longer than %d bytes" % MAX_CONTROL_BYTES)
     if not data:
         for fd in fds:
             os.close(fd)
@@ -81,3 +87,43 @@ def receive_message(sock: "socket.socket") -> "tuple[dict[str, Any] | None, list
             os.close(fd)
         raise
     return (message if isinstance(message, dict) else None), list(fds)
+
+
+def json_file(value: object) -> int:
+    """An fd to read ``value`` back from as JSON (a memfd, from its start): for what may be
+    larger than a control message. The receiver closes it."""
+    import json
+    import tempfile
+
+    data = json.dumps(value).encode()
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("isolate-message", os.MFD_CLOEXEC)
+    else:
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_json_file(fd: int) -> object:
+    """What :func:`json_file` wrote, read from ``fd``, which it closes. ValueError if it is not
+    JSON."""
+    import json
+
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return json.loads(b"".join(chunks).decode())

@@ -152,14 +152,16 @@ def _self_cpu() -> float:
 
 
 def _template_cpu() -> float:
-    """CPU of the running templates, their reaped forks included (seconds)."""
+    """CPU of the running templates (each its outer process, PID 1 and importer), their reaped
+    forks included (seconds)."""
     total = 0.0
     for template in isolate._core.templates.started_templates():
-        try:
-            times = psutil.Process(template.pid).cpu_times()
+        for pid in template.own_pids():
+            try:
+                times = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
             total += times.user + times.system + times.children_user + times.children_system
-        except psutil.Error:
-            continue
     return total
 
 

@@ -498,7 +498,7 @@ class Agents:
         by this, not by recorded pids: inside a PID namespace those are the namespace's
         numbers, and on the host they name unrelated processes. Running templates
         (``preload``) are not an episode's."""
-        templates = {t.pid for t in _templates.started_templates()}
+        templates = {pid for t in _templates.started_templates() for pid in t.own_pids()}
         procs = episode_processes(f"\0PID_DIR={self.pids}\0".encode())
         return [p for p in procs if p.pid not in templates]
 

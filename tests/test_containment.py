@@ -78,7 +78,7 @@ def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
     """Live processes of this test's episodes (host view, any level) by their environment,
     which at the pidns level is the only sure way: recorded pids are the namespace's."""
     procs = episode_processes(f"PID_DIR={agents.pids}".encode())
-    templates = {t.pid for t in _templates.started_templates()}  # not the episode's
+    templates = {pid for t in _templates.started_templates() for pid in t.own_pids()}
     return [p for p in procs if marker in _environ(p) and p.pid not in templates]
 
 
@@ -337,7 +337,8 @@ async def test_an_agent_that_kills_its_supervisor(
 ) -> None:
     """The agent starts a daemon with an empty environment in its own session, then sends
     SIGKILL to its supervisor. With ``landlock`` the kill is refused (EPERM); in a PID
-    namespace the supervisor is its PID 1, which the kernel shields: the kill does nothing.
+    namespace the supervisor is its PID 1, which the kernel shields: the kill does nothing (a
+    template's fork, in its template's namespace, has a Landlock domain of its own: EPERM).
     There the episode ends as the agent returns. At ``session`` and ``cgroup`` the supervisor
     dies: the episode is ``crashed`` by its SIGKILL, and nothing is left, except at ``session``
     the daemon, which nothing finds (README, "What no containment here covers")."""
@@ -367,9 +368,12 @@ async def test_an_agent_that_kills_its_supervisor(
             assert outcome.reward == 1.0
             assert outcome.exit_code == 0, outcome.summary()
             assert outcome.signal is None
-            refusal = "EPERM" if "landlock" in layers else "ignored"
-            assert outcome.info["kill"] == refusal, outcome.info
-            if "pidns" in layers:
+            # A template's forks share its PID namespace: each worker has a Landlock domain of
+            # its own, whatever the layers.
+            forked = outcome.start == "template"
+            scoped = "landlock" in layers or (forked and "pidns" in layers)
+            assert outcome.info["kill"] == ("EPERM" if scoped else "ignored"), outcome.info
+            if "pidns" in layers and not forked:
                 assert outcome.info["supervisor"] == 1  # the namespace's init
         else:
             # The supervisor died without a result: the design's "crashed", with its signal.

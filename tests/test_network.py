@@ -34,7 +34,6 @@ from isolate._core import sandbox as _sandbox
 from .conftest import (
     SLOW,
     Agents,
-    both_starts,
     episode_processes,
     remove_dead_parents_leaves,
     wait_for,
@@ -304,15 +303,21 @@ def open_fds() -> set[str]:
 # --- the wall, in every start and containment ----------------------------------------------
 
 
-@both_starts
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("containment", ["auto", "session"])
 async def test_an_allow_list_lets_through_the_endpoint_and_its_hosts_and_nothing_else(
-    agents: Agents, servers: Servers, containment: str
+    agents: Agents, servers: Servers, containment: str, preload: bool
 ) -> None:
+    """With ``preload`` too: a fork cannot get a network namespace of its own, so the episode
+    starts fresh, with the reason, and is walled in as one."""
     before = open_fds()
     box = isolate.Sandbox(network=servers.allow())
-    spec = agents.spec(AGENT, sandbox=box, containment=containment)
+    spec = agents.spec(AGENT, sandbox=box, containment=containment, preload=preload)
     outcome = await isolate.run_episode(spec, servers.data())
+    assert outcome.start == "fresh"
+    if preload:
+        assert outcome.preload_refused is not None
+        assert "network namespace of its own" in outcome.preload_refused
     found = findings(outcome)
     proxy = found.pop("proxy")
     assert proxy is not None

@@ -32,7 +32,7 @@ from isolate._core.containment import COMBINATIONS
 from isolate._core.containment import problem as containment_problem
 from isolate._core.sandbox import landlock_abi
 
-from .conftest import Agents
+from .conftest import Agents, both_starts
 
 pytestmark = pytest.mark.anyio
 
@@ -130,6 +130,9 @@ class World:
         record = {"code": textwrap.dedent(code), "paths": self.paths(), "secret": SECRET, **data}
         outcome = await isolate.run_episode(self.spec(sandbox, containment), record)
         assert outcome.status == "ok", outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+        # A template that was refused would start fresh: then nothing here tested it.
+        wanted = "template" if self.agents.preload else "fresh"
+        assert outcome.start == wanted, outcome.preload_refused
         assert outcome.sandbox is not None
         assert outcome.sandbox.missing == ()
         assert outcome.sandbox.tmpdir is not None
@@ -155,6 +158,7 @@ def _no_secret(value: Any) -> bool:
 
 
 @needs_landlock
+@both_starts
 @pytest.mark.parametrize("hidden", isolate.Sandbox.DEFAULT_HIDE)
 async def test_hidden_path_reads_as_missing_or_empty(world: World, hidden: str) -> None:
     path = world.home / hidden[2:]
@@ -462,10 +466,12 @@ async def test_connect_to_a_port_that_is_not_allowed(
 
 
 @needs_landlock
+@both_starts
 @pytest.mark.parametrize("level", COMBINATIONS)
 async def test_the_walls_hold_at_every_containment_level(world: World, level: str) -> None:
     # With pidns the worker shares the namespace's mounts; otherwise it makes its own. With
-    # the landlock layer, the sandbox's domain stacks on the layer's.
+    # the landlock layer, the sandbox's domain stacks on the layer's. From a template, the
+    # template made the mounts and entered the domain; each worker stacks one of its own.
     problem = containment_problem(level)
     if problem is not None:
         pytest.skip(f"containment {level!r} is not available here: {problem}")

@@ -23,6 +23,7 @@ from .conftest import (
     both_starts,
     episode_processes,
     is_gone,
+    live_children,
     record_pid_sh,
     remove_dead_parents_leaves,
     wait_for,
@@ -280,9 +281,12 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
         parent.wait()
         wait_for(lambda: not agents.left(), 2.0, "the tree to die")
         assert time.monotonic() - killed_at <= 2.0 * SLOW
-        # The shim itself exits right after its tree: wait for it too, boundedly.
+        # The shim itself exits right after its tree: wait for it too, boundedly. (A
+        # template's processes are re-parented to this process: a dying one shows no
+        # environment, so they are waited for as its descendants.)
         marker = f"PID_DIR={agents.pids}".encode()
         wait_for(lambda: not episode_processes(marker), 2.0, "the shim to exit")
+        wait_for(lambda: not live_children(), 2.0 * SLOW, "the template to exit")
     finally:
         parent.kill()
         parent.wait()

@@ -45,16 +45,31 @@ PY39 = Path.home() / ".pyenv/versions/3.9.18/bin/python3.9"
 
 
 def template_processes(agents: Agents, parent: int | None = None) -> list[psutil.Process]:
-    """Live templates of this test: children of ``parent`` (default: this process) whose command
-    line says so. (Their forks show the same command line, but are not our children.)"""
-    found = []
+    """The live importers of this test's templates (the processes holding the agent's code),
+    started by ``parent`` (default: this process). A template is three processes in one
+    session: the parent's child, with a PID namespace its PID 1, and the importer; its forks
+    have sessions of their own."""
+    procs = []
     for proc in episode_processes(f"PID_DIR={agents.pids}".encode()):
         try:
-            if "--template" in proc.cmdline() and proc.ppid() == (parent or os.getpid()):
-                found.append(proc)
-        except psutil.Error:
+            if "--template" in proc.cmdline():
+                procs.append((proc, proc.ppid(), os.getsid(proc.pid)))
+        except (psutil.Error, OSError):
             continue
-    return found
+    outers = {proc.pid for proc, ppid, _ in procs if ppid == (parent or os.getpid())}
+    return [
+        proc
+        for proc, _, sid in procs
+        if sid in outers and proc.pid not in outers and not _is_namespace_init(proc.pid)
+    ]
+
+
+def _is_namespace_init(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("NSpid:") and line.split()[-1] == "1" for line in f)
+    except OSError:
+        return False
 
 
 COUNTING = """
@@ -382,7 +397,7 @@ async def test_a_template_counts_in_the_fd_budget(agents: Agents) -> None:
     before = budget.used
     outcome = await isolate.run_episode(spec, {})
     assert outcome.start == "template"
-    assert budget.used == before + 1  # its control socket, while it runs
+    assert budget.used == before + 3  # its control and life sockets, its pidfd, while it runs
     await isolate.close_templates()
     assert budget.used == before
 

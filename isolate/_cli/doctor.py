@@ -219,12 +219,16 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     return used
 
 
-def _preload_report(report: _Report, root: Path, python: str, entrypoint: str) -> None:
-    """Whether a preloaded template of this agent would be used, or why it is refused."""
+def _preload_report(
+    report: _Report, root: Path, python: str, entrypoint: str, containment: str
+) -> None:
+    """Whether a preloaded template of this agent would be used, walled in at
+    ``containment``, or why it is refused."""
     spec = EpisodeSpec(
         agent_root=root,
         python=python,
         entrypoint=entrypoint,
+        containment=containment,
         inherit_env=PASSTHROUGH_ENV,  # the drop-in's: what the trainer's environment passes
         preload=True,
         timeout=PROBE_TIMEOUT_S,
@@ -309,7 +313,7 @@ def doctor(
         else:
             report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
         if preload:
-            _preload_report(report, root, python, entrypoint)
+            _preload_report(report, root, python, entrypoint, containment)
 
     versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")

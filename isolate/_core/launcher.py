@@ -473,13 +473,20 @@ class _Run:
         assert self.popen.stderr is not None
         for fd in (self.channel, self.popen.stderr.fileno()):
             os.set_blocking(fd, False)
+        forked = isinstance(self.popen, _templates.Forked)
+        if forked:
+            problem = self._as_fork()
+            if problem is not None:
+                self.popen.kill()
+                self.popen.wait()
+                return problem
         # The handshake goes out at once (what the pipe takes now; _write_handshake the rest),
         # so the shim can read it as soon as it has started, while this thread carries on.
         self.handshake = memoryview(
             proto.encode_handshake(self.public, self.secrets, self.secret_env)
         )
         self._push_handshake()
-        if self.leaves is not None:
+        if self.leaves is not None and not forked:
             # A move waits for an RCU grace period (~10 ms here, as long as a plain interpreter
             # takes to start) unless another move came just before: done here, it overlaps the
             # shim's start-up. The shim makes sure it is in its cgroups before it creates any
@@ -669,6 +676,38 @@ class _Run:
         assert pipe is not None
         fd: int = pipe.fileno()
         return fd
+
+    def _as_fork(self) -> str | None:
+        """A template's fork, before its handshake: into its leaf before it may start anything,
+        and its TMPDIR under the template's. A problem, or None."""
+        assert isinstance(self.popen, _templates.Forked)
+        assert self.template is not None
+        if self.leaves is not None:
+            problem = self.leaves.move(self.popen.pid)
+            if problem is not None:
+                return problem
+        self.public["forked"] = True
+        if "pidns" in _containment.layers(self.level):
+            self.public["scoped"] = True  # its PID namespace is shared: a domain of its own
+        outer = self.template.sandbox
+        if self.sandbox is not None and outer is not None and self.spec.sandbox is not None:
+            found = _sandbox.prepare(
+                self.spec.sandbox,
+                episode_id=self.episode_id,
+                cwd=str(self.spec.cwd) if self.spec.cwd is not None else os.getcwd(),
+                child_env=self.spec.env,
+                mountns=True,
+                can_unshare=False,
+                under=outer.tmpdir,
+            )
+            if isinstance(found, str):
+                return found
+            _sandbox.remove_tmpdir(self.sandbox.tmpdir)
+            self.sandbox = found
+            # The template's mounts are its forks': a fork can make none of its own.
+            self.public["sandbox"] = {**found.handshake, "mounts": [], "unshare_mounts": False}
+            self.public["temp_env"] = {k: found.tmpdir for k in _templates.TEMP_ENV}
+        return None
 
     def _push_handshake(self) -> bool:
         """Write as much of the handshake as the stdin pipe takes now; True once it is out."""

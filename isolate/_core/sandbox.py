@@ -432,14 +432,15 @@ def prepare(
     child_env: dict[str, str],
     mountns: bool,
     can_unshare: bool,
+    under: str | None = None,
 ) -> Prepared | str:
-    """Make the private TMPDIR and the plan; a problem when the machine cannot enforce the
-    profile and ``best_effort`` is off. Blocking."""
+    """Make the private TMPDIR (in ``under``, a template's, if given) and the plan; a problem
+    when the machine cannot enforce the profile and ``best_effort`` is off. Blocking."""
     problem = write_paths_problem(sandbox, cwd)
     if problem is not None:
         return problem
     abi = landlock_abi()
-    tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.")
+    tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.", dir=under)
     try:
         found = plan(
             sandbox,

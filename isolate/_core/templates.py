@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import anyio
+import psutil
 
-from agent_shim.shim_wire import EPISODE_ENV, receive_message, send_message
+from agent_shim.shim_wire import EPISODE_ENV, json_file, receive_message, send_message
 
 from . import admission as _admission
 from . import containment as _containment
+from . import sandbox as _sandbox
 from .config import EpisodeSpec
 from .env import split_env
 from .outcome import describe_exit, signal_name
@@ -62,14 +64,44 @@ class TemplateGone(Exception):
 _send, _receive = send_message, receive_message
 
 
+def pidfd_pid(pidfd: int) -> int | None:
+    """The pid, in our PID namespace, of the process a pidfd refers to; None if it is gone or
+    the fd is no pidfd. (A template in a namespace of its own knows only its own numbers.)"""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Forked:
     """The parent's handle on one episode forked from a template: the part of a Popen the
     launcher uses. Its exit status comes from the template, the fork's parent."""
 
-    def __init__(self, pid: int, pidfd: int | None, reply: socket.socket, err: int) -> None:
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int | None,
+        reply: socket.socket,
+        err: int,
+        template: Template | None = None,
+    ) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.reply = reply
+        self.template = template
         # Its stdin and stdout are the launcher's channel socket, as for a fresh start.
         self.stdin: IO[bytes] | None = None
         self.stdout: IO[bytes] | None = None
@@ -147,36 +179,109 @@ class Forked:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+        if self.template is not None:
+            self.template.fork_ended(self)
+            self.template = None
 
 
 class Template:
-    """One running template: its process, control socket and cgroup leaf."""
+    """One running template: its outer process, the importer, the control socket, and the
+    importer's cgroup leaf. With a PID namespace the outer process's child is the
+    namespace's PID 1, which outlives the importer until the last fork has ended."""
 
     def __init__(
         self,
         popen: subprocess.Popen[bytes],
         control: socket.socket,
+        life: socket.socket,
         leaves: _containment.Leaves | None,
         name: str,
+        sandbox: _sandbox.Prepared | None = None,
     ) -> None:
         self.popen = popen
         self.control = control
+        #: Held for as long as the template may live: EOF there tells the outer process that
+        #: we are gone. The importer's wait status comes back on it.
+        self.life = life
         self.leaves = leaves
         self.name = name
-        #: Its control socket, counted in the episodes' fd budget while it runs.
+        #: The sandbox every fork's own is carved from: its TMPDIR holds theirs.
+        self.sandbox = sandbox
+        #: What the importer enters before it imports: an episode's containment.
+        self.wall: dict[str, Any] = {}
+        self.importer: int | None = None
+        self.importer_fd: int | None = None
+        self.status: int | None = None
+        self.forks: set[Forked] = set()
+        self.closing = False
+        self._finished = False
+        self._forks_lock = threading.Lock()
+        #: Its control and life sockets, counted in the episodes' fd budget while it runs.
         self.fds: _admission.Hold | None = None
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        """The importer's pid (the process holding the agent's code), once it is ready."""
+        return self.importer if self.importer is not None else self.popen.pid
+
+    def ready(self, pidfd: int | None) -> str | None:
+        """Take the importer's pidfd from its ready message; a problem if it names anything
+        but the outer process's child or grandchild."""
+        if pidfd is None:
+            return "the template's ready message carried no pidfd of its own"
+        pid = pidfd_pid(pidfd)
+        if pid is None:
+            os.close(pidfd)
+            return "the template's ready message carried no pidfd of its own"
+        up = parent_pid(pid)
+        if self.popen.pid not in (up, parent_pid(up) if up is not None else None):
+            os.close(pidfd)
+            return f"the template's ready message named process {pid}, not its own"
+        self.importer, self.importer_fd = pid, pidfd
+        return None
+
+    def own_pids(self) -> set[int]:
+        """The template's own processes: the outer one, PID 1 of its namespace (if it has
+        one) and the importer."""
+        pids = {self.popen.pid}
+        if self.importer is not None:
+            pids.add(self.importer)
+            up = parent_pid(self.importer)
+            if up is not None and parent_pid(up) == self.popen.pid:
+                pids.add(up)
+        return pids
 
     def alive(self) -> bool:
+        if self.importer_fd is not None:
+            return not select.select([self.importer_fd], [], [], 0)[0]
         return self.popen.poll() is None
 
     def death(self) -> str:
-        """How the dead template ended, in words."""
-        code = self.popen.returncode
-        if code is not None and code < 0:
+        """How the dead template's importer ended, in words."""
+        end = time.monotonic() + _STATUS_WAIT_S
+        while self.status is None and self.life.fileno() >= 0:
+            # Its parent sends it once it has reaped it: just after the pidfd said so.
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.life], [], [], left)[0]:
+                break
+            try:
+                message, fds = _receive(self.life)
+            except (BlockingIOError, OSError, ValueError):
+                break
+            for fd in fds:
+                os.close(fd)
+            if message is None:
+                break
+            if message.get("t") == "exit" and isinstance(message.get("status"), int):
+                self.status = message["status"]
+        if self.status is None:
+            code = self.popen.returncode  # the outer process: killed, say, by close_templates()
+            return describe_exit(None, signal_name(-code)) if code and code < 0 else "ended"
+        try:
+            code = os.waitstatus_to_exitcode(self.status)
+        except ValueError:
+            return "ended"
+        if code < 0:
             return describe_exit(None, signal_name(-code))
         return describe_exit(code, None)
 
@@ -205,7 +310,17 @@ class Template:
                     os.close(fd)
                 why = reply.get("reason") if reply else None
                 raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
-            forked = Forked(reply["pid"], fds[0] if fds else None, mine, err_r)
+            pidfd = fds[0] if fds else None
+            for fd in fds[1:]:
+                os.close(fd)
+            pid = pidfd_pid(pidfd) if pidfd is not None else None
+            if pid is None or parent_pid(pid) != self.importer:
+                if pidfd is not None:
+                    os.close(pidfd)
+                raise TemplateGone(f"template {self.name} named no fork of its own")
+            forked = Forked(pid, pidfd, mine, err_r, self)
+            with self._forks_lock:
+                self.forks.add(forked)
             ok = True
             return forked
         finally:
@@ -220,27 +335,108 @@ class Template:
             self.fds = None
 
     def close(self, grace: float = _CLOSE_GRACE_S) -> None:
-        """End the template (EOF on its control socket, then SIGKILL after ``grace`` seconds),
-        everything left in its session and leaf, and the leaf; blocking. Episodes forked from
-        it run on: each has a session and a leaf of its own."""
+        """End the importer (EOF on its control socket, then SIGKILL after ``grace`` seconds)
+        and everything left in its leaf, and remove the leaf; blocking. Episodes forked from
+        it run on (each has a leaf of its own); its PID namespace, its outer process and its
+        sandbox's TMPDIR go when the last of them has ended."""
+        if self.importer_fd is not None:
+            # Nothing of the agent's is worth a graceful end: stopped, so that nothing new
+            # appears below it, then killed with all it started but its forks.
+            self._signal_importer(signal.SIGSTOP)
+            self._kill_leftovers()
+            self._signal_importer(signal.SIGKILL)
+            select.select([self.importer_fd], [], [], _CLOSE_GRACE_S)
         self.control.close()
-        try:
-            self.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-        rest = Episode(None, self.pid, None, self.leaves)
+        if self.leaves is not None:
+            end = time.monotonic() + _CLOSE_GRACE_S
+            while self.leaves.populated() and time.monotonic() < end:
+                self.leaves.kill()
+                time.sleep(0.01)
+            self.leaves.remove()
+        with self._forks_lock:
+            self.closing = True
+            last = not self.forks
+        if last:
+            self._finish(0.0 if self.importer_fd is not None else grace)
+
+    def _signal_importer(self, sig: int) -> None:
+        if self.importer_fd is not None:
+            try:
+                signal.pidfd_send_signal(self.importer_fd, sig)
+            except OSError:
+                pass  # gone already
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL every process below the importer but its forks (and what is below them),
+        until none is left, for at most a few seconds. The importer is a subreaper: whatever
+        it started, double-forked or not, is below it."""
+        with self._forks_lock:
+            forks = {forked.pid for forked in self.forks}
+        if self.importer_fd is None or select.select([self.importer_fd], [], [], 0)[0]:
+            return  # it is gone: its number may name another process now
         end = time.monotonic() + _CLOSE_GRACE_S
         while time.monotonic() < end:
-            left = rest.live()
-            if not left and (self.leaves is None or not self.leaves.populated()):
-                break
-            rest.signal(left, signal.SIGKILL)
-            if self.leaves is not None:
-                self.leaves.kill()
-            time.sleep(0.01)
-        if self.leaves is not None:
-            self.leaves.remove()
+            try:
+                children = psutil.Process(self.pid).children()
+            except psutil.Error:
+                return
+            left: list[psutil.Process] = []
+            for child in children:
+                if child.pid in forks:
+                    continue
+                left.append(child)
+                try:
+                    left += child.children(recursive=True)
+                except psutil.Error:
+                    pass
+            if not left:
+                return
+            for proc in left:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            time.sleep(0.005)
+
+    def fork_ended(self, forked: Forked) -> None:
+        with self._forks_lock:
+            self.forks.discard(forked)
+            last = self.closing and not self.forks
+        if last:
+            threading.Thread(target=self._finish, args=(0.0,), daemon=True).start()
+
+    def _finish(self, grace: float) -> None:
+        """Once the importer is gone and no fork is left: the outer process (and with it the
+        namespace), what is left in its session, the sandbox's TMPDIR, the life socket."""
+        with self._forks_lock:
+            if self._finished:
+                return
+            self._finished = True
+        if self.popen.returncode is None:
+            # Not reaped before the sweep: while it is ours to reap, its pid (the session's
+            # id) names no other process.
+            outer = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
+            try:
+                if outer is None or not select.select([outer], [], [], grace)[0]:
+                    self.popen.send_signal(signal.SIGKILL)
+                rest = Episode(None, self.popen.pid, None, None)
+                end = time.monotonic() + _CLOSE_GRACE_S
+                while time.monotonic() < end:
+                    left = rest.live()
+                    if not left:
+                        break
+                    rest.signal(left, signal.SIGKILL)
+                    time.sleep(0.01)
+            finally:
+                if outer is not None:
+                    os.close(outer)
+        self.popen.wait()
+        if self.importer_fd is not None:
+            os.close(self.importer_fd)
+            self.importer_fd = None
+        self.life.close()
+        if self.sandbox is not None:
+            _sandbox.remove_tmpdir(self.sandbox.tmpdir)
 
 
 @dataclass
@@ -285,7 +481,37 @@ def _key(
         spec.containment,
         level,
         preload_list(spec),
+        # The importer is walled in as its episodes are: their limits and sandbox are its.
+        spec.limits.model_dump_json() if spec.limits is not None else None,
+        spec.sandbox.model_dump_json() if spec.sandbox is not None else None,
     )
+
+
+def unusable(spec: EpisodeSpec, level: str) -> str | None:
+    """Why no template can give episodes of ``spec`` at ``level`` what a fresh start gives
+    them, or None. Blocking (a probe may run)."""
+    layers = _containment.layers(level)
+    if spec.sandbox is not None and spec.sandbox.network is not None:
+        return (
+            "a template cannot give each episode a network namespace of its own: episodes "
+            "with Sandbox(network=...) start fresh"
+        )
+    if "pidns" in layers:
+        if not hasattr(os, "pidfd_open"):
+            return "a template in a PID namespace needs pidfds (Linux 5.3)"
+        problem = _containment.landlock().problem
+        if problem is not None:
+            return (
+                "the episodes of a template share its PID namespace, and only a Landlock "
+                f"domain of their own keeps them from signalling each other ({problem})"
+            )
+        how = _containment.plan(level, spec.limits, _containment.cgroups())
+        if isinstance(how, _containment.Plan) and "RLIMIT_NPROC" in how.rlimits:
+            return (
+                "limits.max_processes without a pids cgroup counts the processes of a user "
+                "namespace, which a template's episodes share: add the 'cgroup' layer"
+            )
+    return None
 
 
 async def acquire(
@@ -320,6 +546,11 @@ async def acquire(
             )
             died.release_fds()
             threading.Thread(target=died.close, daemon=True).start()  # reap it, remove its leaf
+        if starter:
+            problem = await anyio.to_thread.run_sync(unusable, spec, level)
+            if problem is not None:
+                with _lock:
+                    entry.starting, entry.refused = False, problem
         if entry.refused is not None:
             note(f"preload refused: {entry.refused}; this episode starts fresh")
             refused_because(entry.refused)
@@ -358,7 +589,7 @@ async def _start(
     if isinstance(found, str):
         return None, found
     template = found
-    template.fds = _admission.hold_fds(1, entry.name)
+    template.fds = _admission.hold_fds(3, entry.name)  # control, life, the importer's pidfd
     try:
         message = {
             "t": "preload",
@@ -367,11 +598,19 @@ async def _start(
             "preload": list(preload_list(spec)),
         }
         try:
-            _send(template.control, message)
+            # The wall goes as a file: a sandbox's rules can outgrow a control message.
+            wall = json_file(template.wall)
+            try:
+                _send(template.control, message, [wall])
+            finally:
+                os.close(wall)
             await anyio.wait_readable(template.control.fileno())
             reply, fds = _receive(template.control)
         except (OSError, ValueError):  # it died (ECONNRESET), or said something else
             reply, fds = None, []
+        problem = None
+        if reply is not None and reply.get("t") == "ready":
+            problem = template.ready(fds.pop(0) if fds else None)
         for fd in fds:
             os.close(fd)
     except BaseException:
@@ -379,43 +618,92 @@ async def _start(
             await anyio.to_thread.run_sync(template.close, 0.0)  # busy importing: no EOF seen
             template.release_fds()
         raise
-    if reply is not None and reply.get("t") == "ready":
+    if reply is not None and reply.get("t") == "ready" and problem is None:
         return template, None
+    died = None
+    if problem is None and (reply is None or reply.get("t") != "refused"):
+        died = await anyio.to_thread.run_sync(template.death)  # before close() ends its socket
     await anyio.to_thread.run_sync(template.close)
     template.release_fds()
-    if reply is not None and reply.get("t") == "refused":
-        return None, str(reply.get("reason"))
+    if problem is not None:
+        return None, problem
+    if died is None:
+        return None, str(reply.get("reason") if reply is not None else "refused")
     log = spec.log_dir / f"{entry.name}.log" if spec.log_dir is not None else None
     where = f"; see {log}" if log is not None else ""
-    return None, f"the template {template.death()} while importing{where}"
+    return None, f"the template {died} while importing{where}"
 
 
 def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template | str:
     name = entry.name
+    layers = _containment.layers(level)
+    wall: dict[str, Any] = {"containment": level}
     leaves = None
-    if "cgroup" in _containment.layers(level):
-        # Its own leaf, without the episodes' limits: never killed or counted with an episode.
-        leaves = _containment.Leaves(_containment.cgroups(), name, _containment.Plan())
+    if "cgroup" in layers:
+        # Its own leaf, with the episodes' limits: never killed or counted with an episode.
+        groups = _containment.cgroups()
+        how = _containment.plan(level, spec.limits, groups)
+        if isinstance(how, str):
+            return how
+        leaves = _containment.Leaves(groups, name, how)
         problem = leaves.create()
         if problem is not None:
             leaves.remove()
             return problem
+        wall["cgroups"] = leaves.join()
+    if "pidns" in layers:
+        wall["userns"] = _containment.needs_userns()
+    sandbox = None
+    if spec.sandbox is not None:
+        found = _sandbox.prepare(
+            spec.sandbox,
+            episode_id=name,
+            cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
+            child_env=spec.env,
+            mountns="pidns" in layers,
+            can_unshare=not _containment.needs_userns(),
+        )
+        if isinstance(found, str):
+            if leaves is not None:
+                leaves.remove()
+            return found
+        sandbox = found
+        wall["sandbox"] = found.handshake
+        env = {**env, **{k: found.tmpdir for k in TEMP_ENV}}  # the only place it may write
     with _spawn_lock:
-        return _spawn_locked(spec, env, entry, leaves)
+        made = _spawn_locked(spec, env, entry, leaves, "pidns" in layers, sandbox)
+    if isinstance(made, Template):
+        made.wall = wall
+    return made
 
 
 def _spawn_locked(
-    spec: EpisodeSpec, env: dict[str, str], entry: _Entry, leaves: _containment.Leaves | None
+    spec: EpisodeSpec,
+    env: dict[str, str],
+    entry: _Entry,
+    leaves: _containment.Leaves | None,
+    pidns: bool,
+    sandbox: _sandbox.Prepared | None,
 ) -> Template | str:
     name = entry.name
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    life, its_life = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     log: Any = subprocess.DEVNULL
+
+    def undo() -> None:
+        mine.close()
+        life.close()
+        if leaves is not None:
+            leaves.remove()
+        if sandbox is not None:
+            _sandbox.remove_tmpdir(sandbox.tmpdir)
+
     try:
         if spec.log_dir is not None:
             spec.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(Path(spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
         popen = subprocess.Popen(
-            [spec.python, "-I", str(_boot_path()), "--template"],
+            [spec.python, "-I", str(_boot_path()), "--template", str(its_life.fileno())],
             stdin=theirs.fileno(),
             stdout=log,
             stderr=log,
@@ -423,19 +711,22 @@ def _spawn_locked(
             cwd=spec.cwd,
             start_new_session=True,
             close_fds=True,
+            pass_fds=(its_life.fileno(),),
         )
     except OSError as exc:
-        mine.close()
-        if leaves is not None:
-            leaves.remove()
+        undo()
         return f"cannot start a template: {exc.strerror or exc}"
     finally:
         theirs.close()
+        its_life.close()
         if log is not subprocess.DEVNULL:
             log.close()
-    if leaves is not None:
+    if leaves is not None and not pidns:
+        # With a PID namespace the outer process and PID 1 stay outside the leaf (its kill
+        # must not end the namespace its episodes live in); the importer joins it itself.
         leaves.move(popen.pid)
-    template = Template(popen, mine, leaves, name)
+    life.setblocking(False)
+    template = Template(popen, mine, life, leaves, name, sandbox)
     with _lock:
         entry.pending, closed = template, entry.closed
     if closed:  # close_templates() ran meanwhile, and could not see this one
@@ -452,8 +743,15 @@ async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
     entry = _Entry("template.doctor")
     env[EPISODE_ENV] = entry.name
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
+    found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+    if isinstance(found, str):
+        return found, 0.0
+    level = found[0]
+    problem = await anyio.to_thread.run_sync(unusable, spec, level)
+    if problem is not None:
+        return problem, 0.0
     started = time.monotonic()
-    template, refused = await _start(spec, env, root, "session", entry)
+    template, refused = await _start(spec, env, root, level, entry)
     seconds = time.monotonic() - started
     if template is not None:
         with anyio.CancelScope(shield=True):

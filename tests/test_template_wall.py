@@ -1,0 +1,524 @@
+"""A template's import is the agent's code: it runs inside the wall a fresh episode gets.
+
+The hostile agent of ``test_hostile_wall`` runs its attacks at import time, in the template,
+against a stand-in trainer with a unique marker, and each attack's result must be what it is
+in a fresh episode at the same containment: refused. Then what the import may start
+(daemons, writes outside the sandbox, reads of hidden paths) and what survives a template."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+from isolate._core import containment as _containment
+from isolate._core import templates as _templates
+
+from .conftest import (
+    SLOW,
+    Agents,
+    episode_processes,
+    is_gone,
+    remove_dead_parents_leaves,
+    wait_for,
+)
+from .test_containment import tree
+from .test_hostile_wall import (
+    HOSTILE,
+    NOBODY,
+    as_nobody,
+    cap_findings,
+    compare,
+    expected_caps,
+    expected_findings,
+    host_mnt,
+    standin,
+    unprivileged_python,
+)
+from .test_templates import template_processes
+
+pytestmark = [pytest.mark.anyio]
+__all__ = ["standin"]  # a fixture, used by name
+
+#: The hostile agent, attacking once more at import: what it finds goes to import.json.
+AT_IMPORT = """
+import json as _json
+_found = run(_json.loads(os.environ["HOSTILE_DATA"]))[1]
+with open(os.path.join(os.environ["PID_DIR"], "import.json"), "w") as _f:
+    _json.dump(_found, _f)
+"""
+
+#: The combinations a template is used at here (the others start fresh: see unusable()).
+TEMPLATE_COMBINATIONS = ("session", "cgroup", "landlock", "pidns", "cgroup+pidns", "auto")
+
+
+def needs_template(combination: str) -> str:
+    problem = _containment.problem(combination)
+    if problem is not None:
+        pytest.skip(f"containment {combination!r} is not available here: {problem}")
+    return combination
+
+
+@pytest.fixture(params=TEMPLATE_COMBINATIONS)
+def combination(request: pytest.FixtureRequest) -> str:
+    return needs_template(request.param)
+
+
+def import_findings(agents: Agents) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads((agents.pids / "import.json").read_text())
+    return found
+
+
+async def test_the_import_is_refused_everything_a_fresh_episode_is(
+    agents: Agents, standin: subprocess.Popen[bytes], combination: str
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the root agent's attacks: the trainer here is not root")
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        pytest.skip("the attacks use x86_64 Linux system call numbers")
+    scratch = agents.tmp / "scratch"
+    scratch.mkdir()
+    data = {"trainer": standin.pid, "host_mnt": host_mnt(), "scratch": str(scratch)}
+    data["binaries"] = True
+    spec = agents.spec(
+        HOSTILE + AT_IMPORT,
+        containment=combination,
+        preload=True,
+        exit_grace=2.0,
+        timeout=120.0,
+        env={"PID_DIR": str(agents.pids), "HOSTILE_DATA": json.dumps(data)},
+    )
+    outcome = await isolate.run_episode(spec, data)
+    assert (outcome.status, outcome.reward, outcome.start) == ("ok", 0.25, "template"), (
+        outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+    )
+    found = import_findings(agents)
+    expected = expected_findings(combination, root=True)
+    assert {**compare(found, expected), **cap_findings(found, root=True)} == {
+        **expected,
+        **expected_caps(root=True, found=found),
+    }
+    if "pidns" in _containment.layers(outcome.containment):
+        assert max(found["pids"]) < 100, found["pids"]  # only its own namespace's
+    assert standin.poll() is None
+    assert not await anyio.Path(scratch).is_mount()
+    await isolate.close_templates()
+    assert template_processes(agents) == []
+    assert tree(agents) == []
+
+
+ENVIRON_READER = """
+import os
+def read(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return "read %d bytes" % len(f.read())
+    except OSError as exc:
+        return type(exc).__name__
+with open(os.path.join(os.environ["PID_DIR"], "import.txt"), "w") as f:
+    f.write(read(int(os.environ["TRAINER"])))
+def run(data):
+    return 1.0, read(data["trainer"])
+"""
+
+
+async def test_the_import_reads_the_trainers_environment_exactly_as_an_episode_would(
+    agents: Agents, standin: subprocess.Popen[bytes], combination: str
+) -> None:
+    """The stand-in trainer's environment holds a unique marker: the import gets what a fresh
+    episode's agent gets (refused wherever there is a wall), never more."""
+    env = {"PID_DIR": str(agents.pids), "TRAINER": str(standin.pid)}
+    data = {"trainer": standin.pid}
+    fresh = await isolate.run_episode(
+        agents.spec(ENVIRON_READER, containment=combination, env=env), data
+    )
+    assert (fresh.status, fresh.start) == ("ok", "fresh"), fresh.summary()
+    (agents.pids / "import.txt").unlink()
+    forked = await isolate.run_episode(
+        agents.spec(ENVIRON_READER, containment=combination, env=env, preload=True), data
+    )
+    assert (forked.status, forked.start) == ("ok", "template"), forked.summary()
+    at_import = (agents.pids / "import.txt").read_text()
+    assert at_import == fresh.info == forked.info
+    layers = _containment.layers(fresh.containment)
+    if "pidns" in layers:
+        assert at_import == "FileNotFoundError"  # not in its /proc at all
+    elif "landlock" in layers:
+        assert at_import == "PermissionError"
+    await isolate.close_templates()
+
+
+# --- an unprivileged trainer ------------------------------------------------------------------
+
+PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work = sys.argv[1]
+
+async def main():
+    data = {
+        "trainer": os.getpid(),
+        "host_mnt": os.stat("/proc/self/ns/mnt").st_ino,
+        "scratch": os.path.join(work, "scratch"),
+        "binaries": False,
+    }
+    spec = isolate.EpisodeSpec(
+        agent_root=os.path.join(work, "agent_root"),
+        entrypoint="hostile:run",
+        timeout=60.0,
+        kill_grace=1.0,
+        exit_grace=2.0,
+        log_dir=os.path.join(work, "logs"),
+        cwd=work,
+        preload=True,
+        env={"PID_DIR": os.path.join(work, "pids"), "HOSTILE_DATA": json.dumps(data)},
+    )
+    outcome = await isolate.run_episode(spec, data)
+    await isolate.close_templates()
+    print(json.dumps({"uid": os.getuid(), "outcome": json.loads(outcome.model_dump_json())}))
+
+anyio.run(main)
+"""
+
+
+def test_the_unprivileged_trainers_import_has_no_capability_and_is_refused() -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    if os.uname().machine != "x86_64":
+        pytest.skip("the attacks use x86_64 Linux system call numbers")
+    repo = Path(isolate.__file__).resolve().parent.parent
+    found_python = unprivileged_python(repo)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    work = Path(tempfile.mkdtemp(prefix="isolate-template-nobody-"))
+    marker = f"PID_DIR={work}/pids".encode()
+    try:
+        for sub in ("agent_root", "logs", "pids", "scratch"):
+            (work / sub).mkdir()
+        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE + AT_IMPORT))
+        (work / "parent.py").write_text(PARENT)
+        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+            path.chmod(0o777)
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["uid"] == NOBODY
+        outcome = report["outcome"]
+        assert (outcome["status"], outcome["reward"], outcome["start"]) == (
+            "ok",
+            0.25,
+            "template",
+        ), (outcome["error"], outcome["preload_refused"], outcome["stderr_tail"][-2000:])
+        assert outcome["containment"] == "pidns"  # auto, for nobody: pidns in a userns
+        found = json.loads((work / "pids" / "import.json").read_text())
+        expected = expected_findings("pidns", root=False)
+        assert {**compare(found, expected), **cap_findings(found, root=False)} == {
+            **expected,
+            **expected_caps(root=False, found=found),
+        }
+        assert episode_processes(marker) == []
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- what the import starts, writes and reads -------------------------------------------------
+
+DAEMON = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(os.path.join(os.environ["PID_DIR"], "daemon.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(os.environ["PID_DIR"], "daemon.tmp"),
+                  os.path.join(os.environ["PID_DIR"], "daemon"))
+        time.sleep(300)
+    os._exit(0)
+os.wait()
+while not os.path.exists(os.path.join(os.environ["PID_DIR"], "daemon")):
+    time.sleep(0.01)
+"""
+
+
+def tagged_daemons(agents: Agents) -> list[psutil.Process]:
+    """Live processes of the test whose command line is the template's (a daemon the import
+    forked) and that are neither a template's own process nor a fork of one."""
+    own = {pid for t in _templates.started_templates() for pid in t.own_pids()}
+    return [p for p in episode_processes(f"PID_DIR={agents.pids}".encode()) if p.pid not in own]
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns", "session"])
+async def test_a_daemon_the_import_forked_is_refused_and_killed(
+    agents: Agents, combination: str
+) -> None:
+    needs_template(combination)
+    spec = agents.spec(
+        DAEMON + "def run(data):\n    return 1.0\n", containment=combination, preload=True
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused is not None
+    assert "running after import" in outcome.preload_refused
+    # The fresh start forked one too; its teardown took it. Nothing is left of either.
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: not tagged_daemons(agents), 5.0, "no daemon")
+    )
+    await isolate.close_templates()
+    assert template_processes(agents) == []
+
+
+LATE_DAEMON = """
+import os, signal, subprocess, sys
+def later(*_):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+signal.signal(signal.SIGUSR1, later)
+def run(data):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns", "cgroup"])
+async def test_what_the_template_starts_late_dies_with_it(agents: Agents, combination: str) -> None:
+    """After the fork-safety check the agent's code still runs in the template (here a signal
+    handler its import installed), and starts a process in a session of its own: it dies with
+    the template, at close_templates() and when the parent is killed."""
+    needs_template(combination)
+    spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    os.kill(template.pid, signal.SIGUSR1)
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: tagged_daemons(agents), 5.0, "the late process")
+    )
+    (late,) = tagged_daemons(agents)
+    await isolate.close_templates()
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: is_gone(late.pid, late.create_time()), 5.0, "it to die")
+    )
+    assert template_processes(agents) == []
+    assert tagged_daemons(agents) == []
+
+
+PARENT_OF_A_TEMPLATE = """
+import anyio, isolate, sys
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+async def main():
+    outcome = await isolate.run_episode(spec, {})
+    print(outcome.start, flush=True)
+    await anyio.sleep(300)
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns", "cgroup", "session"])
+def test_the_parents_death_takes_the_template_and_what_it_started(
+    agents: Agents, combination: str
+) -> None:
+    needs_template(combination)
+    spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_OF_A_TEMPLATE, spec.model_dump_json()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "template"
+        (template,) = template_processes(agents, parent.pid)
+        tag = f"PID_DIR={agents.pids}".encode()
+        own = {p.pid for p in episode_processes(tag)}  # the template's (its episode is over)
+        template.send_signal(signal.SIGUSR1)
+        wait_for(lambda: {p.pid for p in episode_processes(tag)} - own, 5.0, "the late process")
+        seen = episode_processes(tag)
+        assert len(seen) == len(own) + 1
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in seen), 5.0, "all to die")
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    remove_dead_parents_leaves()
+
+
+@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+async def test_the_sandboxed_import_writes_and_reads_only_what_an_episode_may(
+    agents: Agents,
+) -> None:
+    outside = agents.tmp / "outside"
+    outside.mkdir()
+    hidden = agents.tmp / "hidden"
+    hidden.write_text("trainer-only")
+    code = f"""
+import json, os
+found = {{}}
+try:
+    open({str(outside / "written")!r}, "w").close()
+    found["write outside"] = "written"
+except OSError as exc:
+    found["write outside"] = type(exc).__name__
+try:
+    found["read hidden"] = open({str(hidden)!r}).read() or "empty"
+except OSError as exc:
+    found["read hidden"] = type(exc).__name__
+import tempfile
+path = os.path.join(tempfile.gettempdir(), "at-import")
+open(path, "w").close()
+found["write TMPDIR"] = "written"
+with open(os.path.join(os.environ["PID_DIR"], "import.json"), "w") as f:
+    json.dump(found, f)
+def run(data):
+    sibling = [p for p in os.listdir(os.path.dirname(os.environ["TMPDIR"]))]
+    return 1.0, {{"tmp": os.environ["TMPDIR"], "under": sibling}}
+"""
+    sandbox = isolate.Sandbox(hide=(str(hidden),), write=(agents.pids,))
+    spec = agents.spec(code, preload=True, sandbox=sandbox)
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    found = import_findings(agents)
+    assert found["write outside"] in ("PermissionError", "OSError"), found
+    assert found["read hidden"] in ("empty", "PermissionError"), found
+    assert found["write TMPDIR"] == "written"
+    assert not (outside / "written").exists()
+    # Each episode's TMPDIR lives under the template's, and is its own.
+    tmps = [Path(o.info["tmp"]) for o in outcomes]
+    assert tmps[0] != tmps[1]
+    assert tmps[0].parent == tmps[1].parent
+    assert len(_templates.started_templates()) == 1
+    await isolate.close_templates()
+    assert not tmps[0].parent.exists()
+
+
+def test_a_control_message_is_never_cut() -> None:
+    import socket as _socket
+
+    from agent_shim.shim_wire import MAX_CONTROL_BYTES, receive_message, send_message
+
+    mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    with mine, theirs:
+        with pytest.raises(ValueError, match="pass what is larger as a file"):
+            send_message(mine, {"x": "a" * MAX_CONTROL_BYTES})
+        mine.sendmsg([b'{"x": "' + b"a" * MAX_CONTROL_BYTES + b'"}'])  # as a broken peer might
+        with pytest.raises(ValueError, match="longer than"):
+            receive_message(theirs)
+
+
+@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+async def test_a_sandbox_whose_rules_outgrow_a_control_message(agents: Agents) -> None:
+    """Hiding a file in a directory of 3,000 carves a rule for each of its neighbours: the
+    template's wall is far larger than a control message, and reaches it whole."""
+    crowded = agents.tmp / "crowded"
+    crowded.mkdir()
+    for i in range(3000):
+        (crowded / f"neighbour-{i:04d}.txt").write_text("x")
+    (crowded / "secret").write_text("trainer-only")
+    code = f"""
+def run(data):
+    try:
+        return 1.0, open({str(crowded / "secret")!r}).read() or "empty"
+    except OSError as exc:
+        return 1.0, type(exc).__name__
+"""
+    spec = agents.spec(code, preload=True, sandbox=isolate.Sandbox(hide=(str(crowded / "secret"),)))
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), (
+        outcome.summary(),
+        outcome.preload_refused,
+    )
+    assert outcome.info in ("empty", "PermissionError", "FileNotFoundError")
+    await isolate.close_templates()
+
+
+SIBLING = """
+import os, signal, subprocess, time
+def run(data):
+    pids = os.environ["PID_DIR"]
+    if data["name"] == "victim":
+        # A process it exec'd: dumpable, with the episode's environment.
+        child = subprocess.Popen(["sleep", "60"])
+        with open(os.path.join(pids, "victim.tmp"), "w") as f:
+            f.write(str(child.pid))
+        os.rename(os.path.join(pids, "victim.tmp"), os.path.join(pids, "victim"))
+        while not os.path.exists(os.path.join(pids, "done")):
+            time.sleep(0.01)
+        alive = child.poll() is None
+        child.kill()
+        child.wait()
+        return 1.0, {"alive": alive}
+    while not os.path.exists(os.path.join(pids, "victim")):
+        time.sleep(0.01)
+    victim = int(open(os.path.join(pids, "victim")).read())
+    found = {"seen": os.path.exists("/proc/%d" % victim)}
+    for sig in (0, signal.SIGKILL):
+        try:
+            os.kill(victim, sig)
+            found[str(sig)] = "sent"
+        except OSError as exc:
+            found[str(sig)] = type(exc).__name__
+    try:
+        os.kill(-1, signal.SIGKILL)  # everything this process may signal, but itself
+        found["-1"] = "sent"
+    except OSError as exc:
+        found["-1"] = type(exc).__name__
+    try:
+        found["environ"] = len(open("/proc/%d/environ" % victim, "rb").read())
+    except OSError as exc:
+        found["environ"] = type(exc).__name__
+    open(os.path.join(pids, "done"), "w").close()
+    return 1.0, found
+"""
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns"])
+async def test_episodes_of_one_template_cannot_reach_each_other(
+    agents: Agents, combination: str
+) -> None:
+    """Two episodes forked from one template share its PID namespace: the attacker sees the
+    victim's pid, and cannot signal it (not even with kill -1) or read its environment."""
+    needs_template(combination)
+    spec = agents.spec(SIBLING, containment=combination, preload=True)
+    results: dict[str, isolate.EpisodeOutcome] = {}
+
+    async def one(name: str) -> None:
+        results[name] = await isolate.run_episode(spec, {"name": name})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "victim")
+        tg.start_soon(one, "attacker")
+    victim, attacker = results["victim"], results["attacker"]
+    assert (victim.status, victim.reward, victim.start) == ("ok", 1.0, "template"), victim.summary()
+    assert (attacker.status, attacker.start) == ("ok", "template"), attacker.summary()
+    assert victim.info == {"alive": True}
+    assert attacker.info == {
+        "seen": True,
+        "0": "PermissionError",
+        "9": "PermissionError",
+        # kill(-1) says 0 when every process refused it (EPERM is not reported): the victim's
+        # "alive" and its result are the proof.
+        "-1": "sent",
+        "environ": "PermissionError",
+    }, attacker.info
+    await isolate.close_templates()
+    assert template_processes(agents) == []
