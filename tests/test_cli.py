@@ -85,6 +85,20 @@ def bundles(agents: Agents) -> list[Path]:
     return sorted(p for p in agents.logs.iterdir() if p.is_dir())
 
 
+@pytest.mark.parametrize("command", ["run", "batch", "report", "doctor", "demo", "scripted-llm"])
+def test_every_command_says_what_it_does_in_its_help(command: str) -> None:
+    """Not only the usage line: a description, and the exit statuses where it has several."""
+    done = isolate_cli(command, "--help")
+    assert done.returncode == 0, done.stderr
+    usage, _, rest = done.stdout.partition("\n\n")
+    description = rest.split("\n\noptions:")[0].split("\n\npositional arguments:")[0]
+    description = " ".join(description.split())  # as wrapped to the terminal's width
+    assert usage.startswith(f"usage: isolate {command}")
+    assert len(description.split()) >= 8, done.stdout
+    if command in ("run", "doctor", "demo"):
+        assert "Exit status" in description, description
+
+
 def test_run_ok_prints_the_outcome_and_leaves_a_bundle(agents: Agents, tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("sk-cli-file-key\n")

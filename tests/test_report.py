@@ -257,6 +257,14 @@ def test_samples_give_pass_at_k(tmp_path: Path) -> None:
     assert values[3]["instances"] == 3
 
 
+def test_one_instance_is_one_instance(tmp_path: Path) -> None:
+    path = write_records(tmp_path / "results.jsonl", [line("a", 1, "ok")])
+    proc = report(str(path))
+    assert proc.returncode == 0, proc.stderr
+    expected = f"isolate report: {path}: 1 instance, 1 result from 1 line (0 earlier attempts)"
+    assert proc.stdout.startswith(expected + "\n"), proc.stdout
+
+
 def test_a_partial_last_line_is_ignored_and_left_alone(tmp_path: Path) -> None:
     path = write_records(tmp_path / "results.jsonl", [line("a", 1, "ok")])
     with open(path, "a") as f:

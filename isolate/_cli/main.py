@@ -66,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
 
     doctor = sub.add_parser(
-        "doctor", allow_abbrev=False, help="check an agent checkout without running an episode"
+        "doctor",
+        allow_abbrev=False,
+        help="check an agent checkout without running an episode",
+        description="Check what this machine gives an episode (containment layers, sandbox, "
+        "network) and whether the agent checkout imports and takes the workflow's arguments, "
+        "without running an episode. One verdict a line. Exit status: 0 every check passed, "
+        "1 one failed, 2 usage.",
     )
     doctor.add_argument("--agent-root", type=Path, help="agent checkout (default: as `run`)")
     doctor.add_argument("--python", help="the agent's interpreter (default: this one)")
@@ -83,7 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also start a preloaded template of the agent: is it used, or why not",
     )
 
-    sub.add_parser("demo", help="run three real episodes against a scripted LLM on 127.0.0.1")
+    sub.add_parser(
+        "demo",
+        help="run three real episodes against a scripted LLM on 127.0.0.1",
+        description="Run three real episodes of the packaged demo agent against a scripted LLM "
+        "on 127.0.0.1: one solves its task, one hangs and is timed out with its tree, one has a "
+        "key the server never issued. Needs no model, key or network. Exit status: 0 when "
+        "all three end as expected, 1 otherwise.",
+    )
     llm = sub.add_parser(
         "scripted-llm",
         allow_abbrev=False,

@@ -21,7 +21,7 @@ from ..._core.outcome import STATUSES
 from ..options import UsageError
 from .io import BatchError, ResultLines, is_final, read_results, unit_of
 from .selection import PassAtK, pass_at_ks, pass_lines
-from .view import mean_reward, percentile, resolved, samples_of, table
+from .view import counted, mean_reward, percentile, resolved, samples_of, table
 
 #: At most this many results of a failure group are listed in the text; --json lists all.
 SHOWN_PER_GROUP = 10
@@ -230,10 +230,6 @@ def _group_title(group: dict[str, Any]) -> str:
     return f"  {group['status']}  {detail}  ({group['count']})"
 
 
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" + ("s" if n != 1 else "")
-
-
 def _label(result: dict[str, Any]) -> str:
     sample = result["sample"]
     return str(result["instance_id"]) + (f"#{sample}" if sample is not None else "")
@@ -263,13 +259,14 @@ def _status_table(name: str, rows: dict[str, dict[str, int]]) -> list[str]:
 def render(found: dict[str, Any]) -> str:
     """The text of a report built by :func:`build`."""
     total = found["results"]
-    what = f"{found['instances']} instances"
+    what = counted(found["instances"], "instance")
     if found["samples"]:
         low, high = found["samples"]["min"], found["samples"]["max"]
-        what += f" x {low} samples" if low == high else f" x {low}-{high} samples"
+        what += f" x {counted(low, 'sample')}" if low == high else f" x {low}-{high} samples"
     lines = [
-        f"isolate report: {found['file']}: {what}, {total} results from {found['lines']} "
-        f"lines ({_count(found['earlier_attempts'], 'earlier attempt')})",
+        f"isolate report: {found['file']}: {what}, {counted(total, 'result')} from "
+        f"{counted(found['lines'], 'line')} "
+        f"({counted(found['earlier_attempts'], 'earlier attempt')})",
         "",
     ]
     cells: list[tuple[str, ...]] = [("status", "count", "share")]
@@ -306,8 +303,8 @@ def render(found: dict[str, Any]) -> str:
     lines += [f"{name:<11}  {text}" for name, text in facts]
     if found["failures"]:
         failed = sum(g["count"] for g in found["failures"])
-        groups = _count(len(found["failures"]), "group")
-        lines += ["", f"failures: {_count(failed, 'result')} in {groups}"]
+        groups = counted(len(found["failures"]), "group")
+        lines += ["", f"failures: {counted(failed, 'result')} in {groups}"]
         for group in found["failures"]:
             lines.append(_group_title(group))
             messages = Counter(r["message"] for r in group["results"] if r["message"])

@@ -234,9 +234,9 @@ def summary(
     entries = [final[u] for u in units if u in final]
     counts = Counter(e["status"] for e in entries)
     elapsed = time.monotonic() - view.start
-    what = f"{len({i for i, _ in units})} instances"
+    what = counted(len({i for i, _ in units}), "instance")
     if samples is not None:
-        what += f" x {samples} samples"
+        what += f" x {counted(samples, 'sample')}"
     lines = [
         f"isolate batch: {what}, {view.finished} run now in {elapsed:.1f} s "
         f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
@@ -318,3 +318,8 @@ def summary(
 def _cause(entry: dict[str, Any]) -> str:
     error = entry.get("error") or {}
     return f"{error.get('type', 'SetupError')}: {error.get('message', 'no message')}"
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 instance``, ``2 instances``."""
+    return f"{n} {noun}{'s' * (n != 1)}"
