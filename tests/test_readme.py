@@ -15,6 +15,8 @@ from .test_cli import cli_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+#: The command line in full, which the README's table of commands links to.
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 #: Where ``pip`` put the ``isolate`` entry point of the environment running the tests.
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 README_PORT = "8000"
@@ -100,7 +102,7 @@ def test_trying_it_without_a_model(tmp_path: Path) -> None:
 
 
 def test_the_first_example_runs(tmp_path: Path) -> None:
-    code = _block("# isolate", "python")
+    code = _block("## The first example", "python")
     assert f"127.0.0.1:{README_PORT}" in code
     server, address = _start_llm(["isolate", "scripted-llm", "--port", README_PORT], tmp_path)
     try:
@@ -126,8 +128,80 @@ def test_the_run_synopsis_names_every_option_of_run() -> None:
     )
     options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", proc.stdout)) - {"--help"}
     assert {"--replay", "--status-interval", "--base-url", "--api-key-env"} <= options
-    start = README.index("- `isolate run RECORD.json")
-    synopsis = README[start : README.index("- `isolate doctor", start)]
+    start = CLI_DOC.index("- `isolate run RECORD.json")
+    synopsis = CLI_DOC[start : CLI_DOC.index("- `isolate doctor", start)]
     # Named whole: --sandbox is not named by --sandbox-write.
     missing = sorted(o for o in options if not re.search(rf"{o}(?![\w-])", synopsis))
-    assert missing == [], f"README's `isolate run` synopsis lacks {missing}"
+    assert missing == [], f"docs/cli.md's `isolate run` synopsis lacks {missing}"
+
+
+#: The pages whose relative links must resolve: the README and every page under docs/.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_FENCE = re.compile(r"^```.*?^```[^\n]*$", re.DOTALL | re.MULTILINE)
+_CODE_SPAN = re.compile(r"`[^`]*`")
+_LINK = re.compile(r"\[[^\]]*\]\(([^()\s]+)\)")
+_HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.MULTILINE)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, every character but letters, digits, spaces,
+    hyphens and underscores dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of a markdown file's headings (fenced blocks skipped), repeats numbered as
+    GitHub numbers them (``x``, ``x-1``, ...)."""
+    seen: dict[str, int] = {}
+    found: set[str] = set()
+    for heading in _HEADING.findall(_FENCE.sub("", path.read_text())):
+        base = _anchor(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def _relative_links(path: Path) -> list[str]:
+    """The targets of a markdown file's links that are not URLs (code blocks and spans skipped)."""
+    text = _CODE_SPAN.sub("", _FENCE.sub("", path.read_text()))
+    return [t for t in _LINK.findall(text) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def test_the_anchor_function_follows_github() -> None:
+    assert _anchor("What the agent's process looks like") == "what-the-agents-process-looks-like"
+    assert _anchor("Past one machine: `--backend ray`") == "past-one-machine---backend-ray"
+    assert _anchor("Many episodes at once: the open-file limit") == (
+        "many-episodes-at-once-the-open-file-limit"
+    )
+    assert (
+        _anchor("Set-up: two commands on a fresh clone") == "set-up-two-commands-on-a-fresh-clone"
+    )
+
+
+def test_every_relative_link_resolves() -> None:
+    assert len(PAGES) > 5
+    broken, checked = [], 0
+    for page in PAGES:
+        for link in _relative_links(page):
+            checked += 1
+            file, _, anchor = link.partition("#")
+            target = (page.parent / file).resolve() if file else page
+            if not target.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such file)")
+            elif anchor and (target.suffix != ".md" or anchor not in _anchors(target)):
+                broken.append(f"{page.relative_to(ROOT)}: {link} (no such heading)")
+    assert checked > 40  # the links were found at all
+    assert broken == []
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    linked = {
+        (ROOT / link.partition("#")[0]).resolve() for link in _relative_links(ROOT / "README.md")
+    }
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert missing == [], f"README.md's Documentation list lacks {missing}"
+
+
+def test_the_readme_is_a_front_door() -> None:
+    assert len(README.splitlines()) < 300
