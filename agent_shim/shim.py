@@ -774,7 +774,7 @@ def close_open_files():
     """Close the agent's file objects that are still open, as their deallocation would: text
     wrappers first, then buffered files, then raw ones, so each flushes into one still open.
     Objects that existed at the fork are frozen and not listed: the shim's own, and in a
-    template's fork the import's (README: What a template shares)."""
+    template's fork the import's (docs/templates.md: What a template shares)."""
     try:
         from _io import _BufferedIOBase, _IOBase, _TextIOBase  # C types: a quick check
     except ImportError:  # not CPython

@@ -5,7 +5,7 @@
     spec = isolate.EpisodeSpec(agent_root="/path/to/agent", timeout=1800)
     outcome = await isolate.run_episode(spec, record, secrets={"override_api_key": key})
 
-See README.md for the failure taxonomy and docs/protocol.md for the wire protocol.
+See docs/api.md for the failure taxonomy and docs/protocol.md for the wire protocol.
 """
 
 from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION

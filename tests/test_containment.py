@@ -341,7 +341,7 @@ async def test_an_agent_that_kills_its_supervisor(
     template's fork, in its template's namespace, has a Landlock domain of its own: EPERM).
     There the episode ends as the agent returns. At ``session`` and ``cgroup`` the supervisor
     dies: the episode is ``crashed`` by its SIGKILL, and nothing is left, except at ``session``
-    the daemon, which nothing finds (README, "What no containment here covers")."""
+    the daemon, which nothing finds (docs/containment.md, "What no containment here covers")."""
     layers = _containment.layers(combination)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

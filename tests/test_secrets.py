@@ -190,7 +190,7 @@ def run(data):
     while not os.path.exists(os.path.join(os.environ["PID_DIR"], "go")):
         time.sleep(0.01)
     print("the SDK logs its key:", value)
-    # What the agent starts inherits os.environ, the variable with it (README says so).
+    # What the agent starts inherits os.environ, the variable with it (docs/secrets.md says so).
     child = subprocess.run(
         [sys.executable, "-c", "import os; print(os.environ.get('SANDBOX_CONF', ''))"],
         capture_output=True, text=True,

@@ -129,7 +129,7 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         help="run the agent in the default Sandbox(): hidden credentials, writes only to its "
-        "cwd, TMPDIR and the log dir (see README, Sandbox)",
+        "cwd, TMPDIR and the log dir (see docs/sandbox.md)",
     )
     group.add_argument(
         "--sandbox-write",
@@ -150,7 +150,7 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
         "--preload",
         action="store_true",
         default=None,
-        help="fork each episode from a template that imported the agent once (README: "
+        help="fork each episode from a template that imported the agent once (docs/templates.md: "
         "Preloaded templates)",
     )
 

@@ -65,7 +65,8 @@ Containment = Annotated[str, AfterValidator(_check_containment)]
 
 class Limits(BaseModel):
     """Resource limits of one episode. None means no limit. Each is enforced by the strongest
-    mechanism the episode's containment level offers (see README, "Resource limits")."""
+    mechanism the episode's containment level offers (docs/containment.md, "Resource
+    limits")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -125,12 +126,12 @@ class EpisodeSpec(BaseModel):
     """Largest JSON ``info`` (the entrypoint's extra) kept, in bytes; larger is truncated."""
     containment: Containment = "auto"
     """Layers that combine, e.g. ``cgroup+pidns`` (of ``cgroup``, ``pidns``, ``landlock``), or
-    ``session`` alone (see README); ``auto`` picks the strongest combination this machine
-    provides. A layer the machine cannot provide is a ``setup_error`` that says why."""
+    ``session`` alone (docs/containment.md); ``auto`` picks the strongest combination this
+    machine provides. A layer the machine cannot provide is a ``setup_error`` that says why."""
     limits: Limits | None = None
     """Resource limits; an episode that hits one ends ``crashed`` with a ``reason``."""
     sandbox: Sandbox | None = None
-    """What the agent may read, write and connect to (see README, "Sandbox"); None: whatever
+    """What the agent may read, write and connect to (see docs/sandbox.md); None: whatever
     its user may."""
     preload: bool | tuple[str, ...] = False
     """Fork episodes from a template that imported the entrypoint's module once (True), and

@@ -58,8 +58,8 @@ PROTECTED = (
 
 
 class Sandbox(BaseModel):
-    """What an episode's agent may read, write and connect to (Linux, Landlock; see README,
-    "Sandbox"). Reads are allowed everywhere but ``DEFAULT_HIDE`` and ``hide``; writes only in
+    """What an episode's agent may read, write and connect to (Linux, Landlock; see
+    docs/sandbox.md). Reads are allowed everywhere but ``DEFAULT_HIDE`` and ``hide``; writes only in
     the working directory, a private ``TMPDIR``, ``/dev/null`` and its like, and ``write``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -90,7 +90,8 @@ class Sandbox(BaseModel):
     network: Literal["none"] | tuple[str, ...] | None = None
     """None: the trainer's network. ``"none"``: no network at all, loopback of its own only.
     Entries ``host[:port]`` (``"api.openai.com"``, ``"*.github.com:443"``, ``"127.0.0.1:8000"``):
-    the agent reaches those through an egress proxy and nothing else (README, "Network")."""
+    the agent reaches those through an egress proxy and nothing else (docs/sandbox.md,
+    "Network")."""
     best_effort: bool = False
     """Run even where the machine cannot enforce part of this; ``outcome.sandbox`` says what
     was. By default such an episode is a ``setup_error`` naming what is missing."""
