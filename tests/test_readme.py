@@ -101,6 +101,26 @@ def test_trying_it_without_a_model(tmp_path: Path) -> None:
     assert len(list((tmp_path / "logs").iterdir())) == 2  # a replay bundle each
 
 
+def test_your_own_agent_runs_from_any_directory(tmp_path: Path) -> None:
+    """From an empty directory, with no server: only what an install gives."""
+    code = _block("## Your own agent, from any directory", "python")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=empty,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60 * SLOW,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "ok 1.0 17\n"
+    assert sorted(p.name for p in empty.iterdir()) == []  # it left nothing where it ran
+
+
 def test_the_first_example_runs(tmp_path: Path) -> None:
     code = _block("## The first example", "python")
     assert f"127.0.0.1:{README_PORT}" in code
