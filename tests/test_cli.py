@@ -400,6 +400,34 @@ def test_doctor_under_a_bare_interpreter(bare_venv: Path) -> None:
     assert "pydantic not installed, openai not installed, litellm not installed" in proc.stdout
 
 
+def test_a_missing_agent_root_names_the_flag(tmp_path: Path) -> None:
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"instance_id": "x", "problem_statement": "p"}))
+    missing = tmp_path / "nowhere"
+    env = {k: v for k, v in cli_env().items() if not k.endswith("AGENT_ROOT")}
+    logs = tmp_path / "logs"
+    proc = isolate_cli(
+        "run", str(record), "--agent-root", str(missing), "--base-url", URL, "--log-dir",
+        str(logs), env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"isolate: error: agent root {missing} does not exist: give the agent's checkout with "
+        "--agent-root (or AWEAGENT_ROOT in the environment)"
+    )
+    assert not logs.exists()  # refused before anything started
+
+
+def test_doctor_refuses_a_malformed_entrypoint_as_run_does() -> None:
+    proc = isolate_cli("doctor", "--entrypoint", "foo")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == (
+        "isolate doctor: error: argument --entrypoint: entrypoint must look like "
+        "'package.module:function', got 'foo'"
+    )
+
+
 def test_doctor_tells_stale_shim_bytecode(tmp_path: Path) -> None:
     source = tmp_path / "shim.py"
     source.write_text("X = 1\n")

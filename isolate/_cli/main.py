@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--agent-root", type=Path, help="agent checkout (default: as `run`)")
     doctor.add_argument("--python", help="the agent's interpreter (default: this one)")
-    doctor.add_argument("--entrypoint", help="module:function to check")
+    doctor.add_argument("--entrypoint", type=_entrypoint, help="module:function to check")
     doctor.add_argument(
         "--containment",
         default="auto",
@@ -106,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     llm.add_argument("--port", type=port_number, default=0, help="TCP port (default: a free one)")
     return parser
+
+
+def _entrypoint(value: str) -> str:
+    """``--entrypoint`` as ``EpisodeSpec`` takes it: the same words for the same mistake."""
+    from .._core.config import EpisodeSpec
+
+    try:
+        return EpisodeSpec._check_entrypoint(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _containment(value: str) -> str:

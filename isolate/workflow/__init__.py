@@ -55,7 +55,8 @@ _DEFAULT_AGENT_CONFIGS = {
     "opencode": "eval_opencode",
     "codex": "eval_codex",
 }
-_ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
+#: The econfig keys that name the agent root, first found wins.
+ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
 _ROOT_ENV = ("AWEAGENT_ROOT", "SWE_AGENT_ROOT", "SWEAGENT_ROOT")
 _ON_CRASH = ("zero", "raise")
 _SANDBOX_BACKENDS = ("aenv", "e2b")
@@ -82,7 +83,7 @@ def default_agent_root() -> Path:
 def resolve_agent_root(econfig: dict[str, Any]) -> Path:
     """econfig ``agent_root`` → ``aweagent_root`` → ``swe_agent_root``; else env
     ``AWEAGENT_ROOT`` → ``SWE_AGENT_ROOT`` → ``SWEAGENT_ROOT``; else the sibling checkout."""
-    for key in _ROOT_KEYS:
+    for key in ROOT_KEYS:
         if econfig.get(key):
             return Path(econfig[key]).expanduser().absolute()
     for name in _ROOT_ENV:

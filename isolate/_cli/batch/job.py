@@ -20,6 +20,7 @@ from ..._core.config import EpisodeSpec
 from ..._core.launcher import _default_episode_id, run_episode
 from ..._core.outcome import EpisodeOutcome
 from ...workflow import (
+    ROOT_KEYS,
     episode_kwargs,
     episode_secret_env,
     episode_spec,
@@ -90,7 +91,8 @@ class Plan:
         self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
         # What is wrong with the flags is wrong for every record: say it once, before any.
         try:
-            self.build({} if self.base_url else {"base_url": "http://127.0.0.1/v1"})
+            # The agent root is the one thing a record may set that the flags need not.
+            self.build({} if self.base_url else {"base_url": "http://127.0.0.1/v1"}, root=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
 
@@ -107,7 +109,7 @@ class Plan:
         return episode_secret_env(self._econfig(record), self.environ)
 
     def build(
-        self, record: dict[str, Any], episode_id: str | None = None
+        self, record: dict[str, Any], episode_id: str | None = None, root: bool = True
     ) -> tuple[EpisodeSpec, dict[str, Any]]:
         """Raises ValueError, with a one-line message, for a record that cannot run. With a
         sandbox and an ``episode_id``, the episode gets a working directory and a
@@ -144,6 +146,13 @@ class Plan:
             raise ValueError("; ".join(problems)) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"econfig: {exc}") from None
+        if root and spec.agent_root is not None and not spec.agent_root.is_dir():
+            what = "is not a directory" if spec.agent_root.exists() else "does not exist"
+            where = "econfig.agent_root" if any(k in own for k in ROOT_KEYS) else "--agent-root"
+            raise ValueError(
+                f"agent root {spec.agent_root} {what}: give the agent's checkout with {where} "
+                "(or AWEAGENT_ROOT in the environment)"
+            )
         kwargs["result_dir"] = str(result_dir)
         return spec, kwargs
 
