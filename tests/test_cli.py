@@ -383,6 +383,42 @@ def test_ctrl_c_tears_the_episode_down(agents: Agents, sig: signal.Signals) -> N
     wait_for(lambda: not agents.left(), 2.0, "children gone")
 
 
+def test_ctrl_c_says_what_it_waits_for_and_a_second_one_kills_at_once(agents: Agents) -> None:
+    """The agent's clean-up would take 60 s, within a --cancel-grace of 90: the first Ctrl-C
+    says so and how to skip it; the second kills the episode at once."""
+    record = write_record(agents, spawn=2, sleep=120, slow_cleanup=60)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isolate", *run_args(agents, record, "--cancel-grace", "90")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    try:
+        agents.wait_pids(2, timeout=20.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr is not None
+        seen = b""
+        while b"interrupt again" not in seen:
+            line = proc.stderr.readline()
+            assert line, seen
+            seen += line
+        assert b"gets up to 90 s to clean up (--cancel-grace)" in seen
+        assert proc.poll() is None  # waiting for the clean-up
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20 * SLOW)  # not the 60 s of the clean-up
+    finally:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode == 130, err
+    assert b"killing the episode's processes now" in err
+    assert out == b""
+    wait_for(lambda: not agents.left(), 2.0 * SLOW, "the episode's processes gone")
+
+
 def test_doctor_on_a_good_checkout() -> None:
     proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED))
     assert proc.returncode == 0, proc.stdout + proc.stderr

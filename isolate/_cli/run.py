@@ -145,20 +145,30 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
 
     outcome: EpisodeOutcome | None = None
     interrupted = False
+    status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
+    episode_scope = anyio.CancelScope()
     async with anyio.create_task_group() as tg:
 
         async def watch_signals() -> None:
             nonlocal interrupted
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
-                    interrupted = True
-                    print("\nisolate: interrupted, tearing the episode down", file=sys.stderr)
-                    tg.cancel_scope.cancel()
-                    return
+                    if not interrupted:
+                        interrupted = True
+                        print(f"\nisolate: {_cancelling(spec)}", file=sys.stderr)
+                        episode_scope.cancel()
+                    elif status.pid is not None:
+                        print("isolate: killing the episode's processes now", file=sys.stderr)
+                        status.kill()
 
         async def episode() -> None:
             nonlocal outcome
-            status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
+            with episode_scope:
+                await one_episode()
+            tg.cancel_scope.cancel()
+
+        async def one_episode() -> None:
+            nonlocal outcome
             async with anyio.create_task_group() as inner:
                 inner.start_soon(status.run)
                 try:
@@ -175,7 +185,6 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                     status.clear()
                     inner.cancel_scope.cancel()
                     await close_templates()  # --preload: the one episode is over
-            tg.cancel_scope.cancel()
 
         tg.start_soon(watch_signals)
         tg.start_soon(episode)
@@ -193,6 +202,17 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     return EXIT_CODES[outcome.status]
 
 
+def _cancelling(spec: EpisodeSpec) -> str:
+    """What the first Ctrl-C (or SIGTERM) starts, and how to cut it short."""
+    if spec.cancel_grace > 0:
+        return (
+            f"interrupted: the agent is cancelled and gets up to {spec.cancel_grace:g} s to "
+            "clean up (--cancel-grace), then its processes are killed; interrupt again to "
+            "kill them now"
+        )
+    return "interrupted: killing the episode's processes"
+
+
 class _Status:
     """The live status line (a terminal) or periodic plain lines (anything else), on stderr."""
 
@@ -202,6 +222,15 @@ class _Status:
         self.start = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.interval = interval or (_TTY_TICK_S if self.tty else _PLAIN_TICK_S)
+
+    def kill(self) -> None:
+        """SIGKILL the episode's shim: its supervisor, whose worker dies with it; the teardown
+        that follows takes the rest."""
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone already
 
     def started(self, pid: int) -> None:
         self.pid = pid

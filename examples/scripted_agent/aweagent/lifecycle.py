@@ -3,7 +3,8 @@
 It does whatever ``data["behaviour"]`` says, in this order: ``print`` (str to stdout),
 ``stderr_bytes`` (that many bytes of ``x`` lines to stderr), ``spawn`` (N background
 ``sleep 300``; their pids go to ``$PID_DIR/child-<i>`` when ``PID_DIR`` is set), ``sleep``
-(seconds), ``key_digest`` (report a digest of the api key and whether the key is in the
+(seconds; when cancelled, a blocking clean-up of ``slow_cleanup`` seconds first),
+``key_digest`` (report a digest of the api key and whether the key is in the
 environment), ``report`` (write the extra dict to ``<result_dir>/<instance_id>.json`` before
 going on, as a real agent writes its trace), ``crash`` (``"segv"`` or ``"exit"``), ``raise``
 (message), ``reward`` (default 1.0).
@@ -61,7 +62,12 @@ async def run_agent_with_reward(
     if "spawn" in behaviour:
         extra["spawned"] = _spawn(int(behaviour["spawn"]))
     if "sleep" in behaviour:
-        await asyncio.sleep(float(behaviour["sleep"]))
+        try:
+            await asyncio.sleep(float(behaviour["sleep"]))
+        except asyncio.CancelledError:
+            # A clean-up that takes long (a remote sandbox torn down), blocking, as some do.
+            time.sleep(float(behaviour.get("slow_cleanup", 0)))  # noqa: ASYNC251
+            raise
     if behaviour.get("key_digest"):
         key = override_api_key or ""
         extra["key_digest"] = hashlib.sha256(key.encode("utf-8")).hexdigest()
