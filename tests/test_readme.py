@@ -121,6 +121,37 @@ def test_your_own_agent_runs_from_any_directory(tmp_path: Path) -> None:
     assert sorted(p.name for p in empty.iterdir()) == []  # it left nothing where it ran
 
 
+def test_the_commands_scripted_llm_prints_run_as_printed(tmp_path: Path) -> None:
+    """From an empty directory: the calc episode ends ok (exit 0), the hang one timeout
+    (exit 12) in seconds, its clean-up cut short as the command says."""
+    server, _ = _start_llm(["isolate", "scripted-llm", "--port", README_PORT], tmp_path)
+    try:
+        assert server.stdout is not None
+        lines = [server.stdout.readline() for _ in range(2)]  # after the address line
+        assert lines[-1].strip() == "try, in another terminal:", lines
+        commands = [shlex.split(server.stdout.readline()) for _ in range(2)]
+        codes: list[int] = []
+        durations: list[float] = []
+        for command in commands:
+            assert command[:2] == ["isolate", "run"]
+            proc = subprocess.run(
+                [str(SCRIPTS / "isolate"), *command[1:]],
+                cwd=tmp_path,
+                env=cli_env(),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=30 * SLOW,
+            )
+            codes.append(proc.returncode)
+            durations.append(json.loads(proc.stdout)["duration_s"])
+    finally:
+        _stop(server)
+    assert codes == [0, 12]
+    # Its agent's clean-up hangs: with the default --cancel-grace (30 s) it would take 33 s.
+    assert durations[1] < 30.0, durations
+
+
 def test_the_first_example_runs(tmp_path: Path) -> None:
     code = _block("## The first example", "python")
     assert f"127.0.0.1:{README_PORT}" in code

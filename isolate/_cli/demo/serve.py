@@ -55,6 +55,7 @@ def _banner(url: str, ids: list[str]) -> None:
         f"  records {RECORDS}: {', '.join(ids)}",
         "try, in another terminal:",
         "  " + run.format("demo__calc-1"),
-        "  " + run.format("demo__hang-1") + " --timeout 3",
+        # The hung agent's clean-up hangs too: cut it short, as the README does.
+        "  " + run.format("demo__hang-1") + " --timeout 3 --cancel-grace 2",
     ]
     print("\n".join(lines), flush=True)
