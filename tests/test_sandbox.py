@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import anyio
@@ -168,3 +169,45 @@ def test_the_private_tmpdir_is_removed_after_a_timeout(agents: Agents, tmp_path:
     assert outcome.sandbox.tmpdir is not None
     assert (cwd / "started").read_text() == str(outcome.sandbox.tmpdir)
     assert not outcome.sandbox.tmpdir.exists()
+
+
+def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> None:
+    """A trainer killed with sandboxed episodes running leaves their TMPDIRs: the next isolate
+    process removes those of dead parents, and only once they are old enough that no clean-up
+    of theirs can still be running."""
+    from isolate._core import containment as _containment
+    from isolate._core import sandbox as _sandbox
+
+    me = f"{os.getpid()}-{_containment._start_time(os.getpid())}"
+    dead = "999999999-1"  # no such pid
+    old_dead = tmp_path / f"isolate-episode.1.o{dead}.abc123"
+    young_dead = tmp_path / f"isolate-x.y.o{dead}.def456"
+    alive = tmp_path / f"isolate-episode.2.o{me}.ghi789"
+    other = tmp_path / "isolate-unrelated"
+    for path in (old_dead, young_dead, alive, other):
+        (path / "sub").mkdir(parents=True)
+        (path / "sub" / "file").write_text("x")
+    (old_dead / "sub").chmod(0o500)  # as an agent may leave it
+    stale = time.time() - _sandbox.STALE_TMPDIR_S - 10
+    os.utime(old_dead, (stale, stale))
+    os.utime(alive, (stale, stale))
+    assert _sandbox.sweep_stale_tmpdirs(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (young_dead, alive, other)
+    )
+    assert _sandbox.sweep_stale_tmpdirs(str(tmp_path), min_age=0) == 1
+    assert not young_dead.exists()
+    assert alive.exists()
+    assert other.exists()
+
+
+def test_a_tmpdir_is_named_for_its_parent(agents: Agents) -> None:
+    from isolate._core import containment as _containment
+
+    spec = agents.spec("import os\ndef run(data):\n    return 1.0, os.environ['TMPDIR']\n")
+    spec = spec.model_copy(update={"sandbox": isolate.Sandbox(best_effort=True)})
+    outcome = anyio.run(isolate.run_episode, spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    name = Path(outcome.info).name
+    owner = f"{os.getpid()}-{_containment._start_time(os.getpid())}"
+    assert name.startswith(f"isolate-{outcome.episode_id}.o{owner}."), name

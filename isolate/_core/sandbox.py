@@ -22,10 +22,12 @@ from __future__ import annotations
 import importlib
 import os
 import pwd
+import re
 import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,7 +443,12 @@ def prepare(
     if problem is not None:
         return problem
     abi = landlock_abi()
-    tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.", dir=under)
+    if under is None and not _swept:
+        _swept.append(True)
+        sweep_stale_tmpdirs(tempfile.gettempdir())
+    # The parent's pid and start time in the name: should it die, the next isolate process
+    # knows whose this was.
+    tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.o{_owner()}.", dir=under)
     try:
         found = plan(
             sandbox,
@@ -463,6 +470,45 @@ def prepare(
             + " (Sandbox(best_effort=True) runs without it)"
         )
     return Prepared(found, tmpdir, found.handshake(sandbox.best_effort))
+
+
+#: A TMPDIR whose parent is dead is removed by the next isolate process that makes one, once it
+#: is this old (seconds): the dead parent's episodes may still be cleaning up in it.
+STALE_TMPDIR_S = 300.0
+_swept: list[bool] = []
+_STALE = re.compile(r"isolate-.+\.o(\d+)-(\d+)\.[^.]+")
+
+
+def _owner() -> str:
+    from .containment import _start_time
+
+    return f"{os.getpid()}-{_start_time(os.getpid())}"
+
+
+def sweep_stale_tmpdirs(where: str, min_age: float = STALE_TMPDIR_S) -> int:
+    """Remove the TMPDIRs in ``where`` of isolate parents that are dead (pid and start time no
+    longer alive), at least ``min_age`` seconds old; how many. Blocking."""
+    from .containment import _start_time
+
+    removed = 0
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return 0
+    for entry in entries:
+        found = _STALE.fullmatch(entry.name)
+        if found is None or _start_time(int(found[1])) == int(found[2]):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if time.time() - entry.stat(follow_symlinks=False).st_mtime < min_age:
+                continue
+        except OSError:
+            continue
+        remove_tmpdir(entry.path)
+        removed += 1
+    return removed
 
 
 def remove_tmpdir(path: str) -> None:
