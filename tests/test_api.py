@@ -320,6 +320,17 @@ def test_summary_reads_like_words(
         assert word not in summary
 
 
+def test_the_summary_names_the_containment_only_of_an_episode_that_started() -> None:
+    before = make_outcome("setup_error", containment="session")  # no process, no pid
+    assert before.summary() == (
+        "episode e1: setup_error: T: setup_error happened (exit unknown, 0.00 s, 0 killed)"
+    )
+    started = make_outcome("crashed", pid=42, signal="SIGKILL", containment="cgroup+pidns")
+    assert started.summary().endswith(
+        "killed by SIGKILL, 0.00 s, 0 killed, containment cgroup+pidns)"
+    )
+
+
 # --- another backend --------------------------------------------------------------------------
 
 

@@ -132,7 +132,8 @@ class EpisodeOutcome(BaseModel):
         elif self.error is not None:
             text += f": {self.error.type}: {self.error.message}"
         text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed"
-        text += f", containment {self.containment}"
+        if self.pid is not None:  # before any process there is no containment to speak of
+            text += f", containment {self.containment}"
         return text + (f", clean-up {self.cleanup})" if self.cleanup is not None else ")")
 
     def raise_for_status(self) -> EpisodeOutcome:
