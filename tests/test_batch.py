@@ -391,8 +391,24 @@ def test_usage_errors(agents: Agents, extra: list[str], message: str) -> None:
     assert proc.stderr.count(message) == 1
     assert "invalid record" not in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not out.exists() or out.read_bytes() == b""  # the key is read once it is needed
+    assert not out.exists()  # nothing ran: no results file either
     assert not agents.logs.exists()
+
+
+def test_ray_that_does_not_import_is_one_line_and_leaves_no_results_file(agents: Agents) -> None:
+    broken = agents.tmp / "broken"
+    (broken / "ray").mkdir(parents=True)
+    (broken / "ray" / "__init__.py").write_text("raise ImportError('no ray here')\n")
+    records = write_records(agents.tmp / "records.jsonl", [record(agents, "r-1")])
+    out = agents.tmp / "out.jsonl"
+    environ = env()
+    environ["PYTHONPATH"] = f"{broken}{os.pathsep}{environ.get('PYTHONPATH', '')}"
+    proc = isolate_cli(*batch_args(agents, records, out), "--backend", "ray", env=environ)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "isolate: error: --backend ray needs Ray: pip install 'episode-isolate[ray]' (no ray here)"
+    )
+    assert not out.exists()
 
 
 def test_setup_errors_are_not_final_and_each_cause_is_shown_once(agents: Agents) -> None:

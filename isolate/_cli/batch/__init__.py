@@ -10,6 +10,7 @@ after the running episodes are torn down).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -194,6 +195,14 @@ def _load(args: argparse.Namespace, plan: Plan) -> Records:
     return records
 
 
+def _remove_if_empty(path: Path) -> None:
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass  # never made, or not ours to remove
+
+
 def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
     from .scheduler import LocalBackend
 
@@ -238,8 +247,13 @@ def batch_command(args: argparse.Namespace) -> int:
     except UsageError:
         records.close()
         raise
+    if args.backend == "ray" and importlib.util.find_spec("ray") is None:
+        records.close()
+        raise UsageError("--backend ray needs Ray: pip install 'episode-isolate[ray]'")
+    fresh = not args.out.exists()  # a results file this run made and left empty goes again
     results = Results(args.out)
     ray_backend: Any = None
+    started = False
     try:
         try:
             results.open()
@@ -290,6 +304,7 @@ def batch_command(args: argparse.Namespace) -> int:
         concurrency = concurrency or default_concurrency()
         view = View(len(keys), done, args.status_interval)
         scheduler = Scheduler(records, plan, results, policy, backend, view, args.samples)
+        started = True
         with view:
             if todo:
                 anyio.run(scheduler.run, todo, concurrency)
@@ -298,6 +313,8 @@ def batch_command(args: argparse.Namespace) -> int:
             ray_backend.stop()
         results.close()
         records.close()
+        if fresh and not started:
+            _remove_if_empty(args.out)
     final = {u: e for u, e in results.last.items() if policy.done(e)}
     setup = {u: e for u, e in results.last.items() if e["status"] == "setup_error"}
     summary(
