@@ -221,7 +221,7 @@ def preload_and_loop(shim):
     send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
     if me is not None:
         os.close(me)
-    loop(control, shim.main, state)
+    loop(control, shim.main, state, shim.process_table)
     return 0
 
 
@@ -306,6 +306,9 @@ def watch(child, life, leaves, process_table):
             pid, found = os.waitpid(child, os.WNOHANG)
             if pid == child:
                 status = found
+                if life is not None and select.select([life], [], [], 0)[0]:
+                    if not os.read(life, 64):  # gone together: what is left goes too
+                        kill_leaves(leaves)
                 break
         if life in ready and not os.read(life, 64):
             kill_all(child, leaves, process_table)
@@ -315,15 +318,20 @@ def watch(child, life, leaves, process_table):
     os._exit(0)
 
 
-def kill_all(child, leaves, process_table):
-    """SIGKILL ``child`` and, when there is a ``process_table``, every process below it: the
-    child is stopped first, so that nothing new appears below it meanwhile."""
+def kill_leaves(leaves):
+    """Kill every process in these cgroup leaves (cgroup v2's ``cgroup.kill``)."""
     for leaf in leaves:
         try:
             with open(os.path.join(leaf, "cgroup.kill"), "w") as f:
                 f.write("1")
         except OSError:
             pass  # cgroup v1, or gone already
+
+
+def kill_all(child, leaves, process_table):
+    """SIGKILL ``child`` and, when there is a ``process_table``, every process below it: the
+    child is stopped first, so that nothing new appears below it meanwhile."""
+    kill_leaves(leaves)
     if process_table is not None:
         try:
             os.kill(child, signal.SIGSTOP)
@@ -365,7 +373,7 @@ def init(importer, life):
             tell(life, status)
 
 
-def loop(control, shim_main, random_state):
+def loop(control, shim_main, random_state, process_table):
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -386,7 +394,14 @@ def loop(control, shim_main, random_state):
                 continue
             message, fds = receive(control)
             if message is None:
-                # The parent is gone or closed us. Episodes live on: they watch their own pipes.
+                # The parent is gone or closed us. Episodes live on (they watch their own
+                # pipes); what else the agent's code started here does not.
+                for pid, _ in children_after(0, process_table):
+                    if pid not in replies:
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
                 return
             if message.get("t") == "fork" and len(fds) == 3:
                 reply = socket.socket(fileno=fds[2])
