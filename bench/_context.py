@@ -14,3 +14,5 @@ class Context:
     """Scratch directory for agents, pid files and logs; removed by the caller."""
     quick: bool
     """Smoke mode: a few episodes, small ballast, short deadlines."""
+    skip_fresh: bool = False
+    """realistic: leave out the fresh-start mode (about 3 s of CPU per episode)."""

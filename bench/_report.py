@@ -334,8 +334,55 @@ def _realistic(res: dict[str, Any]) -> list[str]:
         f"Agent: {res['agent']}; {counts['seq']} sequential episodes after a first one; "
         f"{_levels(res)}."
     )
-    return ["## 7. A realistic agent: fresh, template, in-process", "", note, ""] + _table(
-        head, rows
+    lines = ["## 7. A realistic agent: fresh, template, in-process", "", note, ""]
+    return lines + _table(head, rows) + _compare(res.get("compare"))
+
+
+COMPARE_LABELS = {
+    "template": "preloaded template",
+    "forkserver": "stdlib forkserver",
+    "floor": "`os.fork()` floor",
+}
+
+
+def _compare(cmp: dict[str, Any] | None) -> list[str]:
+    """The template against the stdlib forkserver and a bare fork, round by round."""
+    if not cmp or "arms" not in cmp:
+        return []
+    c, arms, ratios = cmp["counts"], cmp["arms"], cmp["ratios"]
+    figures = (
+        ("launch", "launch latency (no-op round trip), ms", 1000.0, 1),
+        ("cpu_per_episode", "CPU per episode, ms", 1000.0, 1),
+        ("pss_kib", f"PSS per episode, {c['held']} held, MiB", 1 / 1024, 2),
+        ("throughput", f"1-s episodes/s at concurrency {c['concurrency']}", 1.0, 2),
+    )
+    head = ["figure", *(COMPARE_LABELS[a] for a in arms)]
+    head += ["template / forkserver", "template / floor", "forkserver / floor"]
+    rows = []
+    for key, label, scale, digits in figures:
+        rows.append(
+            [label]
+            + [_range(arms[a][key], scale, digits) for a in arms]
+            + [_ratio(ratios[p][key]) for p in ("template/forkserver", "template/floor",
+                                               "forkserver/floor")]
+        )  # fmt: skip
+    rows.append(
+        ["start (until the first episode is back), s"]
+        + [_range(arms[a]["start_s"], 1, 2) for a in arms]
+        + ["", "", ""]
+    )
+    left = sorted({p for a in arms.values() for p in a["left"]})
+    note = (
+        f"{c['rounds']} rounds, each starting each contender anew (order rotated per round: "
+        f"{'; '.join(', '.join(o) for o in cmp['orders'])}); per round {c['seq']} sequential "
+        f"no-op episodes after a warm-up, {c['held']} held at once, {c['throughput']} 1-s "
+        f"episodes at concurrency {c['concurrency']}. Launch: every episode of every round; the "
+        "other figures: one value per round; ratios: per round, then the median (min–max). "
+        f"Load average {cmp['loadavg_before'][0]:.2f} before, {cmp['loadavg_after'][0]:.2f} "
+        f"after. Processes left: {left or 'none'}."
+    )
+    return ["### The template against the stdlib forkserver and a bare fork", "", note, ""] + (
+        _table(head, rows)
     )
 
 

@@ -10,8 +10,12 @@ from ._report import _range, _ratio
 def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
-    def add(what: str, value: float | None, limit: float, shown: str, le: bool = True) -> None:
-        met = value is not None and (value <= limit if le else value < limit)
+    def add(
+        what: str, value: float | None, limit: float, shown: str, le: bool = True, ge: bool = False
+    ) -> None:
+        met = value is not None and (
+            value >= limit if ge else value <= limit if le else value < limit
+        )
         out.append({"target": what, "value": value, "limit": limit, "shown": shown, "met": met})
 
     if "rows" in sections.get("launch", {}):
@@ -61,7 +65,7 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
             rss = default["rss_growth_kib_per_episode"]
             add(f"fdlimit `default`: ≤ 64 KiB parent RSS per episode ({n} at once)", rss, 64.0,
                 f"{rss:.1f} KiB")  # fmt: skip
-    if "rows" in sections.get("realistic", {}):
+    if "fresh" in sections.get("realistic", {}).get("rows", {}):
         rows = sections["realistic"]["rows"]
         fresh, tmpl = rows["fresh"], rows["template"]
         launch = tmpl["launch"]["median"]
@@ -73,4 +77,15 @@ def targets(sections: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"realistic: PSS at {n} ≤ 25% of fresh", share, 0.25, shown)
         gain = tmpl["throughput"] / fresh["throughput"]
         add("realistic: throughput ≥ 10× fresh", 10.0 / gain, 1.0, f"{gain:.1f}×")
+    if "ratios" in sections.get("realistic", {}).get("compare", {}):
+        cmp = sections["realistic"]["compare"]
+        vs, c = cmp["ratios"]["template/forkserver"], cmp["counts"]
+        for key, what, limit, ge in (
+            ("launch", "template launch ≤ 1.5× stdlib forkserver", 1.5, False),
+            ("throughput", f"template throughput of 1-s episodes at concurrency "
+             f"{c['concurrency']} ≥ 0.95× forkserver", 0.95, True),
+            ("pss_kib", f"template PSS per episode at {c['held']} held ≤ 1.3× forkserver",
+             1.3, False),
+        ):  # fmt: skip
+            add(f"realistic: {what}", vs[key]["median"], limit, _ratio(vs[key]), ge=ge)
     return out

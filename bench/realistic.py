@@ -15,6 +15,13 @@ smoke test needs no network. Per mode:
 
 In-process runs the same entrypoint inside one process of the agent's venv, the seed's model:
 episodes are calls (threads for the 1-second ones), sharing everything.
+
+Then the template against two fork-based contenders under the same interpreter and module
+(bench/_fork_arms.py): the stdlib forkserver with the agent preloaded, a ``Process`` per
+episode, and the floor, a bare ``os.fork()`` of a process that imported the agent. Each round
+starts each of the three anew and measures launch, CPU per episode, PSS per episode with 64
+held and throughput at concurrency 32, the three in an order that rotates from round to round;
+the ratios are taken per round, their median reported.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -34,7 +43,7 @@ import psutil
 
 import isolate
 
-from ._common import MARK_ENV, summary
+from ._common import MARK_ENV, paired_ratio, summary
 from ._context import Context
 
 LITELLM = "litellm"
@@ -165,6 +174,11 @@ def _template_cpu() -> float:
     return total
 
 
+def _tree_cpu() -> float:
+    """This process's CPU, its reaped children's and the running templates' (seconds)."""
+    return _self_cpu() + _children_cpu() + _template_cpu()
+
+
 async def _episode(spec: isolate.EpisodeSpec, data: dict[str, Any]) -> tuple[float, float]:
     """(run_episode to first line, round trip) of one episode, in seconds."""
     t0, m0 = time.time(), time.monotonic()
@@ -270,6 +284,164 @@ def _in_process(ctx: Context, python: str, root: Path, counts: dict[str, Any]) -
     }
 
 
+#: The contenders of the comparison, in the first round's order (each round rotates it by one).
+ARMS = ("template", "forkserver", "floor")
+#: The driver of a fork-based arm, run by the agent's interpreter from a copy of the module. In
+#: Python 3.11 the fork server does not take its parent's sys.path (3.12 does), so the agent's
+#: root and the driver's directory reach it by PYTHONPATH: ``-s -P`` instead of ``-I``, which
+#: would ignore that variable.
+DRIVER = "import sys, _fork_arms; _fork_arms.main(sys.argv[1:])"
+FIGURES = ("launch", "cpu_per_episode", "pss_kib", "throughput")
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        rest = raw[raw.rfind(b")") + 2 :].split()
+        if rest[0] not in (b"Z", b"X") and int(rest[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
+def _fork_arm(
+    ctx: Context, python: str, root: Path, arm: str, counts: dict[str, Any], tag: str
+) -> dict[str, Any]:
+    """One round of ``forkserver`` or ``floor`` (bench/_fork_arms.py) in a process of the
+    agent's interpreter, its own session: whatever of it outlives it is killed and listed."""
+    home = ctx.workdir / "realistic" / "driver"
+    if not (home / "_fork_arms.py").exists():
+        home.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(__file__).with_name("_fork_arms.py"), home / "_fork_arms.py")
+    scratch = ctx.workdir / "realistic" / tag
+    scratch.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "PYTHONPATH": os.pathsep.join([str(root), str(home)]),
+    }
+    proc = subprocess.Popen(
+        [python, "-s", "-P", "-c", DRIVER, arm, json.dumps(counts), str(scratch)],
+        cwd=scratch,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+        stray = _group(proc.pid)
+        for pid in stray:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    if proc.returncode != 0:
+        raise RuntimeError(f"{arm} driver failed ({proc.returncode}): {stderr[-2000:]}")
+    raw: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    raw["left"] = sorted(set(raw["left"]) | set(stray))
+    return raw
+
+
+async def _template_round(
+    ctx: Context, spec: isolate.EpisodeSpec, counts: dict[str, Any], tag: str
+) -> dict[str, Any]:
+    """One round of the template, measured as the fork-based arms are: a template of its own
+    (started by the first episode), one warm-up, then the four figures."""
+    await isolate.close_templates()
+    out: dict[str, Any] = {"arm": "template"}
+    m0 = time.monotonic()
+    first = await isolate.run_episode(spec, {})
+    if first.status != "ok":
+        raise RuntimeError(first.summary())
+    out["start_s"] = time.monotonic() - m0
+    try:
+        await _episode(spec, {})  # warm-up
+        firsts, launches = [], []
+        cpu0 = _tree_cpu()
+        for _ in range(counts["seq"]):
+            f, r = await _episode(spec, {})
+            firsts.append(f)
+            launches.append(r)
+        out["cpu_per_episode"] = (_tree_cpu() - cpu0) / counts["seq"]
+        out["first_line"], out["launch"] = firsts, launches
+        box = ctx.workdir / "realistic" / tag / "held"
+        out["pss_kib"] = await _held(spec, box, counts["held"])
+        out["throughput"] = await _throughput(spec, counts["throughput"], counts["concurrency"])
+    finally:
+        await isolate.close_templates()
+    out["left"] = [p.pid for p in psutil.Process().children(recursive=True)]
+    return out
+
+
+async def _compare(
+    ctx: Context, spec: isolate.EpisodeSpec, python: str, root: Path
+) -> dict[str, Any]:
+    """The template, the stdlib forkserver and the fork floor in interleaved rounds."""
+    counts: dict[str, Any] = (
+        {"rounds": 2, "seq": 3, "held": 4, "throughput": 8, "concurrency": 4}
+        if ctx.quick
+        else {"rounds": 3, "seq": 20, "held": 64, "throughput": 64, "concurrency": 32}
+    )
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+    orders = []
+    for i in range(counts["rounds"]):
+        order = ARMS[i % len(ARMS) :] + ARMS[: i % len(ARMS)]
+        orders.append(list(order))
+        for arm in order:
+            tag = f"cmp-{i}-{arm}"
+            if arm == "template":
+                row = await _template_round(ctx, spec, counts, tag)
+            else:
+                row = await anyio.to_thread.run_sync(_fork_arm, ctx, python, root, arm, counts, tag)
+            runs[arm].append(row)
+    load_after = os.getloadavg()
+    arms: dict[str, Any] = {}
+    for arm, rows in runs.items():
+        arms[arm] = {
+            "start_s": summary([r["start_s"] for r in rows]),
+            "first_line": summary([x for r in rows for x in r["first_line"]]),
+            "launch": summary([x for r in rows for x in r["launch"]]),
+            "launch_round_medians": summary([summary(r["launch"])["median"] for r in rows]),
+            "cpu_per_episode": summary([r["cpu_per_episode"] for r in rows]),
+            "pss_kib": summary([r["pss_kib"] for r in rows]),
+            "throughput": summary([r["throughput"] for r in rows]),
+            "left": sorted({p for r in rows for p in r["left"]}),
+            "rounds": rows,
+        }
+
+    def per_round(arm: str, figure: str) -> list[float]:
+        if figure == "launch":
+            return [summary(r["launch"])["median"] for r in runs[arm]]
+        return [r[figure] for r in runs[arm]]
+
+    ratios = {
+        f"{a}/{b}": {f: paired_ratio(per_round(a, f), per_round(b, f)) for f in FIGURES}
+        for a, b in (("template", "forkserver"), ("template", "floor"), ("forkserver", "floor"))
+    }
+    return {
+        "counts": counts,
+        "orders": orders,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in load_after],
+        "arms": arms,
+        "ratios": ratios,
+    }
+
+
 def _litellm_version(python: str) -> str:
     probe = "import importlib.metadata as m; print(m.version('litellm'))"
     return subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout.strip()
@@ -301,20 +473,27 @@ async def _main(ctx: Context) -> dict[str, Any]:
         # with a thread running is refused).
         env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", MARK_ENV: ctx.run_id},
     )
+    template = base.model_copy(update={"preload": True})
     rows: dict[str, Any] = {}
     try:
-        rows["template"] = await _isolate(ctx, base.model_copy(update={"preload": True}), counts)
+        rows["template"] = await _isolate(ctx, template, counts)
         await isolate.close_templates()
-        rows["fresh"] = await _isolate(ctx, base, counts)
+        if not ctx.skip_fresh:
+            rows["fresh"] = await _isolate(ctx, base, counts)
     finally:
         await isolate.close_templates()
     rows["inprocess"] = await anyio.to_thread.run_sync(_in_process, ctx, python, root, counts)
+    try:
+        compare = await _compare(ctx, template, python, root)
+    finally:
+        await isolate.close_templates()
     version = await anyio.to_thread.run_sync(_litellm_version, python)
     return {
         "agent": f"litellm {version}" if version else "stand-in (sleeps 0.3 s at import)",
         "counts": counts,
-        "containment": [rows["fresh"]["containment"]],
+        "containment": [rows["fresh" if "fresh" in rows else "template"]["containment"]],
         "rows": rows,
+        "compare": compare,
     }
 
 

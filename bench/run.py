@@ -53,6 +53,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: a few episodes, seconds")
     p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "latest.json")
+    p.add_argument(
+        "--skip-fresh",
+        action="store_true",
+        help="realistic: leave out the fresh-start mode (its episodes take ~3 s each)",
+    )
     p.add_argument("--workdir", type=Path, help="scratch directory (default: a new temp dir)")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -85,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="isolate-bench-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = Context(run_id=secrets.token_hex(6), workdir=workdir, quick=args.quick)
+    ctx = Context(
+        run_id=secrets.token_hex(6), workdir=workdir, quick=args.quick, skip_fresh=args.skip_fresh
+    )
     results: dict[str, Any] = {"machine": machine_info(), "quick": args.quick, "sections": {}}
     started = time.monotonic()
     os.environ[MARK_ENV] = ctx.run_id  # inherited by every process the run starts

@@ -175,8 +175,29 @@ def test_realistic_figures(results: dict[str, Any]) -> None:
         assert all(v > 0 for v in rows[mode]["pss_kib"].values()), mode
 
 
+def test_realistic_compare(results: dict[str, Any]) -> None:
+    """The template against the stdlib forkserver and a bare fork, in rotated rounds: every
+    figure there, every paired ratio computed, and no process of theirs left. (The driver
+    itself fails if the fork server did not preload the agent.)"""
+    cmp = results["sections"]["realistic"]["compare"]
+    rounds = cmp["counts"]["rounds"]
+    assert len({tuple(o) for o in cmp["orders"]}) == rounds  # the order rotates
+    for arm in ("template", "forkserver", "floor"):
+        row = cmp["arms"][arm]
+        assert len(row["rounds"]) == rounds, arm
+        for figure in ("launch", "first_line", "cpu_per_episode", "pss_kib", "throughput"):
+            assert _positive(row[figure]), (arm, figure)
+        assert row["launch"]["n"] == rounds * cmp["counts"]["seq"], arm
+        assert row["left"] == [], arm
+    for pair in ("template/forkserver", "template/floor", "forkserver/floor"):
+        for figure, ratio in cmp["ratios"][pair].items():
+            assert ratio["n"] == rounds, (pair, figure)
+            assert ratio["median"] > 0, (pair, figure)
+
+
 def test_targets_listed(results: dict[str, Any]) -> None:
     names = [t["target"] for t in results["targets"]]
     assert any(n.startswith("launch ≤") for n in names)
     assert any(n.startswith("teardown") for n in names)
     assert any(n.startswith("scale") for n in names)
+    assert sum("forkserver" in n for n in names) == 3
