@@ -1121,8 +1121,8 @@ def template_helpers():
     import types
 
     names = (
-        "main load_entrypoint process_table layers_of unshare_pidns become_init set_subreaper "
-        "join_cgroups enter_landlock harden load_part c_call"
+        "main load_entrypoint process_table live_descendants signal_all layers_of unshare_pidns "
+        "become_init set_subreaper join_cgroups enter_landlock harden load_part c_call"
     )
     return types.SimpleNamespace(**{name: globals()[name] for name in names.split()})
 

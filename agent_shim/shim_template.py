@@ -239,7 +239,7 @@ def enter_wall(wall, control, life, shim):
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        watch(child, life, leaves, None if pidns else shim.process_table)
+        watch(child, life, leaves, None if pidns else shim)
     if pidns:
         problem = shim.become_init()  # dies with the outer process
         if problem is not None:
@@ -287,9 +287,9 @@ def tell(life, status):
             pass  # the parent is gone
 
 
-def watch(child, life, leaves, process_table):
+def watch(child, life, leaves, shim):
     """The outer process: exit once ``child`` has. Should the parent go first, kill ``child``:
-    PID 1, and with it the whole namespace; or, without a namespace (``process_table`` given),
+    PID 1, and with it the whole namespace; or, without a namespace (``shim`` given),
     the importer, its cgroup ``leaves`` and every process below it (a subreaper: whatever it
     started is there), and send its wait status on LIFE. Never returns."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -311,9 +311,9 @@ def watch(child, life, leaves, process_table):
                         kill_leaves(leaves)
                 break
         if life in ready and not os.read(life, 64):
-            kill_all(child, leaves, process_table)
+            kill_all(child, leaves, shim)
             status = os.waitpid(child, 0)[1]
-    if process_table is not None:
+    if shim is not None:
         tell(life, status)
     os._exit(0)
 
@@ -328,30 +328,18 @@ def kill_leaves(leaves):
             pass  # cgroup v1, or gone already
 
 
-def kill_all(child, leaves, process_table):
-    """SIGKILL ``child`` and, when there is a ``process_table``, every process below it: the
-    child is stopped first, so that nothing new appears below it meanwhile."""
+def kill_all(child, leaves, shim):
+    """SIGKILL ``child`` and, when ``shim`` is given, every process below it (the shim's own
+    ``live_descendants``): the child is stopped first, so that nothing new appears below it
+    meanwhile."""
     kill_leaves(leaves)
-    if process_table is not None:
-        try:
-            os.kill(child, signal.SIGSTOP)
-        except OSError:
-            pass
+    if shim is not None:
+        shim.signal_all([child], signal.SIGSTOP)
         for _ in range(100):
-            table = process_table()
-            below, todo = [], [child]
-            while todo:
-                parent = todo.pop()
-                kids = [p for p, (pp, st) in table.items() if pp == parent and st not in "ZX"]
-                below += kids
-                todo += kids
+            below = shim.live_descendants(child)
             if not below:
                 break
-            for pid in below:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            shim.signal_all(below, signal.SIGKILL)
             time.sleep(0.005)
     try:
         os.kill(child, signal.SIGKILL)
