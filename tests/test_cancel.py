@@ -178,6 +178,7 @@ def run(data):
 
 async def test_clean_up_runs_at_cancellation_of_the_caller(agents: Agents) -> None:
     spec = agents.spec(ASYNC_SLEEP, kill_grace=1.0)
+    ended: list[isolate.EpisodeOutcome] = []
     async with anyio.create_task_group() as tg:
 
         async def cancel_when_ready() -> None:
@@ -185,10 +186,25 @@ async def test_clean_up_runs_at_cancellation_of_the_caller(agents: Agents) -> No
             tg.cancel_scope.cancel()
 
         tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {})
+        await isolate.run_episode(spec, {}, on_end=ended.append)
         pytest.fail("run_episode returned instead of being cancelled")
     assert tg.cancel_scope.cancelled_caught
     assert (agents.pids / "cleaned").read_text() == "async"
+    # The caller still learns how the episode ended, after the teardown.
+    (outcome,) = ended
+    assert outcome.status == "timeout"
+    assert outcome.error is not None
+    assert outcome.error.message.startswith("cancelled after ")
+    assert outcome.cleanup == "finished"
+    assert outcome.pid is not None
+
+
+async def test_on_end_gets_the_outcome_that_run_episode_returns(agents: Agents) -> None:
+    ended: list[isolate.EpisodeOutcome] = []
+    spec = agents.spec("def run(data):\n    return 1.0\n")
+    outcome = await isolate.run_episode(spec, {}, on_end=ended.append)
+    assert outcome.status == "ok"
+    assert ended == [outcome]
 
 
 async def test_the_clean_up_may_start_processes_and_its_own_keep_running(agents: Agents) -> None:

@@ -381,6 +381,20 @@ def test_ctrl_c_tears_the_episode_down(agents: Agents, sig: signal.Signals) -> N
     assert out == b""
     assert len(pids) == 3
     wait_for(lambda: not agents.left(), 2.0, "children gone")
+    # The interrupted episode's outcome is kept in its bundle, as a finished one's is.
+    kept = _outcome_file(err)
+    outcome = json.loads(kept.read_text())
+    assert outcome["status"] == "timeout"
+    assert outcome["error"]["message"].startswith("cancelled after ")
+    assert outcome["killed"] >= 3
+    assert outcome["log_path"] == str(kept.parent / f"{outcome['episode_id']}.log")
+
+
+def _outcome_file(stderr: bytes) -> Path:
+    """The outcome file the interrupted run named on stderr."""
+    found = re.search(rb"^isolate: outcome (.+/outcome\.json)$", stderr, re.MULTILINE)
+    assert found, stderr
+    return Path(found.group(1).decode())
 
 
 def test_ctrl_c_says_what_it_waits_for_and_a_second_one_kills_at_once(agents: Agents) -> None:
@@ -416,6 +430,7 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_kills_at_once(agents: Ag
     assert proc.returncode == 130, err
     assert b"killing the episode's processes now" in err
     assert out == b""
+    assert json.loads(_outcome_file(err).read_text())["cleanup"] == "cut short"
     wait_for(lambda: not agents.left(), 2.0 * SLOW, "the episode's processes gone")
 
 

@@ -162,17 +162,19 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                         status.kill()
 
         async def episode() -> None:
-            nonlocal outcome
             with episode_scope:
                 await one_episode()
             tg.cancel_scope.cancel()
 
-        async def one_episode() -> None:
+        def ended(result: EpisodeOutcome) -> None:
             nonlocal outcome
+            outcome = result  # also when interrupted: then run_episode raises, not returns
+
+        async def one_episode() -> None:
             async with anyio.create_task_group() as inner:
                 inner.start_soon(status.run)
                 try:
-                    outcome = await run_episode(
+                    await run_episode(
                         spec,
                         prep.record,
                         kwargs=prep.kwargs,
@@ -180,6 +182,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                         episode_id=episode_id,
                         on_start=status.started,
                         secret_env=prep.secret_env,
+                        on_end=ended,
                     )
                 finally:
                     status.clear()
@@ -189,9 +192,13 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
         tg.start_soon(watch_signals)
         tg.start_soon(episode)
 
-    if interrupted or outcome is None:
-        return EXIT_INTERRUPTED
+    if outcome is None:
+        return EXIT_INTERRUPTED  # interrupted before the episode could begin
     _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
+    if interrupted:
+        print(f"isolate: interrupted: {outcome.summary()}", file=sys.stderr)
+        print(f"isolate: outcome {bundle / 'outcome.json'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(outcome.model_dump_json())
     print(f"isolate: {outcome.summary()}", file=sys.stderr)
     if outcome.preload_refused is not None:

@@ -83,6 +83,7 @@ async def run_episode(
     episode_id: str | None = None,
     on_start: Callable[[int], object] | None = None,
     secret_env: Mapping[str, str | SecretStr] | None = None,
+    on_end: Callable[[EpisodeOutcome], object] | None = None,
 ) -> EpisodeOutcome:
     """Run ``spec.entrypoint(data, **kwargs, **secrets)`` in a fresh process and return what
     happened. Every way an episode can end is an outcome, ``setup_error`` included; only
@@ -94,15 +95,17 @@ async def run_episode(
     the environment: never in the exec environment or argv of the shim or the worker, but
     inherited by every process the agent starts. ``episode_id`` names the log file (default:
     the record's ``instance_id`` plus a random suffix). ``on_start`` is called with the
-    shim's pid once it is running.
+    shim's pid once it is running. ``on_end`` is called with the outcome once the episode is
+    over, however it ended.
 
     **Cancellation:** if the calling task is cancelled, the episode ends exactly as on timeout,
     shielded from the cancellation: the agent is cancelled inside its process and gets up to
     ``spec.cancel_grace`` seconds to clean up, then the tree gets SIGTERM, ``spec.kill_grace``
-    seconds, SIGKILL, until no process is left. Then the cancellation propagates.
+    seconds, SIGKILL, until no process is left. Then ``on_end`` gets the outcome (``timeout``,
+    "cancelled after N s", unless a result came first) and the cancellation propagates.
     """
     run = _Run(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
-    return await run.run(on_start)
+    return await run.run(on_start, on_end)
 
 
 async def _run_with_shim(spec: EpisodeSpec, data: Any, shim: Path, **kw: Any) -> EpisodeOutcome:
@@ -113,7 +116,7 @@ async def _run_with_shim(spec: EpisodeSpec, data: Any, shim: Path, **kw: Any) ->
         raise TypeError(f"unexpected arguments: {', '.join(kw)}")
     run = _Run(spec, data, args[0] or {}, args[1] or {}, args[2], args[3])
     run.shim = shim
-    return await run.run(on_start)
+    return await run.run(on_start, None)
 
 
 _STARTING: RunVar[anyio.CapacityLimiter] = RunVar("isolate_starting")
@@ -220,6 +223,8 @@ class _Run:
         self.frame_cap = proto.frame_cap(spec.max_frame_bytes, spec.max_info_bytes)
         self.splitter = proto.LineSplitter(self.frame_cap)
         self.timed_out = False
+        self.cancelled_at: float | None = None  # when the caller's cancellation arrived
+        self.outcome: EpisodeOutcome | None = None  # once concluded
         self.cancel_until: float | None = None  # set once the agent was asked to cancel
         self.cleanup: Cleanup | None = None
         self.cleanup_seen = anyio.Event()
@@ -239,13 +244,21 @@ class _Run:
 
     # --- the episode ------------------------------------------------------------------------
 
-    async def run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
+    async def run(
+        self,
+        on_start: Callable[[int], object] | None,
+        on_end: Callable[[EpisodeOutcome], object] | None,
+    ) -> EpisodeOutcome:
         try:
-            return await self._run(on_start)
+            outcome = await self._run(on_start)
         finally:
             self._close_log()  # last: _finish writes its summary line into it
             if self.ticket is not None:
                 self.ticket.release()  # every fd of the episode is closed now
+            # Also when a cancellation propagates: the caller still learns how the episode ended.
+            if on_end is not None and self.outcome is not None:
+                on_end(self.outcome)
+        return outcome
 
     async def _run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
         try:
@@ -266,7 +279,11 @@ class _Run:
                 assert self.popen is not None
                 on_start(self.popen.pid)
             await self._supervise()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                # The caller's cancellation ends the episode as a deadline would.
+                self.cancelled_at = time.monotonic()
+                self.timed_out = self.final is None
             with anyio.CancelScope(shield=True):
                 await self._abort()
             raise
@@ -279,6 +296,8 @@ class _Run:
             if self.sandbox is not None:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, self.sandbox.tmpdir)
+            if self.cancelled_at is not None:
+                self._conclude()  # for on_end: the cancellation goes on
         return self._conclude()
 
     def _prepare(self) -> str | None:
@@ -633,8 +652,10 @@ class _Run:
                 tg.start_soon(exited)
                 await self.cleanup_seen.wait()
                 tg.cancel_scope.cancel()
-        if self.cleanup is None and self.popen.returncode is None:
-            self.cleanup = "cut short"  # the shim did not answer within the grace
+        if self.cleanup is None:
+            # The shim did not say within the grace, or was killed (a second Ctrl-C) before it
+            # could: the agent was asked to clean up and was not seen to finish.
+            self.cleanup = "cut short"
 
     async def _abort(self) -> None:
         """Teardown after cancellation or an unexpected error: cancel the agent, kill the
@@ -1041,6 +1062,9 @@ class _Run:
         )
 
     def _timeout_error(self) -> ErrorInfo:
+        if self.cancelled_at is not None:
+            after = self.cancelled_at - self.started
+            return _err("EpisodeTimeout", f"cancelled after {after:.1f} s; tree killed")
         return _err("EpisodeTimeout", f"no result within {self.spec.timeout:g} s; tree killed")
 
     def _last_line(self) -> str:
@@ -1090,6 +1114,7 @@ class _Run:
                 )
             except OSError as exc:
                 self._lose_log(exc)
+        self.outcome = outcome
         return outcome
 
     def _timings(self) -> Timings:
