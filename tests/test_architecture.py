@@ -23,7 +23,7 @@ def import_graph() -> list[str]:
         package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if "demo" in parts[:-1] and parts[-1] not in ("demo", "serve", "scripted_llm"):
+        if "demo" in parts[:-1] and parts[-1] not in ("demo", "mini", "serve", "scripted_llm"):
             continue  # the demo's agent: data the demo runs, not a part
         name = ".".join(parts)
         deps: set[str] = set()

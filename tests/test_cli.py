@@ -290,7 +290,7 @@ def test_replay_without_a_key_option_says_it_uses_dummy(agents: Agents) -> None:
 def test_help_tells_what_the_demo_runs() -> None:
     proc = isolate_cli("--help")
     assert proc.returncode == 0
-    assert "run three real episodes against a scripted LLM" in proc.stdout
+    assert "run real episodes against a scripted LLM" in proc.stdout
 
 
 def test_plain_status_lines_when_not_a_terminal(agents: Agents) -> None:

@@ -89,13 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="also start a preloaded template of the agent: is it used, or why not",
     )
 
-    sub.add_parser(
+    demo = sub.add_parser(
         "demo",
-        help="run three real episodes against a scripted LLM on 127.0.0.1",
+        help="run real episodes against a scripted LLM on 127.0.0.1",
         description="Run three real episodes of the packaged demo agent against a scripted LLM "
         "on 127.0.0.1: one solves its task, one hangs and is timed out with its tree, one has a "
-        "key the server never issued. Needs no model, key or network. Exit status: 0 when "
-        "all three end as expected, 1 otherwise.",
+        "key the server never issued. With --agent mini-swe-agent, four episodes of "
+        "mini-swe-agent's own loop instead: fresh, preloaded twice, and one that hangs. Needs no "
+        "model, key or network. Exit status: 0 when all end as expected, 1 otherwise, 2 when "
+        "the agent is not installed.",
+    )
+    demo.add_argument(
+        "--agent",
+        choices=("demo", "mini-swe-agent"),
+        default="demo",
+        help="the packaged demo agent (default), or mini-swe-agent (needs the extra: "
+        "pip install 'episode-isolate[mini-swe-agent]')",
     )
     llm = sub.add_parser(
         "scripted-llm",
@@ -147,6 +156,10 @@ def _command(args: argparse.Namespace) -> int:
         from .demo.serve import scripted_llm
 
         return scripted_llm(args.port)
+    if args.agent == "mini-swe-agent":
+        from .demo.mini import mini_demo
+
+        return anyio.run(mini_demo)
     from .demo import demo
 
     return anyio.run(demo)

@@ -12,13 +12,16 @@ only as :class:`~pydantic.SecretStr` and never echoed.
 
 Given ``scripts`` (marker text -> replies), a request with any other key is answered from the
 script whose marker appears in the conversation, at the turn its assistant messages count: no
-state, so an episode can be run again with the same key (``isolate scripted-llm``).
+state, so an episode can be run again with the same key (``isolate scripted-llm``). A request
+that offers a ``bash`` tool (mini-swe-agent's format) is answered from ``tool_scripts`` instead,
+and a reply's ```` ```bash ```` block goes back as a call of that tool.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -28,7 +31,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-__all__ = ["ScriptedLLM", "demo_script"]
+__all__ = ["AGENTS", "ScriptedLLM", "demo_script"]
 
 _DONE = "SUBMIT"
 #: Largest request body read (bytes); a chat history bigger than this is not a demo.
@@ -55,8 +58,10 @@ class ScriptedLLM:
         scripts: Mapping[str, list[str]] | None = None,
         port: int = 0,
         on_reply: Callable[[str, int, int], None] | None = None,
+        tool_scripts: Mapping[str, list[str]] | None = None,
     ) -> None:
         self._scripts = {marker: list(replies) for marker, replies in (scripts or {}).items()}
+        self._tool_scripts = {m: list(replies) for m, replies in (tool_scripts or {}).items()}
         self._port = port
         self._on_reply = on_reply
         self._lock = threading.Lock()
@@ -115,7 +120,7 @@ class ScriptedLLM:
             session = self._find(key) if key else None
             if session is not None:
                 return session
-            if key and self._scripts:
+            if key and (self._scripts or self._tool_scripts):
                 return True
             self._rejected += 1
             return False
@@ -124,7 +129,8 @@ class ScriptedLLM:
         """The reply for a conversation from ``scripts``, or None when no marker is in it."""
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
         text = "\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
-        for marker, replies in self._scripts.items():
+        scripts = self._tool_scripts if _bash_tool(body) else self._scripts
+        for marker, replies in scripts.items():
             if marker in text:
                 turn = sum(1 for m in messages if m.get("role") == "assistant")
                 if self._on_reply is not None:
@@ -261,6 +267,36 @@ def _error(message: str, kind: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind}}
 
 
+#: A reply's command block, which becomes a ``bash`` tool call when the request offers one.
+_BASH_BLOCK = re.compile(r"```bash\n(.*?)\n```", re.DOTALL)
+
+
+def _bash_tool(body: dict[str, Any]) -> bool:
+    """Whether the request offers a function tool named ``bash`` (mini-swe-agent's)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return False
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and function.get("name") == "bash":
+            return True
+    return False
+
+
+def _message(body: dict[str, Any], reply: str) -> tuple[dict[str, Any], str]:
+    """The assistant message for ``reply``, and its finish reason."""
+    block = _BASH_BLOCK.search(reply) if _bash_tool(body) else None
+    if block is None:
+        return {"role": "assistant", "content": reply}, "stop"
+    call = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": "bash", "arguments": json.dumps({"command": block.group(1)})},
+    }
+    text = (reply[: block.start()] + reply[block.end() :]).strip()
+    return {"role": "assistant", "content": text or None, "tool_calls": [call]}, "tool_calls"
+
+
 def _completion(body: dict[str, Any], reply: str) -> dict[str, Any]:
     messages = body.get("messages")
     prompt = messages if isinstance(messages, list) else []
@@ -269,6 +305,7 @@ def _completion(body: dict[str, Any], reply: str) -> dict[str, Any]:
         len(str(m.get("content", "")).split()) for m in prompt if isinstance(m, dict)
     )
     completion_tokens = len(reply.split())
+    message, finish_reason = _message(body, reply)
     return {
         "id": f"chatcmpl-scripted-{uuid.uuid4().hex[:24]}",
         "object": "chat.completion",
@@ -277,8 +314,8 @@ def _completion(body: dict[str, Any], reply: str) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": reply},
-                "finish_reason": "stop",
+                "message": message,
+                "finish_reason": finish_reason,
             }
         ],
         "usage": {
@@ -325,10 +362,29 @@ _DEMO_SCRIPTS: dict[str, list[str]] = {
 }
 
 
-def demo_script(instance_id: str) -> list[str]:
-    """The scripted replies for a demo record (``records/<instance_id>.json``)."""
+#: mini-swe-agent's replies: one command a turn, run as its ``bash`` tool, and its own way to
+#: submit (the first output line of a command that succeeds).
+_MINI_SCRIPTS: dict[str, list[str]] = {
+    "demo__calc-1": [
+        "Let me look at the implementation first.\n\n```bash\ncat calc.py\n```",
+        "`add` subtracts instead of adding. Fixing it:\n\n"
+        "```bash\nsed -i 's/return a - b/return a + b/' calc.py\n```",
+        "```bash\npython3 -c 'import calc; print(calc.add(2, 3))'\n```",
+        "The fix works.\n\n```bash\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+    ],
+    "demo__hang-1": _DEMO_SCRIPTS["demo__hang-1"],
+}
+
+#: The agents the scripts speak to: the packaged demo agent, and mini-swe-agent.
+AGENTS = ("demo", "mini-swe-agent")
+
+
+def demo_script(instance_id: str, agent: str = "demo") -> list[str]:
+    """The scripted replies for a demo record (``records/<instance_id>.json``), in the action
+    format of ``agent`` (one of :data:`AGENTS`)."""
+    scripts = _MINI_SCRIPTS if agent == "mini-swe-agent" else _DEMO_SCRIPTS
     try:
-        return list(_DEMO_SCRIPTS[instance_id])
+        return list(scripts[instance_id])
     except KeyError:
-        known = ", ".join(sorted(_DEMO_SCRIPTS))
+        known = ", ".join(sorted(scripts))
         raise KeyError(f"no demo script for {instance_id!r} (known: {known})") from None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 
@@ -18,12 +19,13 @@ def scripted_llm(port: int) -> int:
     # The agent sends the record's problem statement: it tells which script a request is in.
     by_problem = {str(r["problem_statement"]): i for i, r in records.items()}
     scripts = {problem: demo_script(i) for problem, i in by_problem.items()}
+    tool_scripts = {p: demo_script(i, "mini-swe-agent") for p, i in by_problem.items()}
 
     def on_reply(problem: str, turn: int, replies: int) -> None:
         where = f"reply {turn} of {replies}" if turn <= replies else "past the script: SUBMIT"
         print(f"isolate scripted-llm: {by_problem[problem]}: {where}", file=sys.stderr, flush=True)
 
-    llm = ScriptedLLM(scripts, port=port, on_reply=on_reply)
+    llm = ScriptedLLM(scripts, port=port, on_reply=on_reply, tool_scripts=tool_scripts)
     # Blocked before the server thread starts, so that it inherits the mask and only this
     # thread takes the signals, in sigwait.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP)
@@ -58,4 +60,6 @@ def _banner(url: str, ids: list[str]) -> None:
         # The hung agent's clean-up hangs too: cut it short, as the README does.
         "  " + run.format("demo__hang-1") + " --timeout 3 --cancel-grace 2",
     ]
+    if importlib.util.find_spec("minisweagent") is not None:
+        lines.append("  " + run.format("demo__calc-1") + " --entrypoint mini_swe_demo:run")
     print("\n".join(lines), flush=True)
