@@ -273,8 +273,34 @@ def test_driver_killed_halfway_then_resumed(agents: Agents) -> None:
     assert "isolate: resuming: " in proc.stderr
     entries = results(out)
     assert out.read_bytes().startswith(before)  # nothing written before was touched
-    assert sorted(e["instance_id"] for e in entries) == sorted(f"k-{i}" for i in range(40))
-    assert {(e["status"], e["attempt"], e["final"]) for e in entries} == {("ok", 1, True)}
+    finals = {e["instance_id"]: e for e in entries if e["final"]}
+    assert sorted(finals) == sorted(f"k-{i}" for i in range(40))
+    assert {e["status"] for e in finals.values()} == {"ok"}
+    # The attempts in flight at the kill are on record, from their bundles: an infrastructure
+    # failure with its true duration and log, or the outcome of one that had just ended.
+    recovered = [e for e in entries if e.get("recovered")]
+    assert recovered, proc.stderr
+    assert f"{len(recovered)} attempt(s) of an earlier run had no line" in proc.stderr
+    assert all(e["attempt"] == 1 for e in recovered)
+    for entry in recovered:
+        if entry["status"] == "ok":
+            assert entry["final"]
+            continue
+        assert entry["status"] == "crashed"
+        assert entry["infra"] is True
+        assert entry["final"] is False
+        assert entry["error"]["type"] == "DriverStopped"
+        assert 0 < entry["duration_s"] < 30
+        assert Path(entry["log_path"]).is_file()
+        again = finals[entry["instance_id"]]
+        assert (again["attempt"], again["infra_failures"]) == (2, 1)
+    others = [e for e in entries if not e.get("recovered")]
+    assert {(e["status"], e["final"]) for e in others} == {("ok", True)}
+    # A third run finds nothing lost and nothing to do.
+    third = isolate_cli(*batch_args(agents, records, out, "--concurrency", "6"), env=env())
+    assert third.returncode == 0, third.stderr
+    assert "had no line" not in third.stderr
+    assert len(results(out)) == len(entries)
 
 
 def test_a_partial_last_line_is_dropped_and_its_episode_runs_again(agents: Agents) -> None:
@@ -357,14 +383,29 @@ def test_ctrl_c_tears_down_exits_130_and_the_next_run_resumes(agents: Agents) ->
     assert "Traceback" not in stderr
     # Torn down before the driver exited, not later by the shims' own watchdog.
     assert not episode_processes(f"PID_DIR={agents.pids}".encode())
-    assert sorted(e["instance_id"] for e in results(out)) == ["q-0", "q-1", "q-2"]
+    # The cut attempts are on record as the driver's doing, not the agent's.
+    cut = [e for e in results(out) if e["instance_id"].startswith("h-")]
+    assert sorted(e["instance_id"] for e in results(out)) == [
+        *(f"h-{i}" for i in range(4)),
+        *(f"q-{i}" for i in range(3)),
+    ]
+    for entry in cut:
+        assert (entry["status"], entry["infra"], entry["final"]) == ("crashed", True, False)
+        assert entry["error"]["type"] == "DriverStopped"
+        assert entry["error"]["message"].startswith(
+            "the driver was interrupted while this attempt ran (cancelled after "
+        )
+        assert Path(entry["outcome_path"]).is_file()
 
     hold.unlink()
     proc = isolate_cli(*args, env=env())
     assert proc.returncode == 0, proc.stderr
     assert "3 of 7 instances already have a final result" in proc.stderr
-    assert sorted((e["instance_id"], e["attempt"]) for e in results(out)) == sorted(
-        [(f"q-{i}", 1) for i in range(3)] + [(f"h-{i}", 1) for i in range(4)]
+    assert "had no line" not in proc.stderr  # each cut attempt already has its line
+    assert sorted((e["instance_id"], e["attempt"], e["status"]) for e in results(out)) == sorted(
+        [(f"q-{i}", 1, "ok") for i in range(3)]
+        + [(f"h-{i}", 1, "crashed") for i in range(4)]
+        + [(f"h-{i}", 2, "ok") for i in range(4)]
     )
 
 

@@ -82,8 +82,8 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=int,
         default=3,
         metavar="K",
-        help="extra attempts for infrastructure failures (a Ray worker or node lost), apart "
-        "from --retries (default 3)",
+        help="extra attempts for infrastructure failures (a Ray worker or node lost, the "
+        "driver stopped mid-attempt), apart from --retries (default 3)",
     )
     run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
     run.add_argument(
@@ -229,7 +229,7 @@ def batch_command(args: argparse.Namespace) -> int:
 
     from .io import BatchError, Results
     from .job import Plan
-    from .scheduler import RetryPolicy, Scheduler
+    from .scheduler import RetryPolicy, Scheduler, record_lost
     from .selection import select
     from .view import View, summary
 
@@ -263,6 +263,16 @@ def batch_command(args: argparse.Namespace) -> int:
             print(
                 f"isolate: ignored a partial last line of {args.out} ({len(results.dropped)} "
                 "bytes): the driver was stopped while writing it; that episode runs again",
+                file=sys.stderr,
+            )
+        try:
+            lost = record_lost(results, plan.log_dir, policy)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+        if lost:
+            print(
+                f"isolate: {lost} attempt(s) of an earlier run had no line in {args.out} (its "
+                f"driver was stopped): recorded from their bundles in {plan.log_dir}",
                 file=sys.stderr,
             )
         samples = args.samples or 1

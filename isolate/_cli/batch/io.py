@@ -168,6 +168,8 @@ class Results:
         """The latest line of each unit (instance id and sample)."""
         self.dropped = b""
         """The partial last line found (and removed) when the file was opened."""
+        self.episode_ids: set[str] = set()
+        """The episode id of every line: the attempts that have a result."""
         self._fd = -1
         self._lock = threading.Lock()
 
@@ -196,9 +198,12 @@ class Results:
             os.ftruncate(fd, len(data) - len(lines.partial))
             os.fsync(fd)
         self.last = lines.last
+        self.episode_ids = {str(e["episode_id"]) for e in lines.entries if e.get("episode_id")}
 
     def _take(self, entry: dict[str, Any]) -> None:
         self.last[unit_of(entry)] = entry
+        if entry.get("episode_id"):
+            self.episode_ids.add(str(entry["episode_id"]))
 
     def append(self, entry: dict[str, Any]) -> None:
         """Write one line and fsync it. Blocking: call from a worker thread."""

@@ -8,7 +8,9 @@ import hashlib
 import json
 import os
 import socket
+import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,10 @@ class Job:
     log_dir: Path
     secret_env: dict[str, SecretStr] = field(default_factory=dict)
     """Values travel with the job, as the key does: a Ray node has other variables."""
+    results: Path | None = None
+    """The results file the attempt's line goes to (named in its bundle's ``attempt.json``)."""
+    sample: int | None = None
+    """``--samples``: which sample of the record this attempt is."""
 
 
 class Plan:
@@ -89,6 +95,8 @@ class Plan:
         self.base_url: str | None = args.base_url
         # Absolute: Ray runs the episode in a worker whose working directory is not ours.
         self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
+        out = getattr(args, "out", None)
+        self.results: Path | None = Path(out).absolute() if out is not None else None
         # What is wrong with the flags is wrong for every record: say it once, before any.
         try:
             # The agent root is the one thing a record may set that the flags need not.
@@ -176,7 +184,8 @@ class Plan:
             stem, _, token = episode_id.rpartition(".")
             episode_id = f"{stem}.s{sample}.{token}"
         spec, kwargs = self.build(record, episode_id)
-        return Job(record, spec, kwargs, episode_id, self.log_dir, self.secret_env(record))
+        secret_env = self.secret_env(record)
+        return Job(record, spec, kwargs, episode_id, self.log_dir, secret_env, self.results, sample)
 
 
 def _message(error: Any) -> str:
@@ -196,23 +205,38 @@ def _check_url(url: str, where: str) -> None:
         raise ValueError(f"{where} {url!r} is not an http(s) URL such as http://127.0.0.1:8000/v1")
 
 
-async def run_attempt(job: Job, key: SecretStr) -> dict[str, Any]:
+async def run_attempt(
+    job: Job, key: SecretStr, on_cut: Callable[[dict[str, Any]], object] | None = None
+) -> dict[str, Any]:
     """Run one attempt where this process is (the driver, or a Ray worker). Leaves a replay
-    bundle, as ``isolate run`` does: ``isolate run --replay <log_dir>/<episode_id>``."""
+    bundle, as ``isolate run`` does: ``isolate run --replay <log_dir>/<episode_id>``, with its
+    ``attempt.json`` (which results file, instance, sample, start) for a driver that finds it
+    after a crash. When a cancellation (the driver's Ctrl-C) cuts the attempt, its outcome is
+    kept in the bundle all the same and its fields go to ``on_cut`` before the cancellation
+    goes on."""
     bundle = job.log_dir / job.episode_id
     try:
         await anyio.to_thread.run_sync(_write_bundle, bundle, job)
     except OSError as exc:
         return failure("setup_error", "SetupError", f"cannot write to {bundle}: {exc.strerror}")
     spec = job.spec.model_copy(update={"log_dir": bundle})
-    outcome = await run_episode(
-        spec,
-        job.record,
-        kwargs=job.kwargs,
-        secrets={"override_api_key": key},
-        episode_id=job.episode_id,
-        secret_env=job.secret_env,
-    )
+    ended: list[EpisodeOutcome] = []
+    try:
+        outcome = await run_episode(
+            spec,
+            job.record,
+            kwargs=job.kwargs,
+            secrets={"override_api_key": key},
+            episode_id=job.episode_id,
+            secret_env=job.secret_env,
+            on_end=ended.append,
+        )
+    except anyio.get_cancelled_exc_class():
+        if ended and on_cut is not None:
+            fields = outcome_fields(ended[0])
+            fields.update(_keep_outcome(bundle, ended[0]))  # in the shield of the teardown
+            on_cut(fields)
+        raise
     fields = outcome_fields(outcome)
     fields.update(await anyio.to_thread.run_sync(_keep_outcome, bundle, outcome))
     return fields
@@ -226,19 +250,36 @@ MAX_LINE_INFO = 64 * 1024
 def _keep_outcome(bundle: Path, outcome: EpisodeOutcome) -> dict[str, Any]:
     """Write the whole outcome of an attempt into its bundle (each attempt has its own, as it
     has its own episode id); the line's ``info`` and ``outcome_path``."""
-    small = len(json.dumps(outcome.info)) <= MAX_LINE_INFO
-    fields: dict[str, Any] = {"info": outcome.info if small else None, "outcome_path": None}
     path = bundle / "outcome.json"
     try:
         path.write_text(outcome.model_dump_json(indent=2) + "\n")
-        fields["outcome_path"] = str(path)
     except OSError:
-        pass  # a full disk, say: the line still says what it can
-    return fields
+        return keep_fields(None, outcome)  # a full disk, say: the line still says what it can
+    return keep_fields(bundle, outcome)
+
+
+def keep_fields(bundle: Path | None, outcome: EpisodeOutcome) -> dict[str, Any]:
+    """The line's ``info`` (None when over :data:`MAX_LINE_INFO`) and ``outcome_path`` (of
+    the outcome file in ``bundle``; None without one)."""
+    small = len(json.dumps(outcome.info)) <= MAX_LINE_INFO
+    where = str(bundle / "outcome.json") if bundle is not None else None
+    return {"info": outcome.info if small else None, "outcome_path": where}
+
+
+#: The file of an attempt's bundle that says whose attempt it is, written before it starts.
+ATTEMPT_FILE = "attempt.json"
 
 
 def _write_bundle(bundle: Path, job: Job) -> None:
     write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env))
+    if job.results is not None:
+        attempt = {
+            "results": str(job.results),
+            "instance_id": str(job.record.get("instance_id", "")),
+            "sample": job.sample,
+            "started_at": time.time(),
+        }
+        (bundle / ATTEMPT_FILE).write_text(json.dumps(attempt) + "\n")
 
 
 #: The files of a replay bundle that decide what a replay runs; ``digest.json`` holds their

@@ -40,7 +40,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -138,7 +138,11 @@ class RayBackend:
             os.close(self._stdout)
             self._stdout = -1
 
-    async def run(self, job: Job) -> dict[str, Any]:
+    async def run(
+        self, job: Job, on_cut: Callable[[dict[str, Any]], object] | None = None
+    ) -> dict[str, Any]:
+        """``on_cut`` is not called: an attempt a driver's Ctrl-C cuts on a Ray worker is
+        found in its bundle by the next run, as after a driver kill."""
         options: dict[str, Any] = {
             "num_cpus": self.num_cpus,
             "max_retries": 0,

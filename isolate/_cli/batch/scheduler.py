@@ -3,17 +3,20 @@ writes each attempt's result as it comes."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
 from pydantic import SecretStr
 
 from ..._core.templates import close_templates
-from .io import Record, Records, Results
-from .job import Job, Plan, failure, run_attempt
+from .io import Record, Records, Results, Unit
+from .job import ATTEMPT_FILE, Job, Plan, failure, run_attempt
 from .view import View
 
 #: Statuses worth another attempt under ``--retries``: the episode's process failed, not the
@@ -29,7 +32,7 @@ class RetryPolicy:
     """Whether ``timeout`` is retried too."""
     retries_infra: int = 3
     """Extra attempts for infrastructure failures (``infra: true``: a Ray worker or node
-    lost), counted apart from ``retries``."""
+    lost, the driver stopped mid-attempt), counted apart from ``retries``."""
 
     def again(
         self, status: str, attempt: int, *, infra: bool = False, infra_failures: int = 0
@@ -56,7 +59,9 @@ class RetryPolicy:
 
 
 class Backend(Protocol):
-    async def run(self, job: Job) -> dict[str, Any]: ...
+    async def run(
+        self, job: Job, on_cut: Callable[[dict[str, Any]], object] | None = None
+    ) -> dict[str, Any]: ...
 
 
 class LocalBackend:
@@ -65,8 +70,24 @@ class LocalBackend:
     def __init__(self, key: SecretStr) -> None:
         self.key = key
 
-    async def run(self, job: Job) -> dict[str, Any]:
-        return await run_attempt(job, self.key)
+    async def run(
+        self, job: Job, on_cut: Callable[[dict[str, Any]], object] | None = None
+    ) -> dict[str, Any]:
+        return await run_attempt(job, self.key, on_cut)
+
+
+def driver_cut(fields: dict[str, Any], how: str) -> dict[str, Any]:
+    """The fields of an attempt the driver's end cut short: an infrastructure failure
+    (``crashed``, ``infra``), with what its outcome says (duration, log, kills)."""
+    cut = dict(fields)
+    first = (fields.get("error") or {}).get("message")
+    cut.update(
+        status="crashed",
+        reward=None,
+        infra=True,
+        error={"type": "DriverStopped", "message": how + (f" ({first})" if first else "")},
+    )
+    return cut
 
 
 class Scheduler:
@@ -133,34 +154,55 @@ class Scheduler:
             again = True
             while again:
                 attempt += 1
-                fields = await self._attempt(record, sample)
-                infra = bool(fields.get("infra"))
-                infra_failures += infra
-                again = self.policy.again(
-                    fields["status"], attempt, infra=infra, infra_failures=infra_failures
+                cut: list[dict[str, Any]] = []
+                try:
+                    fields = await self._attempt(record, sample, cut.append)
+                except anyio.get_cancelled_exc_class():
+                    if cut:  # the driver's Ctrl-C: the attempt's line says so
+                        how = "the driver was interrupted while this attempt ran"
+                        entry = line_of(
+                            self.policy,
+                            (record.instance_id, sample),
+                            self.samples is not None,
+                            attempt,
+                            driver_cut(cut[0], how),
+                            infra_failures + 1,
+                        )
+                        with anyio.CancelScope(shield=True):
+                            await self._write(entry)
+                    raise
+                infra_failures += bool(fields.get("infra"))
+                entry = line_of(
+                    self.policy,
+                    (record.instance_id, sample),
+                    self.samples is not None,
+                    attempt,
+                    fields,
+                    infra_failures,
                 )
-                entry: dict[str, Any] = {"instance_id": record.instance_id}
-                if self.samples is not None:
-                    entry["sample"] = sample
-                entry.update(attempt=attempt, final=False)
-                entry.update(fields)
-                entry.update(infra=infra, infra_failures=infra_failures)
-                # Final exactly when a rerun would skip it: a setup error is not (the run's
-                # configuration failed, and the next run tries again).
-                entry["final"] = self.policy.done(entry)
-                entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                again = self.policy.again(
+                    entry["status"], attempt, infra=entry["infra"], infra_failures=infra_failures
+                )
                 with anyio.CancelScope(shield=True):
-                    try:
-                        await anyio.to_thread.run_sync(self.results.append, entry)
-                    except OSError as exc:
-                        self.failure = f"cannot write {self.results.path}: {exc.strerror}"
-                        self._stop()
+                    if not await self._write(entry):
                         return
-                self.view.finished_entry(entry)
         finally:
             slots.release()
 
-    async def _attempt(self, record: Record, sample: int) -> dict[str, Any]:
+    async def _write(self, entry: dict[str, Any]) -> bool:
+        """Append one result line; False (and the run stops) when it cannot be written."""
+        try:
+            await anyio.to_thread.run_sync(self.results.append, entry)
+        except OSError as exc:
+            self.failure = f"cannot write {self.results.path}: {exc.strerror}"
+            self._stop()
+            return False
+        self.view.finished_entry(entry)
+        return True
+
+    async def _attempt(
+        self, record: Record, sample: int, on_cut: Callable[[dict[str, Any]], object]
+    ) -> dict[str, Any]:
         try:
             data = await anyio.to_thread.run_sync(self.records.read, record)
             job = self.plan.job(data, sample if self.samples is not None else None)
@@ -168,6 +210,100 @@ class Scheduler:
             return failure("setup_error", "SetupError", str(exc))
         self.view.running += 1
         try:
-            return await self.backend.run(job)
+            return await self.backend.run(job, on_cut)
         finally:
             self.view.running -= 1
+
+
+def line_of(
+    policy: RetryPolicy,
+    unit: Unit,
+    with_sample: bool,
+    attempt: int,
+    fields: dict[str, Any],
+    infra_failures: int,
+) -> dict[str, Any]:
+    """The result line of attempt number ``attempt`` at ``unit``."""
+    entry: dict[str, Any] = {"instance_id": unit[0]}
+    if with_sample:
+        entry["sample"] = unit[1]
+    entry.update(attempt=attempt, final=False)
+    entry.update(fields)
+    entry.update(infra=bool(fields.get("infra")), infra_failures=infra_failures)
+    # Final exactly when a rerun would skip it: a setup error is not (the run's configuration
+    # failed, and the next run tries again).
+    entry["final"] = policy.done(entry)
+    entry["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return entry
+
+
+def lost_attempts(results: Results, log_dir: Path) -> list[tuple[float, Path, dict[str, Any]]]:
+    """The attempts of ``results`` that began but have no line: a driver killed while they
+    ran (or between an attempt's end and its line). From each bundle's ``attempt.json``,
+    oldest first: (start, bundle, what ``attempt.json`` says)."""
+    mine = str(results.path.absolute())
+    found = []
+    try:
+        bundles = list(log_dir.iterdir())
+    except OSError:
+        return []
+    for bundle in bundles:
+        if bundle.name in results.episode_ids:
+            continue
+        try:
+            attempt = json.loads((bundle / ATTEMPT_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not an attempt of a batch, or of one from before attempt files
+        if not isinstance(attempt, dict) or attempt.get("results") != mine:
+            continue
+        found.append((float(attempt.get("started_at") or 0.0), bundle, attempt))
+    return sorted(found, key=lambda item: item[0])
+
+
+def record_lost(results: Results, log_dir: Path, policy: RetryPolicy) -> int:
+    """Give every lost attempt of ``results`` (see :func:`lost_attempts`) its line: the
+    outcome its bundle kept, or else an infrastructure failure (``DriverStopped``) with the
+    true duration and log. Returns how many. Blocking: call before the run."""
+    from ..._core.outcome import EpisodeOutcome
+    from .job import keep_fields, outcome_fields
+
+    count = 0
+    for started, bundle, attempt in lost_attempts(results, log_dir):
+        unit = (str(attempt.get("instance_id", "")), int(attempt.get("sample") or 0))
+        last = results.last.get(unit)
+        infra_failures = int(last.get("infra_failures") or 0) if last else 0
+        log = bundle / f"{bundle.name}.log"
+        try:
+            outcome = EpisodeOutcome.model_validate_json((bundle / "outcome.json").read_bytes())
+        except (OSError, ValueError):
+            outcome = None
+        if outcome is not None:  # it ended; the driver went before its line was written
+            fields = outcome_fields(outcome)
+            fields.update(keep_fields(bundle, outcome))
+        else:
+            fields = driver_cut(
+                failure("crashed", "DriverStopped", ""),
+                "the driver stopped while this attempt ran; its episode ended with it",
+            )
+            try:
+                ended = max(p.stat().st_mtime for p in (bundle, log) if p.exists())
+            except OSError:
+                ended = started
+            fields.update(
+                episode_id=bundle.name,
+                duration_s=round(max(0.0, ended - started), 3),
+                log_path=str(log) if log.exists() else None,
+            )
+            infra_failures += 1
+        entry = line_of(
+            policy,
+            unit,
+            attempt.get("sample") is not None,
+            (last["attempt"] if last else 0) + 1,
+            fields,
+            infra_failures,
+        )
+        entry["recovered"] = True
+        results.append(entry)
+        count += 1
+    return count

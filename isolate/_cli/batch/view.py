@@ -49,7 +49,8 @@ class View:
         self.retried = 0
         """Attempts of this run that got another attempt."""
         self.infra_retried = 0
-        """Of them, infrastructure failures (``infra``: a Ray worker or node lost)."""
+        """Of them, infrastructure failures (``infra``: a Ray worker or node lost, the driver
+        stopped mid-attempt)."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -294,13 +295,15 @@ def summary(
         )
     infra_final = sum(bool(e.get("infra")) for e in entries)
     if view.infra_retried or infra_final:
-        # Infrastructure failures (a Ray worker or node lost), under --retries-infra.
+        # Infrastructure failures (a Ray worker, node or the driver lost): --retries-infra.
         parts = [
             f"{n} ({what})"
             for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
             if n
         ]
-        facts.append(("infra", ", ".join(parts) + "; a Ray worker or node lost, not the agent"))
+        facts.append(
+            ("infra", ", ".join(parts) + "; a Ray worker, node or the driver lost, not the agent")
+        )
     where = [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
