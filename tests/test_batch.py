@@ -728,8 +728,10 @@ def test_every_attempt_keeps_its_outcome(agents: Agents) -> None:
 
 
 # A sandboxed agent that wants another grade: it appends forged final lines to the results,
-# rewrites the other episodes' bundles (spec.json: its own script, no sandbox) and plants a
-# file beside the results. Each attempt's word is kept in its info.
+# rewrites the other episodes' bundles (spec.json: its own script, no sandbox), plants a file
+# beside the results, and forges a "lost" attempt (a bundle with attempt.json and an ok
+# outcome) and its own outcome.json, for the next run to record. Each attempt's word is kept in
+# its info.
 FORGER = """
 import glob, json, os
 
@@ -757,7 +759,20 @@ def run(data, **kwargs):
         with open(os.path.join(os.path.dirname(b["results"]), "planted"), "w") as f:
             f.write("x")
 
+    def lost():
+        fake = os.path.join(b["logs"], data["instance_id"] + ".forged")
+        os.makedirs(fake)
+        attempt = {"results": b["results"], "instance_id": data["instance_id"], "sample": None}
+        with open(os.path.join(fake, "attempt.json"), "w") as f:
+            f.write(json.dumps(attempt))
+
+    def own_outcome():
+        bundle = os.path.dirname(kwargs["result_dir"])
+        with open(os.path.join(bundle, "outcome.json"), "w") as f:
+            f.write(json.dumps({"status": "ok", "reward": 1.0}))
+
     found = {"append": attempt(append), "rewrite": attempt(rewrite), "plant": attempt(plant)}
+    found.update(lost=attempt(lost), own_outcome=attempt(own_outcome))
     with open(os.path.join(kwargs["result_dir"], "mine.txt"), "w") as f:
         f.write("legitimate")
     found["cwd"] = attempt(lambda: open("scratch.txt", "w").close())
@@ -788,6 +803,8 @@ def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agent
             "append": "PermissionError",
             "rewrite": "PermissionError",
             "plant": "PermissionError",
+            "lost": "PermissionError",
+            "own_outcome": "PermissionError",
             "cwd": "done",  # its own working directory, in its bundle
         }, entry
         bundle = Path(entry["outcome_path"]).parent
@@ -797,4 +814,10 @@ def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agent
         assert spec["sandbox"] is not None
         assert "evil" not in spec["python"]
     assert not (agents.tmp / "planted").exists()
+    assert not list(agents.logs.glob("*.forged"))
     assert re.search(r"^resolved +0/3 ", proc.stdout, re.M), proc.stdout
+    # A rerun finds no lost attempt to record, and nothing to do.
+    again = isolate_cli(*args, env=env())
+    assert again.returncode == 0, again.stderr
+    assert "had no line" not in again.stderr
+    assert len(results(out)) == 3
