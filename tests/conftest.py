@@ -24,8 +24,9 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
+from isolate._core import procfs
 from isolate._core import templates as _templates
-from isolate._core.tree import has_live_thread
+from isolate._core.procfs import has_live_thread
 
 # The plugin below, imported here first: marked for assertion rewriting before that import.
 pytest.register_assert_rewrite("tests._skips")
@@ -293,7 +294,7 @@ def own_leaves() -> list[Path]:
 
 
 #: The test process's start, in clock ticks since boot: what a cgroup owner's name records.
-_SESSION_START = _containment._start_time(os.getpid()) or 0
+_SESSION_START = procfs.start_time(os.getpid()) or 0
 #: Leaves of dead owners already judged (by path): the basetemp scan runs once per leaf.
 _judged: dict[Path, bool] = {}
 
@@ -330,7 +331,7 @@ def run_leaves(basetemp: Path) -> list[Path]:
             pid, start = (int(x) for x in owner.name.split("."))
             if pid == me.pid and start == _SESSION_START:
                 found += leaves
-            elif _containment._start_time(pid) == start:
+            elif procfs.start_time(pid) == start:
                 if _descends_from(pid, me):
                     found += leaves
             elif start >= _SESSION_START:

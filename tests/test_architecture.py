@@ -14,10 +14,11 @@ def _short(name: str) -> str:
     return name.removeprefix("isolate.").removeprefix("_core.")
 
 
-def import_graph() -> list[str]:
-    """One line per module of ``isolate``: ``module → what it imports`` (of isolate and
-    agent_shim), from every import statement in it, deferred ones too."""
-    lines = []
+def imports(*, typing_only: bool = True) -> dict[str, set[str]]:
+    """Each module of ``isolate`` and what it imports of isolate and agent_shim, from every
+    import statement in it, deferred ones too; without ``typing_only``, not those under
+    ``if TYPE_CHECKING:``, which never run."""
+    graph: dict[str, set[str]] = {}
     for path in sorted((ROOT / "isolate").rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
@@ -27,7 +28,7 @@ def import_graph() -> list[str]:
             continue  # the demo's agent: data the demo runs, not a part
         name = ".".join(parts)
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _statements(ast.parse(path.read_text()), typing_only):
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package[: len(package) - node.level + 1]
                 if node.module is None:  # ``from . import x``: a module, or a name of the package
@@ -43,9 +44,53 @@ def import_graph() -> list[str]:
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.split(".")[0] == "agent_shim"}
         deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def _statements(tree: ast.AST, typing_only: bool) -> list[ast.AST]:
+    """Every node of ``tree``; without ``typing_only``, not the bodies of ``if TYPE_CHECKING:``."""
+    found: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if (
+            not typing_only
+            and isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name)
+            and node.test.id == "TYPE_CHECKING"
+        ):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> list[str]:
+    """One line per module of ``isolate``: ``module → what it imports``."""
+    lines = []
+    for name, deps in imports().items():
         shown = ", ".join(sorted(_short(d) for d in deps)) or "nothing"
         lines.append(f"- `{_short(name)}` → {shown}")
     return lines
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No circle among the imports that run, deferred ones included."""
+    graph = imports(typing_only=False)
+    circles = []
+    for start in graph:
+        path, todo = {start: [start]}, [start]
+        while todo:
+            here = todo.pop()
+            for dep in graph.get(here, ()):
+                if dep == start:
+                    circles.append(" → ".join([*path[here], start]))
+                elif dep in graph and dep not in path:
+                    path[dep] = [*path[here], dep]
+                    todo.append(dep)
+    assert circles == []
 
 
 def test_the_architecture_page_lists_the_imports_of_the_code() -> None:

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import isolate
 from isolate._core import containment as _containment
 from isolate._core import launcher as _launcher
+from isolate._core import procfs
 from isolate._core import templates as _templates
 
 from .conftest import (
@@ -553,7 +554,7 @@ def test_stale_leaves_of_a_dead_parent_are_removed_on_the_next_start(agents: Age
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
 
     def owner_of(proc: subprocess.Popen[bytes]) -> str:
-        return f"{proc.pid}.{_containment._start_time(proc.pid)}"
+        return f"{proc.pid}.{procfs.start_time(proc.pid)}"
 
     dead = subprocess.Popen(["sleep", "60"])
     alive = subprocess.Popen(["sleep", "60"])

@@ -175,10 +175,10 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
     """A trainer killed with sandboxed episodes running leaves their TMPDIRs: the next isolate
     process removes those of dead parents, and only once they are old enough that no clean-up
     of theirs can still be running."""
-    from isolate._core import containment as _containment
+    from isolate._core import procfs
     from isolate._core import sandbox as _sandbox
 
-    me = f"{os.getpid()}-{_containment._start_time(os.getpid())}"
+    me = f"{os.getpid()}-{procfs.start_time(os.getpid())}"
     dead = "999999999-1"  # no such pid
     old_dead = tmp_path / f"isolate-episode.1.o{dead}.abc123"
     young_dead = tmp_path / f"isolate-x.y.o{dead}.def456"
@@ -202,12 +202,12 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
 
 
 def test_a_tmpdir_is_named_for_its_parent(agents: Agents) -> None:
-    from isolate._core import containment as _containment
+    from isolate._core import procfs
 
     spec = agents.spec("import os\ndef run(data):\n    return 1.0, os.environ['TMPDIR']\n")
     spec = spec.model_copy(update={"sandbox": isolate.Sandbox(best_effort=True)})
     outcome = anyio.run(isolate.run_episode, spec, {})
     assert outcome.status == "ok", outcome.summary()
     name = Path(outcome.info).name
-    owner = f"{os.getpid()}-{_containment._start_time(os.getpid())}"
+    owner = f"{os.getpid()}-{procfs.start_time(os.getpid())}"
     assert name.startswith(f"isolate-{outcome.episode_id}.o{owner}."), name

@@ -24,6 +24,7 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
+from isolate._core import sandbox as _sandbox
 from isolate._core import templates as _templates
 
 from .conftest import (
@@ -362,7 +363,7 @@ def test_the_parents_death_takes_the_template_and_what_it_started(
     remove_dead_parents_leaves()
 
 
-@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_the_sandboxed_import_writes_and_reads_only_what_an_episode_may(
     agents: Agents,
 ) -> None:
@@ -425,7 +426,7 @@ def test_a_control_message_is_never_cut() -> None:
             receive_message(theirs)
 
 
-@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_a_sandbox_whose_rules_outgrow_a_control_message(agents: Agents) -> None:
     """Hiding a file in a directory of 3,000 carves a rule for each of its neighbours: the
     template's wall is far larger than a control message, and reaches it whole."""

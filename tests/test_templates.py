@@ -25,6 +25,7 @@ from isolate._cli.main import build_parser
 from isolate._cli.main import main as cli_main
 from isolate._core import admission as _admission
 from isolate._core import containment as _containment
+from isolate._core import sandbox as _sandbox
 from isolate._core import templates as _templates
 from isolate.workflow import SWEAgentWorkflow, episode_spec
 
@@ -636,7 +637,7 @@ def run(data):
 """
 
 
-@pytest.mark.skipif(not _containment.landlock().abi, reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_sandboxed_episodes_of_one_agent_share_one_template(agents: Agents) -> None:
     spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
     outcomes = [await isolate.run_episode(spec, {}) for _ in range(5)]

@@ -17,6 +17,7 @@ import anyio
 import pytest
 
 import isolate
+from isolate._cli import doctor as _doctor
 from isolate._core import containment as _containment
 
 from .conftest import SLOW, Agents, wait_until
@@ -97,7 +98,7 @@ def expected_attack(combination: str) -> tuple[dict[str, Any], bool]:
         environ = "read, key in it" if readable else "EACCES"
         return {"environ": environ, "mem": "EACCES", "ptrace": "EPERM", "kill": "EPERM"}, True
     # No wall: what doctor warns about, every part of it true.
-    exposure = _containment.exposure(combination)
+    exposure = _doctor.exposure(combination)
     if os.geteuid() == 0:
         # A root agent without CAP_SYS_PTRACE holds fewer capabilities than the root trainer:
         # the kernel refuses it the trainer's environ and memory, not the signal (CAP_KILL).

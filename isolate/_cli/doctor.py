@@ -15,11 +15,11 @@ import anyio
 from agent_shim.shim_wire import LAYERS, PROTOCOL_VERSION
 
 from .._core import containment as _containment
+from .._core import sandbox as _sandbox
 from .._core import templates as _templates
 from .._core.config import EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.launcher import run_episode
-from .._core.sandbox import doctor_lines as sandbox_lines
 from .._core.shim import shim_path
 from ..workflow import ENTRYPOINT, resolve_agent_root
 
@@ -178,7 +178,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         elif layer == "pidns":
             how = "in a user namespace" if _containment.needs_userns() else "privileged"
         else:
-            how = f"Landlock ABI {_containment.landlock().abi}, scoped signals"
+            how = f"Landlock ABI {_sandbox.landlock_abi()}, scoped signals"
         report.line("ok", f"layer {layer}: available ({how})")
     found = _containment.resolve(requested, None)
     if isinstance(found, str):
@@ -186,7 +186,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         return None
     used = found[0]
     report.line("ok", f"containment {requested}" + (f": {used}" if used != requested else ""))
-    caveat = _containment.root_caveat()
+    caveat = root_caveat()
     if caveat is not None:
         report.line("warn", caveat)
     if os.geteuid() == 0:
@@ -200,7 +200,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         )
     else:
         report.line("warn", "syscall filter: this kernel has no seccomp; the rest still holds")
-    left = _containment.exposure(used)
+    left = exposure(used)
     if not left:
         report.line(
             "ok", f"at {used} an agent sees, signals and ptraces only its own episode's processes"
@@ -210,7 +210,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     for what in left:
         print(f"          - {what}")
     best = _containment.resolve("auto", None)
-    if isinstance(best, tuple) and not _containment.exposure(best[0]):
+    if isinstance(best, tuple) and not exposure(best[0]):
         report.line("info", f"containment 'auto' here is {best[0]}, which closes all of that")
         return used
     for layer in ("pidns", "landlock", "cgroup"):
@@ -321,3 +321,99 @@ def doctor(
     for text in sandbox_lines():
         report.line("info", text)
     return report.end()
+
+
+# --- what each layer leaves an agent able to do ----------------------------------------------
+
+
+def _yama_scope() -> int | None:
+    """Yama's ptrace_scope (1: only descendants; 2: only CAP_SYS_PTRACE; 3: none), or None."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def exposure(containment: str) -> list[str]:
+    """What an agent can still do to the trainer and to sibling episodes under
+    ``containment``, in plain words; empty when none of it. Probes Landlock if needed."""
+    on = _containment.layers(containment)
+    if "pidns" in on:
+        return []  # nothing outside its namespace is visible to it, let alone reachable
+    left = []
+    if "landlock" in on:
+        left.append(
+            "see every process of the machine (ps, /proc) and their command lines; it cannot "
+            "signal, ptrace or read the memory of any outside its episode"
+        )
+        # As root, the agent lacks capabilities the trainer has: the kernel refuses it too.
+        if _containment.landlock().environ_readable and os.geteuid() != 0:
+            left.append(
+                "read the trainer's /proc/PID/environ and maps: every credential the trainer "
+                "was started with (WANDB_API_KEY, HF_TOKEN, ...); Landlock does not refuse them"
+            )
+        return left
+    left.append(
+        "kill the trainer and every sibling episode: pkill -f python, killall python, kill -9 -1"
+    )
+    if os.geteuid() == 0:
+        # A root agent keeps no CAP_SYS_PTRACE, and the kernel lets a process read another's
+        # environ or memory only if it holds every capability that one holds.
+        return left
+    left.append(
+        "read the trainer's /proc/PID/environ: every credential it was started with "
+        "(WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY)"
+    )
+    scope = _yama_scope()
+    if scope is None or scope == 0:
+        yama = "no Yama here" if scope is None else f"Yama ptrace_scope {scope}"
+        left.append(f"ptrace the trainer and read its memory, every episode's key with it ({yama})")
+    return left
+
+
+def root_caveat() -> str | None:
+    """What no layer walls off when the trainer, and so the agent, runs as root; else None."""
+    if os.geteuid() != 0:
+        return None
+    return (
+        "the trainer runs as root, and so does the agent: no layer walls off root's file "
+        "access, so it can still write 1 into the trainer's cgroup.kill under /sys/fs/cgroup or "
+        "reboot the machine through /proc/sysrq-trigger; for untrusted agents run the trainer "
+        "as an unprivileged user"
+    )
+
+
+def sandbox_lines() -> list[str]:
+    """What this machine can enforce of a sandbox, for ``isolate doctor``. Blocking."""
+    abi = _sandbox.landlock_abi()
+    if abi == 0:
+        landlock = "none: Sandbox() is a setup_error here (best_effort runs it unconfined)"
+    else:
+        lacks = ["truncate() rules (ABI 3)"] if abi < 3 else []
+        lacks += ["TCP connect rules (ABI 4)"] if abi < 4 else []
+        landlock = f"ABI {abi}" + (f", without {' and '.join(lacks)}" if lacks else "")
+    userns = _sandbox.userns_problem()
+    mountns = _containment.pidns_problem() is None or not _containment.needs_userns()
+    return [
+        f"sandbox: Landlock {landlock}",
+        "sandbox: user namespaces " + ("available" if userns is None else f"not: {userns}"),
+        "sandbox: mount namespaces "
+        + (
+            "available (hidden paths read as empty; .git/hooks, .git/config, rc files read-only)"
+            if mountns
+            else "not available: a checkout's .git and rc files cannot be made read-only"
+        ),
+        "sandbox: network isolation " + _network_line(),
+    ]
+
+
+def _network_line() -> str:
+    problem = _sandbox.network_problem()
+    if problem is None:
+        return "available (Sandbox(network=...): a namespace of its own, an egress proxy)"
+    return (
+        f"not available: {problem}; Sandbox(network=...) is a setup_error here. Run as root, "
+        "or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+        "or kernel.apparmor_restrict_unprivileged_userns=0)"
+    )

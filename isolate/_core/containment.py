@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,7 +41,8 @@ from typing import Literal
 from agent_shim.shim_wire import LAYERS
 
 from .config import Limits
-from .shim import shim_path
+from .procfs import start_time
+from .shim import probe
 
 #: What ``auto`` tries, strongest first: the PID namespace is the wall, Landlock the wall where
 #: there is no namespace; the cgroup adds teardown in one write and tree-wide limits.
@@ -60,7 +60,6 @@ COMBINATIONS: tuple[str, ...] = tuple(
 ) + ("session",)
 
 _CAP_SYS_ADMIN = 21
-_PROBE_TIMEOUT_S = 10.0
 #: How long teardown waits for ``populated 0`` after ``cgroup.kill`` (seconds).
 _EMPTY_WAIT_S = 2.0
 _V1 = ("pids", "memory")
@@ -220,31 +219,15 @@ def _probe_pidns() -> str | None:
     """Run the shim's own namespace set-up once in a short-lived child; None if it works."""
     if not sys.platform.startswith("linux"):
         return "PID namespaces exist only on Linux"
-    argv = [sys.executable, "-I", str(shim_path()), "--probe-pidns"]
-    if needs_userns():
-        argv.append("userns")
-    try:
-        done = subprocess.run(
-            argv,
-            capture_output=True,
-            timeout=_PROBE_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-            env={},  # never the parent's environment: it may hold keys
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the namespace probe failed: {exc}"
-    if done.returncode == 0:
-        return None
-    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
-    return f"namespaces not permitted: {lines[-1] if lines else f'exit {done.returncode}'}"
+    found = probe("--probe-pidns", *(["userns"] if needs_userns() else []))
+    return None if found.problem is None else f"namespaces not permitted: {found.problem}"
 
 
 @dataclass(frozen=True)
 class LandlockProbe:
-    """What the shim found when it entered a scoped Landlock domain in a probe process."""
+    """What the shim found when it entered a scoped Landlock domain in a probe process. (The
+    kernel's ABI version is :func:`sandbox.landlock_abi`, asked in this process.)"""
 
-    abi: int
-    """The kernel's Landlock ABI version; 0 where it has none."""
     problem: str | None
     """Why there is no landlock layer, or None."""
     environ_readable: bool = False
@@ -254,20 +237,12 @@ class LandlockProbe:
 def _probe_landlock() -> LandlockProbe:
     """Enter a scoped domain in a short-lived shim and signal its parent from there."""
     if not sys.platform.startswith("linux"):
-        return LandlockProbe(0, "Landlock exists only on Linux")
-    argv = [sys.executable, "-I", str(shim_path()), "--probe-landlock"]
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, timeout=_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, env={}
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return LandlockProbe(0, f"the Landlock probe failed: {exc}")
-    found = dict(re.findall(r"^(\w+) (\S+)$", done.stdout.decode("ascii", "replace"), re.M))
-    version = int(found.get("abi", "0"))
-    if done.returncode == 0:
-        return LandlockProbe(version, None, found.get("environ") == "readable")
-    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
-    return LandlockProbe(version, lines[-1] if lines else f"probe exit {done.returncode}")
+        return LandlockProbe("Landlock exists only on Linux")
+    done = probe("--probe-landlock")
+    found = dict(re.findall(r"^(\w+) (\S+)$", done.stdout, re.M))
+    if done.problem is None:
+        return LandlockProbe(None, found.get("environ") == "readable")
+    return LandlockProbe(done.problem)
 
 
 def landlock() -> LandlockProbe:
@@ -326,55 +301,6 @@ def problem(containment: str) -> str | None:
     return None
 
 
-# --- what is left: for isolate doctor -----------------------------------------------------------
-
-
-def _yama_scope() -> int | None:
-    """Yama's ptrace_scope (1: only descendants; 2: only CAP_SYS_PTRACE; 3: none), or None."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def exposure(containment: str) -> list[str]:
-    """What an agent can still do to the trainer and to sibling episodes under
-    ``containment``, in plain words; empty when none of it. Probes Landlock if needed."""
-    on = layers(containment)
-    if "pidns" in on:
-        return []  # nothing outside its namespace is visible to it, let alone reachable
-    left = []
-    if "landlock" in on:
-        left.append(
-            "see every process of the machine (ps, /proc) and their command lines; it cannot "
-            "signal, ptrace or read the memory of any outside its episode"
-        )
-        # As root, the agent lacks capabilities the trainer has: the kernel refuses it too.
-        if landlock().environ_readable and os.geteuid() != 0:
-            left.append(
-                "read the trainer's /proc/PID/environ and maps: every credential the trainer "
-                "was started with (WANDB_API_KEY, HF_TOKEN, ...); Landlock does not refuse them"
-            )
-        return left
-    left.append(
-        "kill the trainer and every sibling episode: pkill -f python, killall python, kill -9 -1"
-    )
-    if os.geteuid() == 0:
-        # A root agent keeps no CAP_SYS_PTRACE, and the kernel lets a process read another's
-        # environ or memory only if it holds every capability that one holds.
-        return left
-    left.append(
-        "read the trainer's /proc/PID/environ: every credential it was started with "
-        "(WANDB_API_KEY, HF_TOKEN, OPENAI_API_KEY)"
-    )
-    scope = _yama_scope()
-    if scope is None or scope == 0:
-        yama = "no Yama here" if scope is None else f"Yama ptrace_scope {scope}"
-        left.append(f"ptrace the trainer and read its memory, every episode's key with it ({yama})")
-    return left
-
-
 #: The capabilities a root agent keeps (Docker's default set); every other one is dropped from
 #: all five sets before the agent's code runs, and an unprivileged trainer's agent has none.
 KEPT_CAPABILITIES = (
@@ -402,18 +328,6 @@ def seccomp_available() -> bool:
             return any(line.startswith("Seccomp:") for line in f)
     except OSError:
         return False
-
-
-def root_caveat() -> str | None:
-    """What no layer walls off when the trainer, and so the agent, runs as root; else None."""
-    if os.geteuid() != 0:
-        return None
-    return (
-        "the trainer runs as root, and so does the agent: no layer walls off root's file "
-        "access, so it can still write 1 into the trainer's cgroup.kill under /sys/fs/cgroup or "
-        "reboot the machine through /proc/sysrq-trigger; for untrusted agents run the trainer "
-        "as an unprivileged user"
-    )
 
 
 def remedy(layer: str) -> str:
@@ -540,20 +454,8 @@ def resolve(requested: str, limits: Limits | None) -> tuple[str, Plan] | str:
 # --- one episode's cgroup leaves --------------------------------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
-    """Start time of a live (non-zombie) process, in clock ticks since boot; else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
-
-
 def _owner_name() -> str:
-    return f"{os.getpid()}.{_start_time(os.getpid())}"
+    return f"{os.getpid()}.{start_time(os.getpid())}"
 
 
 _active: dict[Path, int] = {}
@@ -722,7 +624,7 @@ def _shim_alive(leaf: Path) -> bool:
             if os.getsid(pid) != pid:
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"agent_shim" in f.read() and _start_time(pid) is not None:
+                if b"agent_shim" in f.read() and start_time(pid) is not None:
                     return True
         except OSError:
             continue
@@ -772,7 +674,7 @@ def clean_stale(roots: Iterable[Path]) -> int:
             continue
         for owner in owners:
             pid, start = (int(x) for x in owner.name.split("."))
-            if _start_time(pid) == start:
+            if start_time(pid) == start:
                 continue
             for leaf in [p for p in owner.iterdir() if p.is_dir()]:
                 if _shim_alive(leaf):

@@ -36,6 +36,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from .network import NetworkPlan, plan_network
+from .procfs import start_time
+from .shim import probe
 
 #: Devices an agent may open for reading and writing (and ioctl: terminals).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "ptmx")
@@ -480,16 +482,12 @@ _STALE = re.compile(r"isolate-.+\.o(\d+)-(\d+)\.[^.]+")
 
 
 def _owner() -> str:
-    from .containment import _start_time
-
-    return f"{os.getpid()}-{_start_time(os.getpid())}"
+    return f"{os.getpid()}-{start_time(os.getpid())}"
 
 
 def sweep_stale_tmpdirs(where: str, min_age: float = STALE_TMPDIR_S) -> int:
     """Remove the TMPDIRs in ``where`` of isolate parents that are dead (pid and start time no
     longer alive), at least ``min_age`` seconds old; how many. Blocking."""
-    from .containment import _start_time
-
     removed = 0
     try:
         entries = list(os.scandir(where))
@@ -497,7 +495,7 @@ def sweep_stale_tmpdirs(where: str, min_age: float = STALE_TMPDIR_S) -> int:
         return 0
     for entry in entries:
         found = _STALE.fullmatch(entry.name)
-        if found is None or _start_time(int(found[1])) == int(found[2]):
+        if found is None or start_time(int(found[1])) == int(found[2]):
             continue
         try:
             if not entry.is_dir(follow_symlinks=False):
@@ -538,69 +536,13 @@ def remove_tmpdir(path: str) -> None:
         shutil.rmtree(path, onerror=retry)
 
 
-def doctor_lines() -> list[str]:
-    """What this machine can enforce of a sandbox, for ``isolate doctor``. Blocking."""
-    from . import containment
-
-    abi = landlock_abi()
-    if abi == 0:
-        landlock = "none: Sandbox() is a setup_error here (best_effort runs it unconfined)"
-    else:
-        lacks = ["truncate() rules (ABI 3)"] if abi < 3 else []
-        lacks += ["TCP connect rules (ABI 4)"] if abi < 4 else []
-        landlock = f"ABI {abi}" + (f", without {' and '.join(lacks)}" if lacks else "")
-    userns = _userns_problem()
-    mountns = containment.pidns_problem() is None or not containment.needs_userns()
-    return [
-        f"sandbox: Landlock {landlock}",
-        "sandbox: user namespaces " + ("available" if userns is None else f"not: {userns}"),
-        "sandbox: mount namespaces "
-        + (
-            "available (hidden paths read as empty; .git/hooks, .git/config, rc files read-only)"
-            if mountns
-            else "not available: a checkout's .git and rc files cannot be made read-only"
-        ),
-        "sandbox: network isolation " + _network_line(),
-    ]
-
-
-def _network_line() -> str:
-    problem = network_problem()
-    if problem is None:
-        return "available (Sandbox(network=...): a namespace of its own, an egress proxy)"
-    return (
-        f"not available: {problem}; Sandbox(network=...) is a setup_error here. Run as root, "
-        "or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-        "or kernel.apparmor_restrict_unprivileged_userns=0)"
-    )
-
-
-def _userns_problem() -> str | None:
-    return _shim_probe("--probe-pidns", "userns")
+def userns_problem() -> str | None:
+    """Why this machine gives an unprivileged process no user namespace, or None. Blocking."""
+    return probe("--probe-pidns", "userns").problem
 
 
 def network_problem() -> str | None:
     """Why an episode cannot have a network of its own here, or None. Blocking."""
     if not sys.platform.startswith("linux"):
         return "network namespaces exist only on Linux"
-    return _shim_probe("--probe-net")
-
-
-def _shim_probe(*args: str) -> str | None:
-    """Run the shim with ``args`` in a short-lived child: None if it exits 0, else its last
-    line of stderr."""
-    import subprocess
-
-    from .shim import shim_path
-
-    argv = [sys.executable, "-I", str(shim_path()), *args]
-    try:
-        done = subprocess.run(
-            argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, env={}
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    if done.returncode == 0:
-        return None
-    lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
-    return lines[-1] if lines else f"exit {done.returncode}"
+    return probe("--probe-net").problem

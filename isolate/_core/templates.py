@@ -44,6 +44,7 @@ from . import sandbox as _sandbox
 from .config import EpisodeSpec
 from .env import split_env
 from .outcome import describe_exit, signal_name
+from .procfs import exited, parent_pid
 from .shim import _boot_path
 from .tree import Episode
 
@@ -76,14 +77,6 @@ def pidfd_pid(pidfd: int) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Forked:
@@ -134,11 +127,7 @@ class Forked:
     def _exited(self) -> bool:
         if self.pidfd is not None:
             return bool(select.select([self.pidfd], [], [], 0)[0])
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-        except (OSError, IndexError):
-            return True
+        return exited(self.pid)
 
     async def wait_exit(self) -> None:
         """Until the fork has exited and its status is in (or known to be lost)."""

@@ -25,6 +25,8 @@ import psutil
 
 from agent_shim.shim_wire import EPISODE_ENV
 
+from .procfs import has_live_thread
+
 _Key = tuple[int, float]
 
 
@@ -52,25 +54,6 @@ def is_alive(proc: psutil.Process) -> bool:
     except psutil.Error:
         return False
     return has_live_thread(proc.pid)
-
-
-def has_live_thread(pid: int) -> bool:
-    """Whether any thread of ``pid`` is other than dead or a zombie (Linux: its tasks in
-    /proc). The state letter of the process is its main thread's only."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: the state follows the last ')'.
-        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X", b"x"):
-            return True
-    return False
 
 
 def _session_members(sid: int) -> list[int]:
