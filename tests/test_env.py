@@ -3,7 +3,6 @@ the reason each withheld name is given, and the line the episode's log shows for
 
 from __future__ import annotations
 
-import isolate
 from isolate._core import env as _env
 
 
@@ -21,16 +20,6 @@ def test_an_exclusion_of_the_callers_names_itself_as_the_reason() -> None:
     passed, withheld = _env.split_env({"FOO_X": "1", "BAR": "2"}, ("*", "!FOO_*"))
     assert passed == {"BAR": "2"}
     assert withheld == {"FOO_X": "excluded by inherit_env '!FOO_*'"}
-
-
-def test_build_env_is_the_allow_list_then_the_extras_then_the_tag() -> None:
-    parent = {"HOME": "/root", "OPENAI_API_KEY": "sk-x", "OTHER": "o"}
-    extra = {"PID_DIR": "/tmp/p", "HOME": "/agent"}
-    built = _env.build_env(parent, ("HOME", "LANG"), extra, "ep.1")
-    assert built == {"HOME": "/agent", "PID_DIR": "/tmp/p", isolate.EPISODE_ENV: "ep.1"}
-    # The tag is isolate's: an extra of the same name does not replace it.
-    tagged = _env.build_env({}, (), {isolate.EPISODE_ENV: "forged"}, "ep.2")
-    assert tagged == {isolate.EPISODE_ENV: "ep.2"}
 
 
 def test_the_withheld_line_groups_names_by_reason_and_shows_no_value() -> None:

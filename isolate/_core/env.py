@@ -13,8 +13,6 @@ import functools
 import re
 from collections.abc import Collection, Iterable, Mapping
 
-from agent_shim.shim_wire import EPISODE_ENV
-
 # Names that carry credentials by convention. They pass only when named exactly, never
 # through a wildcard: inherit_env=("*",) must not hand the parent's OPENAI_API_KEY over.
 _SECRET_LOOKING = re.compile(
@@ -128,19 +126,6 @@ def split_env(
         else:
             passed[name] = value
     return passed, withheld
-
-
-def build_env(
-    parent: Mapping[str, str],
-    inherit: Iterable[str],
-    extra: Mapping[str, str],
-    episode_id: str,
-) -> dict[str, str]:
-    """The child's environment: allow-listed parent names, then ``extra``, then the episode tag."""
-    env, _ = split_env(parent, inherit)
-    env.update(extra)
-    env[EPISODE_ENV] = episode_id
-    return env
 
 
 def describe_withheld(withheld: Mapping[str, str]) -> str:

@@ -219,7 +219,6 @@ class _Run:
         self.final: proto.Result | proto.Error | None = None
         self.done: proto.Done | None = None
         self.violations: list[str] = []
-        self.noise = 0
         self.frame_cap = proto.frame_cap(spec.max_frame_bytes, spec.max_info_bytes)
         self.splitter = proto.LineSplitter(self.frame_cap)
         self.timed_out = False
@@ -860,7 +859,6 @@ class _Run:
         if last and isinstance(item, proto.Noise) and item.reason == "not JSON":
             self._violate(f"an incomplete frame at EOF: {len(line)} bytes without a newline")
         elif isinstance(item, proto.Noise):
-            self.noise += 1
             shown = item.preview.decode("utf-8", "backslashreplace")
             self._note(f"ignored stdout line ({item.reason}): {shown!r}")
         elif isinstance(item, proto.Violation):

@@ -141,10 +141,6 @@ class Episode:
         live.sort(key=lambda p: (p.pid == shim_pid, p.pid == shim_pid or _is_pid_1(p.pid)))
         return live
 
-    def count(self) -> int:
-        """How many live processes the episode has, the shim included."""
-        return len(self.live())
-
     def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:
         """Send ``sig`` (followed by SIGCONT, so stopped processes act on it); return how many
         processes other than the shim (and its PID 1, in a namespace) were signalled for the
