@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import codecs
 import json
-import math
 import os
 import re
 import secrets as _secrets
@@ -28,6 +27,7 @@ from . import containment as _containment
 from . import protocol as proto
 from . import sandbox as _sandbox
 from . import templates as _templates
+from . import verdict as _verdict
 from .config import EpisodeSpec, is_env_name
 from .env import describe_withheld, split_env
 from .errors import ArgumentError
@@ -38,8 +38,6 @@ from .outcome import (
     ErrorInfo,
     Status,
     Timings,
-    describe_exit,
-    signal_name,
 )
 from .redact import Redactor
 from .shim import _boot_path
@@ -960,115 +958,30 @@ class _Run:
         return self.sandbox.report(missing, _sandbox.landlock_abi(), refused)
 
     def _conclude(self) -> EpisodeOutcome:
-        status, error, reward, info = self._classify()
-        reason = self._limit_hit() if status in ("agent_error", "crashed", "timeout") else None
-        if reason is not None:
-            # The limit ended the episode, however the agent's end looked from inside.
-            assert error is not None
-            kind = error.type if status == "agent_error" else "EpisodeCrashed"
-            message = f"{reason} hit: {error.message}"
-            error = ErrorInfo(type=kind, message=message, traceback=error.traceback)
-            status = "crashed"
+        status, error, reward, info, reason = _verdict.conclude(self._observed())
         return self._finish(status, error, reward, info, reason)
 
-    def _limit_hit(self) -> str | None:
-        """The resource limit that ended the episode, if one visibly did."""
-        limits = self.spec.limits
-        if limits is None:
-            return None
-        if limits.memory_bytes is not None and (
-            (self.oom_kills or 0) > 0
-            or (isinstance(self.final, proto.Error) and self.final.type == "MemoryError")
-        ):
-            return f"memory limit {_containment.size(limits.memory_bytes)}"
-        if limits.max_processes is not None and self.pids_limit_hits > 0:
-            return f"process limit {limits.max_processes}"
-        if limits.cpu_seconds is not None:
-            _, sig = self._exit()
-            cpu = self.done.cpu_s if self.done is not None else None
-            if sig == "SIGXCPU" or (sig == "SIGKILL" and (cpu or 0) >= limits.cpu_seconds):
-                return f"CPU limit {limits.cpu_seconds} s"
-        return None
-
-    def _exit(self) -> tuple[int | None, str | None]:
-        """The agent's exit: the worker's, from the done frame, else the shim's own."""
-        if self.done is not None and (self.done.exit_code is not None or self.done.signal):
-            sig = signal_name(self.done.signal) if self.done.signal else None
-            return self.done.exit_code, sig
-        code = self.popen.returncode if self.popen is not None else None
-        if isinstance(self.popen, _templates.Forked) and not self.popen.status_known:
-            return None, None  # its template died before it could say
-        if code is not None and code < 0:
-            return None, signal_name(-code)
-        return code, None
-
-    def _classify(
-        self,
-    ) -> tuple[Status, ErrorInfo | None, float | dict[str, float] | None, Any]:
-        final = self.final
-        if self.violations:
-            return "protocol_error", _err("ProtocolError", self.violations[0]), None, None
-        if self.hello is None:
-            if self.timed_out:
-                return "timeout", self._timeout_error(), None, None
-            exit_code, sig = self._exit()
-            if sig is not None:
-                message = f"the shim was killed by {sig} before it started"
-                return "crashed", _err("EpisodeCrashed", message), None, None
-            last = self._last_line()
-            return (
-                "setup_error",
-                _err(
-                    "SetupError",
-                    f"the shim did not start under {self.spec.python} "
-                    f"({describe_exit(exit_code, sig)}){': ' + last if last else ''}",
-                ),
-                None,
-                None,
-            )
-        if self.hello.protocol != PROTOCOL_VERSION:
-            message = (
-                f"the shim speaks protocol {self.hello.protocol}, "
-                f"this isolate speaks {PROTOCOL_VERSION}"
-            )
-            return "protocol_error", _err("ProtocolError", message), None, None
-        if self.timed_out or (self.done is not None and self.done.why == "deadline"):
-            # No final frame by the deadline (ours, or the shim's own when we were stopped):
-            # one that came during teardown does not count.
-            return "timeout", self._timeout_error(), None, None
-        if isinstance(final, proto.Error):
-            error = ErrorInfo(type=final.type, message=final.message, traceback=final.traceback)
-            return ("setup_error" if final.kind == "setup" else "agent_error"), error, None, None
-        if isinstance(final, proto.Result):
-            problem = _check_reward(final)
-            if problem is not None:
-                return "protocol_error", _err("ProtocolError", problem), None, None
-            return "ok", None, final.reward, final.info
-        exit_code, sig = self._exit()
-        if sig is None and exit_code == 0:
-            return (
-                "protocol_error",
-                _err("ProtocolError", "the agent's process exited 0 without sending a result"),
-                None,
-                None,
-            )
-        return (
-            "crashed",
-            _err("EpisodeCrashed", f"the agent's process {describe_exit(exit_code, sig)}"),
-            None,
-            None,
+    def _observed(self) -> _verdict.Observed:
+        popen = self.popen
+        forked = isinstance(popen, _templates.Forked)
+        return _verdict.Observed(
+            python=self.spec.python,
+            timeout=self.spec.timeout,
+            limits=self.spec.limits,
+            violations=tuple(self.violations),
+            hello=self.hello,
+            final=self.final,
+            done=self.done,
+            timed_out=self.timed_out,
+            cancelled_after=(
+                self.cancelled_at - self.started if self.cancelled_at is not None else None
+            ),
+            returncode=popen.returncode if popen is not None else None,
+            status_known=not forked or popen.status_known,  # type: ignore[union-attr]
+            last_line=_verdict.last_line(self.tail.value()),
+            oom_kills=self.oom_kills,
+            pids_limit_hits=self.pids_limit_hits,
         )
-
-    def _timeout_error(self) -> ErrorInfo:
-        if self.cancelled_at is not None:
-            after = self.cancelled_at - self.started
-            return _err("EpisodeTimeout", f"cancelled after {after:.1f} s; tree killed")
-        return _err("EpisodeTimeout", f"no result within {self.spec.timeout:g} s; tree killed")
-
-    def _last_line(self) -> str:
-        lines = [ln for ln in self.tail.value().decode("utf-8", "replace").splitlines() if ln]
-        lines = [ln for ln in lines if not ln.startswith("[isolate]")]
-        return lines[-1][:300] if lines else ""
 
     def _finish(
         self,
@@ -1078,7 +991,9 @@ class _Run:
         info: Any = None,
         reason: str | None = None,
     ) -> EpisodeOutcome:
-        exit_code, sig = self._exit() if self.popen is not None else (None, None)
+        exit_code, sig = (
+            _verdict.exit_of(self._observed()) if self.popen is not None else (None, None)
+        )
         killed = self.killed
         if self.done is not None and not self.swept_live:
             killed += self.done.killed
@@ -1154,17 +1069,3 @@ def _secret_env(
     if both:
         raise ArgumentError(f"variables in both secret_env and spec.env: {', '.join(both)}")
     return out
-
-
-def _check_reward(result: proto.Result) -> str | None:
-    reward = result.reward
-    if reward is None:
-        return (
-            f"the entrypoint returned a {result.reward_type} ({result.reward_repr}); expected a "
-            "number, (reward, extra) or {completion_id: reward}"
-        )
-    values = reward.values() if isinstance(reward, dict) else [reward]
-    for value in values:
-        if not math.isfinite(value):
-            return f"the reward is {value}, not a finite number"
-    return None
