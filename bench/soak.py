@@ -192,7 +192,7 @@ def cgroup_leaves() -> list[str]:
     """This process's cgroup leaves (its per-parent directories and what is in them)."""
     groups = _containment.cgroups()
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
-    mine = [root / _containment._owner_name() for root in roots]
+    mine = [root / _containment.leaves._owner_name() for root in roots]
     return [str(p) for d in mine if d.exists() for p in [d, *d.iterdir()] if p.is_dir()]
 
 

@@ -287,7 +287,7 @@ def own_leaves() -> list[Path]:
     found: list[Path] = []
     for root in _cgroup_roots():
         try:
-            found += [p for p in (root / _containment._owner_name()).iterdir() if p.is_dir()]
+            found += [p for p in (root / _containment.leaves._owner_name()).iterdir() if p.is_dir()]
         except OSError:
             continue  # no episode of this process used this root
     return found
@@ -372,9 +372,9 @@ def _remove_leaf(leaf: Path) -> None:
     directory once that is empty: the next test starts clean."""
 
     def empty() -> bool:
-        if not _containment._procs(leaf) and not _containment._populated(leaf):
+        if not _containment.leaves._procs(leaf) and not _containment.leaves._populated(leaf):
             return True
-        _containment._kill_leaf(leaf)
+        _containment.leaves._kill_leaf(leaf)
         return False
 
     try:
@@ -382,7 +382,7 @@ def _remove_leaf(leaf: Path) -> None:
     except AssertionError:
         return  # the failure names the leaf already
     try:
-        _containment._rmdir_tree(leaf)
+        _containment.leaves._rmdir_tree(leaf)
         leaf.parent.rmdir()
     except OSError:
         pass  # still populated, or the owner has other leaves: the failure says so

@@ -31,7 +31,7 @@ def v2_root() -> Path:
 
 async def test_a_leaf_that_cannot_be_created_is_a_setup_error(agents: Agents) -> None:
     # No descendants allowed below this process's directory: mkdir of the leaf gets EAGAIN.
-    owner = v2_root() / _containment._owner_name()
+    owner = v2_root() / _containment.leaves._owner_name()
     made = not owner.exists()
     owner.mkdir(exist_ok=True)
     limit = owner / "cgroup.max.descendants"
@@ -145,8 +145,9 @@ async def test_auto_refuses_limits_that_no_combination_can_enforce(
     real = _containment.cgroups()
     v2_root()
     bare = dataclasses.replace(real, v2_controllers=frozenset(), v1={})
-    monkeypatch.setitem(_containment._probed, f"cgroups.{os.getpid()}", bare)
-    monkeypatch.setattr(_containment, "needs_userns", lambda: False)
+    monkeypatch.setitem(_containment.probes._probed, f"cgroups.{os.getpid()}", bare)
+    for where in (_containment, _containment.limits):  # the launcher's name, and the plan's
+        monkeypatch.setattr(where, "needs_userns", lambda: False)
     first = _containment.AUTO[0]
     assert _containment.problem(first) is None  # available: only the limit stops it
     found = _containment.resolve("auto", isolate.Limits(max_processes=8))

@@ -522,7 +522,7 @@ def test_cgroup_on_a_read_only_cgroup_tree_is_a_setup_error_that_says_why() -> N
     needs("cgroup")
     mounts = " && ".join(
         f"mount -o remount,bind,ro {point}"
-        for fstype, _, point, _ in _containment._mounts()
+        for fstype, _, point, _ in _containment.probes._mounts()
         if fstype in ("cgroup", "cgroup2")
     )
     wrapper = f'unshare --mount --propagation private sh -c \'{mounts} && exec "$0" "$@"\''
@@ -621,7 +621,7 @@ async def test_a_cgroup_the_agent_made_inside_its_leaf_goes_with_the_leaf(agents
     outcome = await isolate.run_episode(spec, {"out": str(out)})
     assert outcome.status == "ok", outcome.summary()
     leaf = Path(out.read_text())
-    assert leaf.parent.name == _containment._owner_name()
+    assert leaf.parent.name == _containment.leaves._owner_name()
     assert leaf.name.startswith(outcome.episode_id + ".")
     assert not await anyio.Path(leaf).exists()
     assert outcome.killed >= 1  # the sleep in the nested cgroup
@@ -647,7 +647,7 @@ def pids_counters(episode_id: str) -> tuple[int, int] | None:
     groups = _containment.cgroups()
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
     for root in roots:
-        for leaf in (root / _containment._owner_name()).glob(f"{episode_id}.*"):
+        for leaf in (root / _containment.leaves._owner_name()).glob(f"{episode_id}.*"):
             try:
                 peak = int((leaf / "pids.peak").read_text())
                 events = dict(

@@ -69,7 +69,7 @@ def test_a_cgroup_leaf_left_behind_is_seen() -> None:
     groups = _containment.cgroups()
     if groups.v2 is None:
         pytest.skip(f"containment 'cgroup' is not available here: {groups.problem}")
-    owner = groups.v2 / _containment._owner_name()
+    owner = groups.v2 / _containment.leaves._owner_name()
     made_owner = not owner.exists()
     leaf = owner / "toolkit-leftover"
     leaf.mkdir(parents=True)
