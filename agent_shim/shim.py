@@ -323,7 +323,8 @@ def is_env(value):
 
 
 def is_containment(value):
-    return wire.canonical_containment(value) == value
+    # Not None: canonical_containment says None for what is not a containment at all.
+    return isinstance(value, str) and wire.canonical_containment(value) == value
 
 
 def layers_of(hs):

@@ -1007,6 +1007,30 @@ def broken_handshakes(draw: st.DrawFn, root: Path) -> bytes:
     return json.dumps(good).encode() + b"\n"
 
 
+def test_each_wrong_value_of_each_field_is_refused_without_running_anything() -> None:
+    """Every entry of WRONG, not a sample: a null containment once passed the shim's check
+    (its canonical form of a non-containment is None too) and crashed it at exit 1."""
+    root = Path(tempfile.mkdtemp(prefix="isolate-hs-"))
+    (root / "marker.py").write_text(MARKER_AGENT)
+    try:
+        refused = []
+        for name, values in sorted(WRONG.items()):
+            for value in values:
+                handshake = {**valid_handshake(root), name: value}
+                done = run_shim(
+                    [sys.executable, "-I", str(isolate.shim_path())],
+                    json.dumps(handshake).encode() + b"\n",
+                    keep_stdin=False,
+                    cwd=root,
+                )
+                assert done.returncode == 2, (name, value, done.stderr[-300:])
+                assert not (root / "imported").exists(), (name, value)
+                refused.append((name, value))
+        assert len(refused) == sum(len(v) for v in WRONG.values())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_the_shim_refuses_every_broken_handshake_without_running_anything() -> None:
     root = Path(tempfile.mkdtemp(prefix="isolate-hs-"))
     (root / "marker.py").write_text(MARKER_AGENT)
