@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from isolate._cli.batch.job import Plan
+from isolate._cli.batch.job import RecordPlan
 from isolate._cli.doctor import _usable_bytecode
 from isolate._cli.main import build_parser
 from isolate._core import containment as _containment
@@ -714,7 +714,7 @@ def test_a_records_own_timeout_wins_over_the_flag(agents: Agents) -> None:
 )
 def test_a_records_invalid_timeout_is_named(agents: Agents, value: Any, message: str) -> None:
     argv = ["run", "r.json", "--agent-root", str(SCRIPTED), "--base-url", URL, "--timeout", "5"]
-    plan = Plan(build_parser().parse_args(argv))
+    plan = RecordPlan(build_parser().parse_args(argv))
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.build({"instance_id": "x", "econfig": {"timeout": value}})
     spec, _ = plan.build({"instance_id": "x", "econfig": {"timeout": 7}})

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 import isolate
-from isolate._core.sandbox import Plan, hidden_paths, plan, ports_of_url
+from isolate._core.sandbox import SandboxPlan, hidden_paths, plan, ports_of_url
 
 from .conftest import Agents
 
@@ -61,7 +61,7 @@ def test_hide_extends_the_defaults_for_every_home(tmp_path: Path) -> None:
     assert "/srv/secrets" in found
 
 
-def _plan(tmp_path: Path, box: isolate.Sandbox | None = None, **machine: object) -> Plan:
+def _plan(tmp_path: Path, box: isolate.Sandbox | None = None, **machine: object) -> SandboxPlan:
     home, cwd, tmp = tmp_path / "home", tmp_path / "cwd", tmp_path / "tmp"
     for path in (home / ".ssh", cwd, tmp):
         path.mkdir(parents=True, exist_ok=True)

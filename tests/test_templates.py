@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 import isolate
-from isolate._cli.batch.job import Plan
+from isolate._cli.batch.job import RecordPlan
 from isolate._cli.main import build_parser
 from isolate._cli.main import main as cli_main
 from isolate._core import admission as _admission
@@ -423,7 +423,7 @@ def test_econfig_preload_must_be_a_bool_or_a_list(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flag", [[], ["--preload"]])
 def test_the_preload_flag_reaches_the_spec(tmp_path: Path, flag: list[str]) -> None:
     argv = ["run", "r.json", "--agent-root", str(tmp_path), "--base-url", "http://x", *flag]
-    spec, _ = Plan(build_parser().parse_args(argv)).build({"instance_id": "x"})
+    spec, _ = RecordPlan(build_parser().parse_args(argv)).build({"instance_id": "x"})
     assert spec.preload is bool(flag)
 
 

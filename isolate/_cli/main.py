@@ -128,10 +128,10 @@ def _entrypoint(value: str) -> str:
 
 
 def _containment(value: str) -> str:
-    from .._core.config import _check_containment
+    from .._core.config import check_containment
 
     try:
-        return _check_containment(value)
+        return check_containment(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -20,7 +20,7 @@ import psutil
 from pydantic import SecretStr
 
 from .._core.config import EpisodeSpec
-from .._core.launcher import _default_episode_id, run_episode
+from .._core.launcher import default_episode_id, run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.templates import close_templates
 from .options import (
@@ -37,7 +37,7 @@ _TTY_TICK_S = 0.5
 _PLAIN_TICK_S = 10.0
 
 
-class Prepared:
+class PreparedRun:
     """Everything one episode needs, from flags or from a replay bundle."""
 
     def __init__(
@@ -53,7 +53,7 @@ class Prepared:
         self.secret_env, self.episode_id = secret_env, episode_id
 
 
-def prepare_run(args: argparse.Namespace) -> Prepared:
+def prepare_run(args: argparse.Namespace) -> PreparedRun:
     log_dir = args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))
     if args.replay is not None:
         given = [f for f in _AGENT_FLAGS if getattr(args, f) is not None]
@@ -74,7 +74,7 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
         names_env = read_secret_env(names)
-        return Prepared(record, spec, kwargs, log_dir, names_env, _default_episode_id(record))
+        return PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -86,16 +86,16 @@ def prepare_run(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"{args.record} is not valid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise UsageError(f"{args.record} must hold one JSON object (a record)")
-    from .batch.job import Plan  # one way to turn flags and a record into an episode
+    from .batch.job import RecordPlan  # one way to turn flags and a record into an episode
 
-    plan = Plan(args)
-    episode_id = _default_episode_id(record)
+    plan = RecordPlan(args)
+    episode_id = default_episode_id(record)
     try:
         spec, kwargs = plan.build(record, episode_id)
         secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return Prepared(record, spec, kwargs, log_dir, secret_env, episode_id)
+    return PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
 
 
 def _bundle_secret_env(bundle: Path) -> list[str]:

@@ -47,7 +47,7 @@ def _finite(value: float) -> float:
 Seconds = Annotated[float, AfterValidator(_finite)]
 
 
-def _check_containment(value: str) -> str:
+def check_containment(value: str) -> str:
     """``auto``, ``session``, or layers joined by ``+``; returned in the order of LAYERS."""
     if value == "auto":
         return value
@@ -60,7 +60,7 @@ def _check_containment(value: str) -> str:
     return found
 
 
-Containment = Annotated[str, AfterValidator(_check_containment)]
+Containment = Annotated[str, AfterValidator(check_containment)]
 
 
 class Limits(BaseModel):

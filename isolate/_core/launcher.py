@@ -40,9 +40,9 @@ from .outcome import (
     Timings,
 )
 from .redact import Redactor
-from .shim import _boot_path
+from .shim import boot_path
 from .tail import Tail
-from .tree import Episode
+from .tree import ProcessTree
 
 #: How long after the shim exits its pipes may take to reach EOF (seconds). Normally at once:
 #: every writer is dead by then. Only a process that escaped everything could hold them longer.
@@ -130,7 +130,7 @@ def _starting_gate() -> anyio.CapacityLimiter:
         return gate
 
 
-def _default_episode_id(data: Any) -> str:
+def default_episode_id(data: Any) -> str:
     base = data.get("instance_id") if isinstance(data, Mapping) else None
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(base))[:80] if base else "episode"
     return f"{stem}.{_secrets.token_hex(4)}"
@@ -166,7 +166,7 @@ class _Run:
         }
         self.secret_env = _secret_env(spec, secret_env or {})
         self.spec = spec
-        self.episode_id = _default_episode_id(data) if episode_id is None else episode_id
+        self.episode_id = default_episode_id(data) if episode_id is None else episode_id
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", self.episode_id):
             raise ArgumentError(f"episode_id must be 1-200 of [A-Za-z0-9_.-], got {episode_id!r}")
         self.nonce = _secrets.token_hex(16)
@@ -192,12 +192,12 @@ class _Run:
         ]
         self.redact = Redactor(self.secret_values)
         self.env: dict[str, str] = {}
-        self.shim = _boot_path()
+        self.shim = boot_path()
 
         self.started = time.monotonic()
         self.asked_template = False
         self.preload_refused: str | None = None  # why preload gave no template
-        self.level = "session"  # the containment combination, once resolved
+        self.containment = "session"  # the containment combination, once resolved
         self.leaves: _containment.Leaves | None = None
         self.leaves_problem: str | None = None
         self.oom_kills: int | None = None
@@ -207,7 +207,7 @@ class _Run:
         self.template: _templates.Template | None = None
         self.channel: int | None = None  # our end of the socket that is the child's stdin+stdout
         self.handshake = memoryview(b"")  # what is still to be written of it
-        self.tree: Episode | None = None
+        self.tree: ProcessTree | None = None
         self.pidfd: int | None = None
         self.log: Any = None  # binary file, when spec.log_dir is set
         self.log_path: Path | None = None
@@ -235,7 +235,7 @@ class _Run:
         self.hello_at: float | None = None
         self.stdout_eof = anyio.Event()
         self.stderr_eof = anyio.Event()
-        self.sandbox: _sandbox.Prepared | None = None
+        self.sandbox: _sandbox.PreparedSandbox | None = None
         self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
         self.network: EpisodeNetwork | None = None
 
@@ -377,7 +377,7 @@ class _Run:
                             self.spec,
                             self.env,
                             self.public["agent_root"],
-                            self.level,
+                            self.containment,
                             self._note,
                             self._fresh_because,
                         )
@@ -407,11 +407,11 @@ class _Run:
         found = _containment.resolve(self.spec.containment, self.spec.limits)
         if isinstance(found, str):
             return found
-        self.level, how = found
-        self.public["containment"] = self.level
+        self.containment, how = found
+        self.public["containment"] = self.containment
         if how.rlimits:
             self.public["rlimits"] = {name: list(pair) for name, pair in how.rlimits.items()}
-        layers = _containment.layers(self.level)
+        layers = _containment.layers(self.containment)
         if "pidns" in layers:
             self.public["userns"] = _containment.needs_userns()
         if "cgroup" in layers:
@@ -429,7 +429,7 @@ class _Run:
             episode_id=self.episode_id,
             cwd=str(self.spec.cwd) if self.spec.cwd is not None else os.getcwd(),
             child_env=self.spec.env,  # its HOME, if it sets one; homes() adds ours
-            mountns="pidns" in self.level.split("+"),
+            mountns="pidns" in self.containment.split("+"),
             can_unshare=not _containment.needs_userns(),
         )
         if isinstance(found, str):
@@ -522,9 +522,9 @@ class _Run:
             # own pidfd says whether this psutil handle can be another process.
             if shim is not None and self.popen.poll() is not None:
                 shim = None
-            self.tree = Episode(shim, pid, self.episode_id, self.leaves)
+            self.tree = ProcessTree(shim, pid, self.episode_id, self.leaves)
             return None
-        self.tree = Episode(shim, pid, self.episode_id, self.leaves)
+        self.tree = ProcessTree(shim, pid, self.episode_id, self.leaves)
         if hasattr(os, "pidfd_open"):
             try:
                 self.pidfd = os.pidfd_open(pid)
@@ -705,7 +705,7 @@ class _Run:
             if problem is not None:
                 return problem
         self.public["forked"] = True
-        if "pidns" in _containment.layers(self.level):
+        if "pidns" in _containment.layers(self.containment):
             self.public["scoped"] = True  # its PID namespace is shared: a domain of its own
         outer = self.template.sandbox
         if self.sandbox is not None and outer is not None and self.spec.sandbox is not None:
@@ -879,8 +879,8 @@ class _Run:
         if isinstance(frame, proto.Hello):
             if self.hello is not None:
                 self._violate("a second hello frame")
-            elif frame.containment not in (None, self.level):
-                level = f"{frame.containment!r}, not {self.level!r}"
+            elif frame.containment not in (None, self.containment):
+                level = f"{frame.containment!r}, not {self.containment!r}"
                 self._violate(f"the shim set up containment {level}")
             self.hello = frame
             self.hello_at = time.monotonic()
@@ -892,7 +892,7 @@ class _Run:
                 self._violate(f"a second final frame ({frame.t!r} after {self.final.t!r})")
             else:
                 self.final = frame
-        elif isinstance(frame, proto.Cleanup):
+        elif isinstance(frame, proto.CleanupFrame):
             if self.cleanup is None:
                 self.cleanup = frame.how
                 self._note(f"the agent's clean-up {frame.how}")
@@ -1011,7 +1011,7 @@ class _Run:
             error=error,
             killed=killed,
             episode_id=self.episode_id,
-            containment=(self.hello.containment or "session") if self.hello else self.level,
+            containment=(self.hello.containment or "session") if self.hello else self.containment,
             reason=reason,
             oom_kills=self.oom_kills,
             timings=self._timings(),

@@ -105,7 +105,7 @@ class Progress(_Frame):
     t: Literal["progress"]
 
 
-class Cleanup(_Frame):
+class CleanupFrame(_Frame):
     """After a cancel request: the worker exited within ``cancel_grace`` (``finished``), or
     the grace ran out (``cut short``). Sent before teardown goes on."""
 
@@ -141,7 +141,8 @@ class Done(_Frame):
 
 
 Frame = Annotated[
-    Hello | Result | Error | Progress | Cleanup | Sandboxed | Net | Done, Field(discriminator="t")
+    Hello | Result | Error | Progress | CleanupFrame | Sandboxed | Net | Done,
+    Field(discriminator="t"),
 ]
 _FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)
 

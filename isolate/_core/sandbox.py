@@ -159,7 +159,7 @@ class SandboxReport(BaseModel):
 
 
 @dataclass
-class Plan:
+class SandboxPlan:
     """What the shim's worker does for one episode's sandbox."""
 
     rules: list[list[str]] = field(default_factory=list)
@@ -223,11 +223,11 @@ def plan(
     abi: int,
     mountns: bool,
     can_unshare: bool,
-) -> Plan:
+) -> SandboxPlan:
     """The rules and mounts for one episode. ``abi``: the kernel's Landlock version;
     ``mountns``: the episode has a mount namespace of its own; ``can_unshare``: the worker may
     make one. Blocking (lists the directories above each hidden path)."""
-    out = Plan()
+    out = SandboxPlan()
     mounts = mountns or can_unshare
     out.unshare_mounts = mounts and not mountns
     hidden = hidden_paths(sandbox, home_dirs)
@@ -408,10 +408,10 @@ def landlock_abi() -> int:
 
 
 @dataclass
-class Prepared:
+class PreparedSandbox:
     """One episode's sandbox, ready to spawn: the handshake part and the private TMPDIR."""
 
-    plan: Plan
+    plan: SandboxPlan
     tmpdir: str
     handshake: dict[str, Any]
 
@@ -438,7 +438,7 @@ def prepare(
     mountns: bool,
     can_unshare: bool,
     under: str | None = None,
-) -> Prepared | str:
+) -> PreparedSandbox | str:
     """Make the private TMPDIR (in ``under``, a template's, if given) and the plan; a problem
     when the machine cannot enforce the profile and ``best_effort`` is off. Blocking."""
     problem = write_paths_problem(sandbox, cwd)
@@ -471,7 +471,7 @@ def prepare(
             + "; ".join(found.missing)
             + " (Sandbox(best_effort=True) runs without it)"
         )
-    return Prepared(found, tmpdir, found.handshake(sandbox.best_effort))
+    return PreparedSandbox(found, tmpdir, found.handshake(sandbox.best_effort))
 
 
 #: A TMPDIR whose parent is dead is removed by the next isolate process that makes one, once it

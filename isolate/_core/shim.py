@@ -19,7 +19,7 @@ def shim_path() -> Path:
     return Path(agent_shim.__file__).with_name("shim.py")
 
 
-def _boot_path() -> Path:
+def boot_path() -> Path:
     """What the parent runs: ``agent_shim/boot.py`` imports shim.py from its cached bytecode."""
     return shim_path().with_name("boot.py")
 

@@ -45,8 +45,8 @@ from .config import EpisodeSpec
 from .env import split_env
 from .outcome import describe_exit, signal_name
 from .procfs import exited, parent_pid
-from .shim import _boot_path
-from .tree import Episode
+from .shim import boot_path
+from .tree import ProcessTree
 
 #: A template answers a fork request within milliseconds; one that does not is stuck (seconds).
 _FORK_TIMEOUT_S = 10.0
@@ -185,7 +185,7 @@ class Template:
         life: socket.socket,
         leaves: _containment.Leaves | None,
         name: str,
-        sandbox: _sandbox.Prepared | None = None,
+        sandbox: _sandbox.PreparedSandbox | None = None,
     ) -> None:
         self.popen = popen
         self.control = control
@@ -408,7 +408,7 @@ class Template:
             try:
                 if outer is None or not select.select([outer], [], [], grace)[0]:
                     self.popen.send_signal(signal.SIGKILL)
-                rest = Episode(None, self.popen.pid, None, None)
+                rest = ProcessTree(None, self.popen.pid, None, None)
                 end = time.monotonic() + _CLOSE_GRACE_S
                 while time.monotonic() < end:
                     left = rest.live()
@@ -495,7 +495,7 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
                 f"domain of their own keeps them from signalling each other ({problem})"
             )
         how = _containment.plan(level, spec.limits, _containment.cgroups())
-        if isinstance(how, _containment.Plan) and "RLIMIT_NPROC" in how.rlimits:
+        if isinstance(how, _containment.LimitPlan) and "RLIMIT_NPROC" in how.rlimits:
             return (
                 "limits.max_processes without a pids cgroup counts the processes of a user "
                 "namespace, which a template's episodes share: add the 'cgroup' layer"
@@ -672,7 +672,7 @@ def _spawn_locked(
     entry: _Entry,
     leaves: _containment.Leaves | None,
     pidns: bool,
-    sandbox: _sandbox.Prepared | None,
+    sandbox: _sandbox.PreparedSandbox | None,
 ) -> Template | str:
     name = entry.name
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -692,7 +692,7 @@ def _spawn_locked(
             spec.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(Path(spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
         popen = subprocess.Popen(
-            [spec.python, "-I", str(_boot_path()), "--template", str(its_life.fileno())],
+            [spec.python, "-I", str(boot_path()), "--template", str(its_life.fileno())],
             stdin=theirs.fileno(),
             stdout=log,
             stderr=log,

@@ -93,7 +93,7 @@ def _tagged(episode_id: str) -> list[int]:
     return pids_with_env(EPISODE_ENV, episode_id)
 
 
-class Episode:
+class ProcessTree:
     """The processes of one episode, and how to kill them."""
 
     def __init__(

@@ -31,7 +31,7 @@ from .selection import count, id_list, shard
 
 if TYPE_CHECKING:
     from .io import Records, Unit
-    from .job import Plan
+    from .job import RecordPlan
     from .scheduler import Backend
 
 #: At most this many invalid lines are listed; the rest are counted.
@@ -172,7 +172,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--out must not be the records file")
 
 
-def _load(args: argparse.Namespace, plan: Plan) -> Records:
+def _load(args: argparse.Namespace, plan: RecordPlan) -> Records:
     from .io import Records
 
     try:
@@ -228,14 +228,14 @@ def batch_command(args: argparse.Namespace) -> int:
     import anyio
 
     from .io import BatchError, Results
-    from .job import Plan
+    from .job import RecordPlan
     from .scheduler import RetryPolicy, Scheduler, record_lost
     from .selection import select
     from .view import View, summary
 
     _check_options(args)
     policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra)
-    plan = Plan(args)
+    plan = RecordPlan(args)
     records = _load(args, plan)
     try:
         chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)

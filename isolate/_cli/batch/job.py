@@ -19,7 +19,7 @@ import anyio
 from pydantic import SecretStr, ValidationError
 
 from ..._core.config import EpisodeSpec
-from ..._core.launcher import _default_episode_id, run_episode
+from ..._core.launcher import default_episode_id, run_episode
 from ..._core.outcome import EpisodeOutcome
 from ...workflow import (
     ROOT_KEYS,
@@ -51,7 +51,7 @@ class Job:
     """``--samples``: which sample of the record this attempt is."""
 
 
-class Plan:
+class RecordPlan:
     """Builds each record's spec and kwargs exactly as ``isolate run`` does: the flags play the
     workflow's econfig, the record's own ``econfig`` overrides them."""
 
@@ -179,7 +179,7 @@ class Plan:
     def job(self, record: dict[str, Any], sample: int | None = None) -> Job:
         """One attempt at ``record``; with a ``sample`` (``--samples``), its episode id says
         which: ``<instance_id>.s<sample>.<random>``."""
-        episode_id = _default_episode_id(record)
+        episode_id = default_episode_id(record)
         if sample is not None:
             stem, _, token = episode_id.rpartition(".")
             episode_id = f"{stem}.s{sample}.{token}"

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 
 from ..._core.templates import close_templates
 from .io import Record, Records, Results, Unit
-from .job import ATTEMPT_FILE, Job, Plan, failure, run_attempt
+from .job import ATTEMPT_FILE, Job, RecordPlan, failure, run_attempt
 from .view import View
 
 #: Statuses worth another attempt under ``--retries``: the episode's process failed, not the
@@ -96,7 +96,7 @@ class Scheduler:
     def __init__(
         self,
         records: Records,
-        plan: Plan,
+        plan: RecordPlan,
         results: Results,
         policy: RetryPolicy,
         backend: Backend,

@@ -26,7 +26,7 @@ All functions here block: call them through ``anyio.to_thread.run_sync``.
 from agent_shim.shim_wire import LAYERS
 
 from .leaves import Leaves, cgroups, clean_stale
-from .limits import REPORT_ROOM, Plan, layer_problem, plan, problem, resolve, size
+from .limits import REPORT_ROOM, LimitPlan, layer_problem, plan, problem, resolve, size
 from .probes import (
     AUTO,
     COMBINATIONS,
@@ -50,7 +50,7 @@ __all__ = [
     "Cgroups",
     "LandlockProbe",
     "Leaves",
-    "Plan",
+    "LimitPlan",
     "cgroups",
     "clean_stale",
     "landlock",

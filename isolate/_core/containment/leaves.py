@@ -18,7 +18,7 @@ from ..procfs import start_time
 from .probes import Cgroups, _probe_cgroups, _probe_lock, _probed
 
 if TYPE_CHECKING:
-    from .limits import Plan
+    from .limits import LimitPlan
 
 #: How long teardown waits for ``populated 0`` after ``cgroup.kill`` (seconds).
 _EMPTY_WAIT_S = 2.0
@@ -38,7 +38,7 @@ _active: dict[Path, int] = {}
 class Leaves:
     """The cgroup leaves of one episode: created before spawn, removed after teardown."""
 
-    def __init__(self, groups: Cgroups, episode_id: str, how: Plan) -> None:
+    def __init__(self, groups: Cgroups, episode_id: str, how: LimitPlan) -> None:
         assert groups.v2 is not None
         self.plan = how
         self.name = f"{episode_id}.{secrets.token_hex(4)}"

@@ -1,4 +1,4 @@
-"""Resource limits: how ``Limits`` become cgroup values and rlimits (a :class:`Plan`), and
+"""Resource limits: how ``Limits`` become cgroup values and rlimits (a :class:`LimitPlan`), and
 which containment a request resolves to. Blocking."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ REPORT_ROOM = 16 * 1024 * 1024
 
 
 @dataclass
-class Plan:
+class LimitPlan:
     """How one episode's limits are enforced at one level."""
 
     writes: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -57,10 +57,10 @@ class Plan:
     """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
 
 
-def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Plan | str:
+def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> LimitPlan | str:
     """The mechanisms for ``limits`` under ``containment``, or why one limit cannot be
     enforced there. ``groups``: where leaves go, when the combination has the cgroup layer."""
-    out = Plan()
+    out = LimitPlan()
     if limits is None:
         return out
     on = layers(containment)
@@ -107,7 +107,7 @@ def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Pla
     return out
 
 
-def resolve(requested: str, limits: Limits | None) -> tuple[str, Plan] | str:
+def resolve(requested: str, limits: Limits | None) -> tuple[str, LimitPlan] | str:
     """The combination to use and its limit plan, or why the requested one cannot be had.
     Blocking (probes run on first use)."""
     candidates = AUTO if requested == "auto" else (requested,)
@@ -119,7 +119,7 @@ def resolve(requested: str, limits: Limits | None) -> tuple[str, Plan] | str:
         else:
             groups = cgroups() if "cgroup" in layers(containment) else None
             how = plan(containment, limits, groups)
-            if isinstance(how, Plan):
+            if isinstance(how, LimitPlan):
                 return containment, how
             missing = f"containment {containment!r} cannot enforce the limits: {how}"
         first_problem = first_problem or missing
