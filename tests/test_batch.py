@@ -290,8 +290,9 @@ def test_driver_killed_halfway_then_resumed(agents: Agents) -> None:
         assert entry["infra"] is True
         assert entry["final"] is False
         assert entry["error"]["type"] == "DriverStopped"
-        assert 0 < entry["duration_s"] < 30
-        assert Path(entry["log_path"]).is_file()
+        # From its start to its log's last write: 0 for one killed before it wrote any.
+        assert 0 <= entry["duration_s"] < 30
+        assert entry["log_path"] is None or Path(entry["log_path"]).is_file()
         again = finals[entry["instance_id"]]
         assert (again["attempt"], again["infra_failures"]) == (2, 1)
     others = [e for e in entries if not e.get("recovered")]
