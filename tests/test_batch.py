@@ -268,7 +268,11 @@ def test_driver_killed_halfway_then_resumed(agents: Agents) -> None:
     marker = f"PID_DIR={agents.pids}".encode()
     wait_for(lambda: not episode_processes(marker), 3, "the episodes of the killed driver")
 
-    proc = isolate_cli(*batch_args(agents, records, out, "--concurrency", "6"), env=env())
+    # Resumed through another path to the same file: its lost attempts are found all the same.
+    via = agents.tmp / "via"
+    via.symlink_to(agents.tmp, target_is_directory=True)
+    resume = batch_args(agents, records, via / out.name, "--concurrency", "6")
+    proc = isolate_cli(*resume, env=env())
     assert proc.returncode == 0, proc.stderr
     assert "isolate: resuming: " in proc.stderr
     entries = results(out)

@@ -96,7 +96,7 @@ class RecordPlan:
         # Absolute: Ray runs the episode in a worker whose working directory is not ours.
         self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
         out = getattr(args, "out", None)
-        self.results: Path | None = Path(out).absolute() if out is not None else None
+        self.results: Path | None = Path(out).resolve() if out is not None else None
         # What is wrong with the flags is wrong for every record: say it once, before any.
         try:
             # The agent root is the one thing a record may set that the flags need not.

@@ -241,7 +241,7 @@ def lost_attempts(results: Results, log_dir: Path) -> list[tuple[float, Path, di
     """The attempts of ``results`` that began but have no line: a driver killed while they
     ran (or between an attempt's end and its line). From each bundle's ``attempt.json``,
     oldest first: (start, bundle, what ``attempt.json`` says)."""
-    mine = str(results.path.absolute())
+    mine = str(results.path.resolve())  # as attempt.json has it: the same file by any path
     found = []
     try:
         bundles = list(log_dir.iterdir())
