@@ -474,20 +474,6 @@ def relay(child):
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
-def probe_pidns(userns):
-    """``shim.py --probe-pidns [userns]``: can this machine give an episode a PID namespace?"""
-    problem = unshare_pidns(userns)
-    if problem is None:
-        pid = os.fork()
-        if pid == 0:
-            problem = become_init() or (None if os.getpid() == 1 else "not PID 1")
-            sys.stderr.write(problem + "\n" if problem else "")
-            os._exit(1 if problem else 0)
-        return 0 if os.waitpid(pid, 0)[1] == 0 else 1
-    sys.stderr.write(problem + "\n")
-    return 1
-
-
 def enter_landlock():
     """Put this process (the worker, before anything of the agent runs) into a new Landlock
     domain scoped for signals and abstract unix sockets, handling no file or port access. The
@@ -506,44 +492,6 @@ def enter_landlock():
     finally:
         os.close(ruleset)
     return None
-
-
-def probe_landlock():
-    """``shim.py --probe-landlock``: can this machine give an episode the landlock layer? Says
-    ``abi N`` and whether the domain can still read its parent's environ, on stdout."""
-    landlock = load_part("landlock")
-    version = landlock.abi()
-    sys.stdout.write("abi %d\n" % version)
-    if version < 6:
-        why = (
-            "the kernel has no Landlock (or it is off)"
-            if version == 0
-            else ("Landlock ABI %d has no scoped signals (ABI 6, Linux 6.12, needed)" % version)
-        )
-        sys.stderr.write(why + "\n")
-        return 1
-    read_r, read_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_r)
-        problem = enter_landlock()
-        if problem is None:
-            try:
-                os.kill(os.getppid(), 0)
-                problem = "a signal from a scoped domain reached a process outside it"
-            except PermissionError:
-                pass
-        try:
-            with open("/proc/%d/environ" % os.getppid(), "rb"):
-                os.write(read_w, b"environ readable\n")
-        except OSError:
-            os.write(read_w, b"environ refused\n")
-        sys.stderr.write(problem + "\n" if problem else "")
-        os._exit(1 if problem else 0)
-    os.close(read_w)
-    with os.fdopen(read_r) as f:
-        sys.stdout.write(f.read())
-    return 0 if os.waitpid(pid, 0)[1] == 0 else 1
 
 
 # --- the worker -------------------------------------------------------------------------------
@@ -1107,8 +1055,9 @@ def supervise(hs, channel, parent_fd, worker_pid, wake_fd, exit_fd, flags, reape
     os._exit(0 if why == "exited" else 3)
 
 
-def template_helpers():
-    """What the template part uses of the shim: its wall is an episode's."""
+def helpers():
+    """What the template and probe parts use of the shim: a template's wall, and a probe's, is
+    an episode's."""
     import types
 
     names = (
@@ -1120,14 +1069,14 @@ def template_helpers():
 
 def main():
     if sys.argv[1:2] == ["--probe-pidns"]:
-        return probe_pidns(sys.argv[2:] == ["userns"])
+        return load_part("probe").pidns(helpers(), sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
-        return probe_landlock()
+        return load_part("probe").landlock(helpers())
     if sys.argv[1:] == ["--probe-net"]:
         return load_part("net").probe(c_call, map_own_ids, capability_sets)
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
-        return load_part("template").serve(template_helpers())
+        return load_part("template").serve(helpers())
     if sys.platform.startswith("linux"):
         # Before anything else: nothing the agent starts (same user) may read or write this
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID

@@ -144,7 +144,7 @@ def kill_children(process_table):
 def serve(shim):
     """The template's life: contain, preload, report, then fork episodes until the control
     socket ends. Never returns: a thread the agent started must not hold up the exit.
-    ``shim``: the shim's functions (``template_helpers()``)."""
+    ``shim``: the shim's functions (``helpers()``)."""
     code = 1
     try:
         code = preload_and_loop(shim)
