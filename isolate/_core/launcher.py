@@ -958,12 +958,12 @@ class _Run:
         return self.sandbox.report(missing, _sandbox.landlock_abi(), refused)
 
     def _conclude(self) -> EpisodeOutcome:
-        status, error, reward, info, reason = _verdict.conclude(self._observed())
-        return self._finish(status, error, reward, info, reason)
+        observed = self._observed()
+        status, error, reward, info, reason = _verdict.conclude(observed)
+        return self._finish(status, error, reward, info, reason, observed)
 
     def _observed(self) -> _verdict.Observed:
         popen = self.popen
-        forked = isinstance(popen, _templates.Forked)
         return _verdict.Observed(
             python=self.spec.python,
             timeout=self.spec.timeout,
@@ -977,7 +977,7 @@ class _Run:
                 self.cancelled_at - self.started if self.cancelled_at is not None else None
             ),
             returncode=popen.returncode if popen is not None else None,
-            status_known=not forked or popen.status_known,  # type: ignore[union-attr]
+            status_known=not isinstance(popen, _templates.Forked) or popen.status_known,
             last_line=_verdict.last_line(self.tail.value()),
             oom_kills=self.oom_kills,
             pids_limit_hits=self.pids_limit_hits,
@@ -990,10 +990,12 @@ class _Run:
         reward: float | dict[str, float] | None = None,
         info: Any = None,
         reason: str | None = None,
+        observed: _verdict.Observed | None = None,
     ) -> EpisodeOutcome:
-        exit_code, sig = (
-            _verdict.exit_of(self._observed()) if self.popen is not None else (None, None)
-        )
+        if self.popen is not None:
+            exit_code, sig = _verdict.exit_of(observed or self._observed())
+        else:
+            exit_code, sig = None, None
         killed = self.killed
         if self.done is not None and not self.swept_live:
             killed += self.done.killed
