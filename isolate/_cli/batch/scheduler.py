@@ -14,9 +14,18 @@ from typing import Any, Protocol
 import anyio
 from pydantic import SecretStr
 
+from ..._core.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
 from .io import Record, Records, Results, Unit
-from .job import ATTEMPT_FILE, Job, RecordPlan, failure, run_attempt
+from .job import (
+    ATTEMPT_FILE,
+    Job,
+    RecordPlan,
+    failure,
+    keep_fields,
+    outcome_fields,
+    run_attempt,
+)
 from .view import View
 
 #: Statuses worth another attempt under ``--retries``: the episode's process failed, not the
@@ -264,9 +273,6 @@ def record_lost(results: Results, log_dir: Path, policy: RetryPolicy) -> int:
     """Give every lost attempt of ``results`` (see :func:`lost_attempts`) its line: the
     outcome its bundle kept, or else an infrastructure failure (``DriverStopped``) with the
     true duration and log. Returns how many. Blocking: call before the run."""
-    from ..._core.outcome import EpisodeOutcome
-    from .job import keep_fields, outcome_fields
-
     count = 0
     for started, bundle, attempt in lost_attempts(results, log_dir):
         unit = (str(attempt.get("instance_id", "")), int(attempt.get("sample") or 0))
