@@ -41,13 +41,13 @@ def load_records() -> dict[str, dict[str, Any]]:
     return {r["instance_id"]: r for r in records}
 
 
-def _setup() -> tuple[dict[str, dict[str, Any]], Path]:
+def demo_setup() -> tuple[dict[str, dict[str, Any]], Path]:
     """The demo records by instance id, and the log directory."""
     log_dir = Path(os.environ.get("LOG_DIR", "./logs")).absolute() / "demo"
     return load_records(), log_dir
 
 
-def _left_behind(outcome: EpisodeOutcome) -> int:
+def left_behind(outcome: EpisodeOutcome) -> int:
     import psutil
 
     procs = []
@@ -61,7 +61,7 @@ def _left_behind(outcome: EpisodeOutcome) -> int:
 
 async def demo() -> int:
     root = AGENT_ROOT
-    records, log_dir = await anyio.to_thread.run_sync(_setup)
+    records, log_dir = await anyio.to_thread.run_sync(demo_setup)
     runs = [
         ("demo__calc-1", 120.0, True, "ok", "a real agent loop: LLM, bash, git apply, eval"),
         ("demo__hang-1", 3.0, True, "timeout", "the agent hangs with a background tree"),
@@ -84,7 +84,7 @@ async def demo() -> int:
             outcome = await run_episode(
                 spec, records[instance_id], kwargs=kwargs, secrets={"override_api_key": key}
             )
-            left = await anyio.to_thread.run_sync(_left_behind, outcome)
+            left = await anyio.to_thread.run_sync(left_behind, outcome)
             served = llm.served(key) if register else 0
             ok = outcome.status == expected and left == 0
             expected_all = expected_all and ok

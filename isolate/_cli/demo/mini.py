@@ -31,7 +31,7 @@ from ..._core.config import EpisodeSpec
 from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
-from . import AGENT_ROOT, _left_behind, _setup
+from . import AGENT_ROOT, demo_setup, left_behind
 from .scripted_llm import ScriptedLLM, demo_script
 
 ENTRYPOINT = "mini_swe_demo:run"
@@ -95,7 +95,7 @@ async def mini_demo() -> int:
             file=sys.stderr,
         )
         return 2
-    records, log_dir = await anyio.to_thread.run_sync(_setup)
+    records, log_dir = await anyio.to_thread.run_sync(demo_setup)
     log_dir = log_dir.parent / "demo-mini-swe-agent"
     rows: list[tuple[str, str, EpisodeOutcome, int, bool]] = []
     try:
@@ -118,7 +118,7 @@ async def mini_demo() -> int:
                     kwargs=kwargs,
                     secrets={"override_api_key": key},
                 )
-                left = await anyio.to_thread.run_sync(_left_behind, outcome)
+                left = await anyio.to_thread.run_sync(left_behind, outcome)
                 # The server answers only this episode's key: its replies prove the key arrived.
                 replied = llm.served(key) >= (4 if expected == "ok" else 1)
                 ok = outcome.status == expected and left == 0 and replied
