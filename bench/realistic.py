@@ -42,6 +42,7 @@ import anyio
 import psutil
 
 import isolate
+from isolate._core.procfs import GONE, stat_fields
 
 from ._common import MARK_ENV, paired_ratio, summary
 from ._context import Context
@@ -300,13 +301,8 @@ def _group(pgid: int) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        rest = raw[raw.rfind(b")") + 2 :].split()
-        if rest[0] not in (b"Z", b"X") and int(rest[2]) == pgid:
+        fields = stat_fields(int(name))
+        if fields is not None and fields[0] not in GONE and int(fields[2]) == pgid:
             out.append(int(name))
     return out
 
