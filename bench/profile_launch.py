@@ -2,7 +2,7 @@
 
 Not part of the benchmark table. Four views:
 
-1. phases: timestamps around the launcher's steps (by wrapping methods of ``_Run`` in this
+1. phases: timestamps around the launcher's steps (by wrapping methods of its parts in this
    process only), median over N sequential no-op episodes;
 2. the child's imports: ``python -X importtime -I agent_shim/boot.py`` (no handshake: it stops
    right after its imports), top-level modules by cumulative time;
@@ -29,6 +29,8 @@ from typing import Any
 import anyio
 
 import isolate
+from isolate._core import child as _child
+from isolate._core import frames as _frames
 from isolate._core import launcher as _launcher
 
 from .launch import NOOP_AGENT
@@ -80,17 +82,17 @@ def _is_async(fn: Any) -> bool:
 
 def _instrument() -> None:
     run = _launcher._Run
-    _wrap(run, "_prepare", "prepare", "prepared")
+    _wrap(_launcher, "_prepare", "prepare", "prepared")  # the module's name for prepare()
     _wrap(run, "_spawn", "spawn", "spawned")
-    _wrap(run, "_wait_exit", None, "exit seen")
+    _wrap(_child.Fresh, "wait_exit", None, "exit seen")
     _wrap(run, "_close", "close", None)
-    on_frame = run._on_frame
+    on_frame = _frames.Frames._frame
 
     def frame_stamp(self: Any, frame: Any) -> None:
         _stamp(f"frame {frame.t}")
         on_frame(self, frame)
 
-    run._on_frame = frame_stamp  # type: ignore[method-assign]
+    _frames.Frames._frame = frame_stamp  # type: ignore[method-assign]
 
 
 async def _phases(spec: isolate.EpisodeSpec, n: int) -> dict[str, float]:

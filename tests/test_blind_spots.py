@@ -20,7 +20,7 @@ import isolate
 from isolate import EPISODE_ENV
 from isolate._core import admission
 from isolate._core import containment as _containment
-from isolate._core import launcher as _launcher
+from isolate._core import prepare as _prepare
 from isolate._core.sandbox import landlock_abi
 
 from .conftest import SLOW, Agents, is_gone, record_pid_sh, wait_until
@@ -190,7 +190,7 @@ async def test_the_shims_own_deadline_is_a_timeout(
         """
     spec = agents.spec(agent, timeout=60.0, kill_grace=0.5, cancel_grace=cancel_grace)
     # The shim's deadline 1.5 s after its start, the parent's a minute after.
-    monkeypatch.setattr(_launcher, "_SHIM_DEADLINE_MARGIN_S", 1.5 - spec.timeout - spec.kill_grace)
+    monkeypatch.setattr(_prepare, "SHIM_DEADLINE_MARGIN_S", 1.5 - spec.timeout - spec.kill_grace)
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "timeout", outcome.summary()
     assert outcome.error is not None

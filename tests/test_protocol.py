@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import agent_shim.shim
 import isolate
+from isolate._core import frames as _frames
 from isolate._core import launcher as _launcher
 from isolate._core.protocol import (
     MAX_DEPTH,
@@ -584,9 +585,9 @@ def test_the_wire_is_written_once() -> None:
     assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
     for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
         assert getattr(shim, name) == getattr(wire, name), name
-    from isolate._core import config, templates
+    from isolate._core import config, supervise, templates
 
-    assert _launcher.CANCEL is wire.CANCEL
+    assert supervise.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS
     assert templates._receive is wire.receive_message
 
@@ -1124,13 +1125,13 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     where: list[tuple[int, bool]] = []  # (bytes, parsed on the event loop's thread)
-    parse = _launcher.proto.parse_line
+    parse = _frames.proto.parse_line
 
     def recording_parse(line: bytes, nonce: str, redact: Redactor, max_info: int) -> Any:
         where.append((len(line), threading.current_thread() is threading.main_thread()))
         return parse(line, nonce, redact, max_info)
 
-    monkeypatch.setattr(_launcher.proto, "parse_line", recording_parse)
+    monkeypatch.setattr(_frames.proto, "parse_line", recording_parse)
     big = 300 * 1024
     fake = Fake(f"hello(); result(1.0, info='x' * {big}); done()", "ok")
     spec = fake_spec(tmp_path)

@@ -16,6 +16,7 @@ import pytest
 
 import isolate
 from isolate._core import launcher as _launcher
+from isolate._core import prepare as _prepare
 
 from .conftest import (
     SLOW,
@@ -361,7 +362,7 @@ def test_the_shim_keeps_its_own_deadline_while_the_parent_is_stopped(agents: Age
         timeout=3.0,
         kill_grace=0.5,
     )
-    shim_deadline = spec.timeout + spec.kill_grace + _launcher._SHIM_DEADLINE_MARGIN_S
+    shim_deadline = spec.timeout + spec.kill_grace + _prepare.SHIM_DEADLINE_MARGIN_S
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(STOPPABLE_PARENT), spec.model_dump_json()],
         stdout=subprocess.PIPE,

@@ -20,8 +20,9 @@ import psutil
 from pydantic import SecretStr
 
 from .._core.config import EpisodeSpec
-from .._core.launcher import default_episode_id, run_episode
+from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
+from .._core.prepare import default_episode_id
 from .._core.templates import close_templates
 from .options import (
     EXIT_CODES,

@@ -125,13 +125,14 @@ def _raise_wanted() -> bool:
     return os.environ.get(RAISE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def child_rlimits(handshake: dict[str, Any]) -> None:
-    """Give the episode the soft limit this process had before we raised it (unless the spec
-    sets ``limits.open_files``): some programs loop over every possible fd, or use select()."""
-    rlimits = handshake.get("rlimits", {})
+def child_rlimits(rlimits: dict[str, list[int]]) -> dict[str, list[int]]:
+    """``rlimits`` (name -> [soft, hard]) with the soft fd limit this process had before we
+    raised it, unless they set ``RLIMIT_NOFILE`` (``limits.open_files``): some programs loop
+    over every possible fd, or use select()."""
     if _original_soft is not None and "RLIMIT_NOFILE" not in rlimits:
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        handshake["rlimits"] = {**rlimits, "RLIMIT_NOFILE": [_original_soft, hard]}
+        return {**rlimits, "RLIMIT_NOFILE": [_original_soft, hard]}
+    return rlimits
 
 
 # --- the budget -------------------------------------------------------------------------------

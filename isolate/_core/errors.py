@@ -11,6 +11,9 @@
         ├── ProtocolError                   status "protocol_error"
         └── SetupError                      status "setup_error"
 
+Inside the launcher, a set-up step that fails raises :class:`SetupProblem`; ``run_episode``
+catches it once and returns the ``setup_error`` outcome, so it never reaches the caller.
+
 ``run_episode`` itself returns an :class:`EpisodeOutcome` for everything that happens to an
 episode; these are raised by ``EpisodeOutcome.raise_for_status()`` and by the AReaL workflow.
 Invalid specs raise pydantic's ``ValidationError`` (a ``ValueError``) at construction.
@@ -58,3 +61,7 @@ class ProtocolError(EpisodeError):
 
 class SetupError(EpisodeError):
     """The episode could not start: interpreter, agent root or entrypoint missing."""
+
+
+class SetupProblem(IsolateError):
+    """Internal: a set-up step failed; the message is the outcome's ``error.message``."""

@@ -80,8 +80,8 @@ def pidfd_pid(pidfd: int) -> int | None:
 
 
 class Forked:
-    """The parent's handle on one episode forked from a template: the part of a Popen the
-    launcher uses. Its exit status comes from the template, the fork's parent."""
+    """The parent's handle on one episode forked from a template (a ``child.Child``). Its exit
+    status comes from the template, the fork's parent, on the fork's reply socket."""
 
     def __init__(
         self,
@@ -96,14 +96,15 @@ class Forked:
         self.reply = reply
         self.template = template
         # Its stdin and stdout are the launcher's channel socket, as for a fresh start.
-        self.stdin: IO[bytes] | None = None
-        self.stdout: IO[bytes] | None = None
-        self.stderr: IO[bytes] | None = open(err, "rb", buffering=0)  # noqa: SIM115
+        self.stderr: IO[bytes] = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
         self.returncode: int | None = None
         #: False when the template died before it could report the exit status.
         self.status_known = True
         self._eof = False
         reply.setblocking(False)
+
+    def stderr_fd(self) -> int:
+        return self.stderr.fileno()
 
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal) once known, else None."""
@@ -164,6 +165,9 @@ class Forked:
         return self.returncode
 
     def close(self) -> None:
+        self.stderr.close()
+        if self.returncode is None:
+            self.poll()
         self.reply.close()
         if self.pidfd is not None:
             os.close(self.pidfd)

@@ -19,8 +19,9 @@ import anyio
 from pydantic import SecretStr, ValidationError
 
 from ..._core.config import EpisodeSpec
-from ..._core.launcher import default_episode_id, run_episode
+from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
+from ..._core.prepare import default_episode_id
 from ...workflow import (
     ROOT_KEYS,
     episode_kwargs,

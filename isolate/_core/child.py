@@ -1,0 +1,253 @@
+"""The episode's first process, started fresh or forked from a template, behind one interface.
+
+Its stdin and stdout are one end of a socket pair: the parent writes the handshake and a cancel
+request on its end and reads frames from it. One fd less per episode than two pipes (the fd
+budget), on both sides. stderr is a pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import psutil
+
+from . import containment as _containment
+from . import protocol as proto
+from . import sandbox as _sandbox
+from . import templates as _templates
+from .errors import SetupProblem
+from .prepare import Prepared, Request, fork_sandbox, handshake
+from .tree import ProcessTree
+
+
+class Child(Protocol):
+    """What the launcher needs of the shim's process, however it was started."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (negative: killed by that signal) once seen, else None."""
+
+    @property
+    def status_known(self) -> bool:
+        """False when the exit status was lost (a template that died before reporting it)."""
+
+    def stderr_fd(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    async def wait_exit(self) -> None:
+        """Until the process has exited and its status is in (or known to be lost)."""
+
+    def kill(self) -> None:
+        """SIGKILL, if it is still there."""
+
+    def wait(self) -> int:
+        """Block until it has exited (for a start that failed half-way)."""
+
+    def close(self) -> None:
+        """Release what the parent holds of it; reaps it if it has exited."""
+
+
+class Fresh:
+    """A shim the parent started itself with ``subprocess``: its child, waited for by pidfd."""
+
+    status_known = True
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.pidfd: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode
+
+    def watch(self) -> None:
+        """Open the pidfd ``wait_exit`` waits on, where the platform has them."""
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.pidfd = os.pidfd_open(self.pid)
+            except OSError:
+                self.pidfd = None
+
+    def stderr_fd(self) -> int:
+        assert self.popen.stderr is not None
+        return self.popen.stderr.fileno()
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait_exit(self) -> None:
+        if self.pidfd is not None:
+            # Readable once the process has exited; poll() then reaps it without blocking.
+            await anyio.wait_readable(self.pidfd)
+            self.popen.poll()
+            return
+        while self.popen.poll() is None:  # noqa: ASYNC110 - no pidfd on this platform
+            await anyio.sleep(0.01)
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def wait(self) -> int:
+        return self.popen.wait()
+
+    def close(self) -> None:
+        if self.popen.stderr is not None:
+            self.popen.stderr.close()
+        if self.popen.returncode is None:
+            self.popen.poll()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start a fresh shim."""
+
+    python: str
+    shim: Path
+    env: dict[str, str]
+    cwd: Path | None
+
+
+def start(
+    launch: Launch,
+    template: _templates.Template | None,
+    episode_id: str,
+    on_template_gone: Callable[[str], None],
+) -> tuple[Child, int]:
+    """Start the shim: forked from ``template`` when there is one and it forks, else fresh.
+    Returns the child and the parent's end of its socket; blocking (run it in a worker thread:
+    fork+exec of a big parent must not stall the event loop). ``on_template_gone`` gets the
+    reason a template could not fork; OSError from ``subprocess`` goes on."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child: Fresh | _templates.Forked | None = None
+    try:
+        if template is not None:
+            try:
+                child = template.fork(episode_id, theirs.fileno())
+            except _templates.TemplateGone as exc:
+                on_template_gone(str(exc))
+        if child is None:
+            child = Fresh(
+                subprocess.Popen(
+                    [launch.python, "-I", str(launch.shim)],
+                    stdin=theirs.fileno(),
+                    stdout=theirs.fileno(),
+                    stderr=subprocess.PIPE,
+                    env=launch.env,
+                    cwd=launch.cwd,
+                    start_new_session=True,  # never preexec_fn: unsafe with threads, no vfork
+                    close_fds=True,
+                    bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
+                )
+            )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    assert child is not None
+    channel = ours.detach()
+    for fd in (channel, child.stderr_fd()):
+        os.set_blocking(fd, False)
+    return child, channel
+
+
+def move(child: Child, leaves: _containment.Leaves) -> None:
+    """Put the child into its cgroup leaves; on failure kill it and raise :class:`SetupProblem`.
+
+    A move waits for an RCU grace period (~10 ms here, as long as a plain interpreter takes to
+    start) unless another move came just before. A fresh shim makes sure it is in its cgroups
+    before it creates any process (joining by itself waits for this move to finish), so the
+    move overlaps its start-up; a template's fork waits for it before its handshake."""
+    problem = leaves.move(child.pid)
+    if problem is not None:
+        child.kill()
+        child.wait()
+        raise SetupProblem(problem)
+
+
+def hand_over(
+    req: Request,
+    prep: Prepared,
+    env: dict[str, str],
+    child: Child,
+    channel: int,
+    template: _templates.Template | None,
+) -> tuple[memoryview, ProcessTree]:
+    """What follows the start, still in the worker thread: a fork goes into its leaf and gets
+    its sandbox under the template's; the handshake goes out (what the socket takes now); a
+    fresh shim goes into its leaf. Returns what is left of the handshake and the episode's
+    process tree. Raises :class:`SetupProblem`, with the child killed."""
+    forked = isinstance(child, _templates.Forked)
+    if forked:
+        assert template is not None
+        if prep.leaves is not None:
+            move(child, prep.leaves)  # before it may start anything
+        _fork_sandbox(req, prep, child, template)
+    public = handshake(req, prep, env, forked=forked)
+    line = proto.encode_handshake(public, req.secrets, req.secret_env)
+    # Out at once, so the shim can read it as soon as it has started; the rest later.
+    rest = write_some(channel, memoryview(line))
+    if prep.leaves is not None and not forked:
+        move(child, prep.leaves)  # overlaps the shim's start-up
+    tree = ProcessTree(_process(child), child.pid, req.episode_id, prep.leaves)
+    if isinstance(child, Fresh):
+        child.watch()
+    return rest, tree
+
+
+def _fork_sandbox(
+    req: Request, prep: Prepared, child: Child, template: _templates.Template
+) -> None:
+    """A fork's TMPDIR goes under its template's: the template's mounts are the fork's."""
+    old = prep.sandbox
+    if old is None or template.sandbox is None or req.spec.sandbox is None:
+        return
+    try:
+        prep.sandbox = fork_sandbox(req, template)
+    except SetupProblem:
+        child.kill()
+        child.wait()
+        raise
+    _sandbox.remove_tmpdir(old.tmpdir)
+    prep.in_template = True
+
+
+def _process(child: Child) -> psutil.Process | None:
+    # After the move: reading /proc/PID/stat of a process that is still in exec takes ~2 ms.
+    try:
+        shim = psutil.Process(child.pid)
+    except (psutil.Error, OSError):  # only an error of Popen itself is worth a retry
+        return None
+    if isinstance(child, _templates.Forked) and child.poll() is not None:
+        # Not our child: a pid its template has reaped may be reused at once. The fork's own
+        # pidfd says whether this psutil handle can be another process.
+        return None
+    return shim
+
+
+def write_some(fd: int, data: memoryview) -> memoryview:
+    """Write as much of ``data`` as ``fd`` (non-blocking) takes now; what is left of it. Empty
+    once all is out, and when the child is gone (its exit says why)."""
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except BlockingIOError:
+        pass
+    except (BrokenPipeError, ConnectionResetError):
+        data = memoryview(b"")
+    return data

@@ -1,0 +1,292 @@
+"""Everything decided before the episode's process starts: the arguments checked, the paths,
+the containment layers and their cgroup leaves, the sandbox, the exec environment, and the
+handshake, built in one place from those."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets as _secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import SecretStr
+
+from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
+
+from . import admission as _admission
+from . import containment as _containment
+from . import sandbox as _sandbox
+from . import templates as _templates
+from .config import EpisodeSpec, is_env_name
+from .env import describe_withheld, split_env
+from .errors import ArgumentError, SetupProblem
+from .netserve import EpisodeNetwork
+from .redact import Redactor
+
+#: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
+#: for a parent that is stopped or hung, never the normal path.
+SHIM_DEADLINE_MARGIN_S = 2.0
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Request:
+    """The arguments of one ``run_episode``, checked."""
+
+    spec: EpisodeSpec
+    data: Any
+    kwargs: dict[str, Any]
+    secrets: dict[str, SecretStr]
+    secret_env: dict[str, SecretStr]
+    episode_id: str
+    nonce: str  # marks the shim's frames: a line without it is not one
+    redact: Redactor  # scrubs every secret above from what comes back
+
+    @classmethod
+    def check(
+        cls,
+        spec: EpisodeSpec,
+        data: Any,
+        kwargs: Mapping[str, Any],
+        secrets: Mapping[str, str | SecretStr],
+        episode_id: str | None,
+        secret_env: Mapping[str, str | SecretStr],
+    ) -> Request:
+        """Raises :class:`ArgumentError`, never echoing a secret's value."""
+        for name in list(kwargs) + list(secrets):
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ArgumentError(f"keyword argument names must be identifiers, got {name!r}")
+        both = sorted(set(kwargs) & set(secrets))
+        if both:
+            raise ArgumentError(f"keys in both kwargs and secrets: {', '.join(both)}")
+        wrapped = {k: _secret(k, v) for k, v in secrets.items()}
+        env = _secret_env(spec, secret_env)
+        eid = default_episode_id(data) if episode_id is None else episode_id
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", eid):
+            raise ArgumentError(f"episode_id must be 1-200 of [A-Za-z0-9_.-], got {episode_id!r}")
+        try:
+            json.dumps({"data": data, "kwargs": dict(kwargs)}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ArgumentError(f"data and kwargs must be JSON-serialisable: {exc}") from None
+        values = [s.get_secret_value() for s in [*wrapped.values(), *env.values()]]
+        return cls(
+            spec, data, dict(kwargs), wrapped, env, eid, _secrets.token_hex(16), Redactor(values)
+        )
+
+    def secret_values(self) -> list[str]:
+        return [s.get_secret_value() for s in [*self.secrets.values(), *self.secret_env.values()]]
+
+
+def default_episode_id(data: Any) -> str:
+    """The record's ``instance_id`` (made safe for a file name) plus 8 random hex digits."""
+    base = data.get("instance_id") if isinstance(data, Mapping) else None
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(base))[:80] if base else "episode"
+    return f"{stem}.{_secrets.token_hex(4)}"
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` made, filled step by step: after a :class:`SetupProblem` it holds
+    what must still be removed (the leaves, the sandbox's TMPDIR)."""
+
+    agent_root: str | None = None
+    containment: str = "session"  # the combination, once resolved
+    rlimits: dict[str, list[int]] = field(default_factory=dict)
+    userns: bool | None = None  # with a PID namespace: whether it needs a user namespace
+    leaves: _containment.Leaves | None = None
+    sandbox: _sandbox.PreparedSandbox | None = None
+    network: EpisodeNetwork | None = None
+    #: The sandbox is a template fork's, carved from the template's (its mounts are those).
+    in_template: bool = False
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return _containment.layers(self.containment)
+
+    def take_net(self) -> str | None:
+        """The worker's ``net`` frame came: take its listeners; a violation, or None."""
+        if self.network is None:
+            return "a net frame, with no network asked for"
+        return self.network.take()
+
+    def close_network(self, note: Callable[[str], None]) -> None:
+        """Close the listeners and the proxy's connections; say what was refused."""
+        if self.network is not None:
+            self.network.close()
+            summary = self.network.egress.summary()
+            if summary is not None:
+                note(summary)
+
+    def report(self, missing: list[str] | None, redact: Redactor) -> _sandbox.SandboxReport | None:
+        """What the sandbox enforced, for the outcome; ``missing`` from the worker's frame."""
+        if self.sandbox is None:
+            return None
+        refused = self.network.egress.refused if self.network is not None else {}
+        shown = [redact.text(m) for m in missing or []]
+        return self.sandbox.report(shown, _sandbox.landlock_abi(), refused)
+
+
+def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None]) -> None:
+    """Check what can be checked before spawning, pick the containment, make the leaves and the
+    sandbox; blocking. Raises :class:`SetupProblem`."""
+    spec = req.spec
+    if spec.agent_root is not None:
+        root = spec.agent_root.expanduser().absolute()
+        if not root.is_dir():
+            what = "is not a directory" if root.exists() else "does not exist"
+            raise SetupProblem(f"agent root {root} {what}")
+        prep.agent_root = str(root)
+    if spec.cwd is not None and not spec.cwd.is_dir():
+        raise SetupProblem(f"working directory {spec.cwd} does not exist")
+    if os.sep in spec.python:
+        python = Path(spec.python)
+        if not python.exists():
+            raise SetupProblem(f"interpreter {spec.python} does not exist")
+        if not os.access(python, os.X_OK) or python.is_dir():
+            raise SetupProblem(f"interpreter {spec.python} is not an executable file")
+    if not shim.is_file():
+        raise SetupProblem(f"shim {shim} is missing from the installation")
+    _contain(req, prep)
+    if spec.sandbox is not None:
+        prep.sandbox = _setup(_sandbox_for(req, prep.containment, spec.sandbox))
+        if prep.sandbox.plan.network is not None:
+            prep.network = EpisodeNetwork(prep.sandbox.plan.network, note)
+    prep.rlimits = _admission.child_rlimits(prep.rlimits)
+
+
+def _contain(req: Request, prep: Prepared) -> None:
+    """Pick the containment layers and make the cgroup leaves."""
+    found = _setup(_containment.resolve(req.spec.containment, req.spec.limits))
+    prep.containment, how = found
+    prep.rlimits = {name: list(pair) for name, pair in how.rlimits.items()}
+    if "pidns" in prep.layers:
+        prep.userns = _containment.needs_userns()
+    if "cgroup" in prep.layers:
+        prep.leaves = _containment.Leaves(_containment.cgroups(), req.episode_id, how)
+        problem = prep.leaves.create()
+        if problem is not None:
+            raise SetupProblem(problem)
+
+
+def _sandbox_for(
+    req: Request, containment: str, sandbox: _sandbox.Sandbox, under: str | None = None
+) -> _sandbox.PreparedSandbox | str:
+    """The private TMPDIR and the rules the worker enforces; a problem, or the plan. Under a
+    template (``under``: its TMPDIR) the fork's mounts are the template's."""
+    fork = under is not None
+    return _sandbox.prepare(
+        sandbox,
+        episode_id=req.episode_id,
+        cwd=str(req.spec.cwd) if req.spec.cwd is not None else os.getcwd(),
+        child_env=req.spec.env,  # its HOME, if it sets one; homes() adds ours
+        mountns=fork or "pidns" in containment.split("+"),
+        can_unshare=not fork and not _containment.needs_userns(),
+        **({"under": under} if fork else {}),
+    )
+
+
+def fork_sandbox(req: Request, template: _templates.Template) -> _sandbox.PreparedSandbox:
+    """A template fork's sandbox: its TMPDIR under the template's. Raises SetupProblem."""
+    assert req.spec.sandbox is not None
+    assert template.sandbox is not None
+    return _setup(_sandbox_for(req, "", req.spec.sandbox, under=template.sandbox.tmpdir))
+
+
+def _setup(found: _T | str) -> _T:
+    """``found``, unless it is a problem (a string): then SetupProblem."""
+    if isinstance(found, str):
+        raise SetupProblem(found)
+    return found
+
+
+def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
+    """The shim's exec environment, and the line that names what it withholds (or None)."""
+    spec = req.spec
+    env, withheld = split_env(os.environ, spec.inherit_env, secret_values=req.secret_values())
+    for name in req.secret_env:  # delivered in the handshake, never in the exec environment
+        env.pop(name, None)
+        withheld.pop(name, None)
+    env.update(spec.env)
+    env[EPISODE_ENV] = req.episode_id
+    if prep.sandbox is not None:  # the only place it may write temporary files
+        tmp = prep.sandbox.tmpdir
+        env.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
+    return env, describe_withheld(withheld) if withheld else None
+
+
+def handshake(
+    req: Request, prep: Prepared, env: Mapping[str, str], *, forked: bool
+) -> dict[str, Any]:
+    """The handshake's public part (everything but the secrets): a pure function of the
+    request, what was prepared and the exec environment. ``forked``: for a template's fork."""
+    spec = req.spec
+    public: dict[str, Any] = {
+        "protocol": PROTOCOL_VERSION,
+        "nonce": req.nonce,
+        "entrypoint": spec.entrypoint,
+        "agent_root": prep.agent_root,
+        "data": req.data,
+        "kwargs": req.kwargs,
+        "deadline": spec.timeout + spec.kill_grace + SHIM_DEADLINE_MARGIN_S,
+        "kill_grace": spec.kill_grace,
+        "cancel_grace": spec.cancel_grace,
+        "exit_grace": spec.exit_grace,
+        "max_info_bytes": spec.max_info_bytes,
+        "containment": prep.containment,
+    }
+    if prep.rlimits:
+        public["rlimits"] = prep.rlimits
+    if prep.userns is not None:
+        public["userns"] = prep.userns
+    if prep.leaves is not None:
+        public["cgroups"] = prep.leaves.join()
+    if prep.sandbox is not None:
+        public["sandbox"] = prep.sandbox.handshake
+    if spec.preload:
+        # A template's fork has the template's exec environment: its own temporary directory
+        # comes in the handshake, so episodes that differ only there share one template.
+        public["temp_env"] = {k: env[k] for k in _templates.TEMP_ENV if k in env}
+    if forked:
+        public["forked"] = True
+        if "pidns" in prep.layers:
+            public["scoped"] = True  # its PID namespace is shared: a domain of its own
+    if prep.in_template and prep.sandbox is not None:
+        # The template's mounts are its forks': a fork can make none of its own.
+        public["sandbox"] = {**prep.sandbox.handshake, "mounts": [], "unshare_mounts": False}
+        public["temp_env"] = {k: prep.sandbox.tmpdir for k in _templates.TEMP_ENV}
+    return public
+
+
+def _secret(name: str, value: object) -> SecretStr:
+    if isinstance(value, SecretStr):
+        return value
+    if not isinstance(value, str):
+        # Say what is wrong without echoing the value.
+        raise ArgumentError(
+            f"secret {name!r} must be a str or SecretStr, not {type(value).__name__}"
+        )
+    return SecretStr(value)
+
+
+def _secret_env(
+    spec: EpisodeSpec, secret_env: Mapping[str, str | SecretStr]
+) -> dict[str, SecretStr]:
+    """``secret_env`` checked and wrapped: names a process environment can hold, values
+    without NUL (said without echoing them), none that the spec's ``env`` sets as well."""
+    out: dict[str, SecretStr] = {}
+    for name, value in secret_env.items():
+        if not isinstance(name, str) or not is_env_name(name) or name == EPISODE_ENV:
+            raise ArgumentError(f"secret_env: invalid variable name {name!r}")
+        secret = _secret(name, value)
+        if "\x00" in secret.get_secret_value():
+            raise ArgumentError(f"secret_env: the value of {name} contains a NUL byte")
+        out[name] = secret
+    both = sorted(set(out) & set(spec.env))
+    if both:
+        raise ArgumentError(f"variables in both secret_env and spec.env: {', '.join(both)}")
+    return out
