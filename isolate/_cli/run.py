@@ -24,6 +24,7 @@ from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.prepare import default_episode_id
 from .._core.templates import close_templates
+from ..workflow import default_log_dir
 from .options import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
@@ -55,7 +56,7 @@ class PreparedRun:
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
-    log_dir = args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))
+    log_dir = args.log_dir or Path(default_log_dir())
     if args.replay is not None:
         given = [f for f in _AGENT_FLAGS if getattr(args, f) is not None]
         if args.record is not None or given:

@@ -74,6 +74,12 @@ _UPSTREAM_OVERRIDES = (
 )
 
 
+def default_log_dir() -> str:
+    """Where episodes write their results and logs unless told: env ``LOG_DIR``, else
+    ``./logs`` (AReaL's convention; the command line's bundles go there too)."""
+    return os.environ.get("LOG_DIR", "./logs")
+
+
 def default_agent_root() -> Path:
     """The sibling checkout: ``../AReaL-SWEAgent`` next to this project's root."""
     project_root = Path(__file__).resolve().parents[2]
@@ -139,7 +145,7 @@ def episode_kwargs(econfig: dict[str, Any], base_url: str) -> dict[str, Any]:
     kwargs = {
         "agent_type": agent_type,
         "agent_config": agent_config_of(econfig, agent_type),
-        "result_dir": os.environ.get("LOG_DIR", "./logs"),
+        "result_dir": default_log_dir(),
         "override_base_url": base_url,
         "override_llm_model": _from_env(econfig, "llm_model", "LLM_MODEL"),
         "override_opencode_provider": _from_env(econfig, "opencode_provider", "OPENCODE_PROVIDER"),

@@ -24,6 +24,7 @@ from ..._core.outcome import EpisodeOutcome
 from ..._core.prepare import default_episode_id
 from ...workflow import (
     ROOT_KEYS,
+    default_log_dir,
     episode_kwargs,
     episode_secret_env,
     episode_spec,
@@ -95,7 +96,7 @@ class RecordPlan:
         self.entrypoint: str | None = args.entrypoint
         self.base_url: str | None = args.base_url
         # Absolute: Ray runs the episode in a worker whose working directory is not ours.
-        self.log_dir = (args.log_dir or Path(os.environ.get("LOG_DIR", "./logs"))).absolute()
+        self.log_dir = (args.log_dir or Path(default_log_dir())).absolute()
         out = getattr(args, "out", None)
         self.results: Path | None = Path(out).resolve() if out is not None else None
         # What is wrong with the flags is wrong for every record: say it once, before any.

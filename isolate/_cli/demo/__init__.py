@@ -16,7 +16,6 @@ demo runs from any install; a clone links them as ``examples/agent_root`` and
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from pydantic import SecretStr
 from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
 from ..._core.tree import _tagged, is_alive
-from ...workflow import episode_kwargs, episode_spec
+from ...workflow import default_log_dir, episode_kwargs, episode_spec
 from .scripted_llm import ScriptedLLM, demo_script
 
 #: The demo's agent checkout and its records, shipped inside the package.
@@ -43,7 +42,7 @@ def load_records() -> dict[str, dict[str, Any]]:
 
 def demo_setup() -> tuple[dict[str, dict[str, Any]], Path]:
     """The demo records by instance id, and the log directory."""
-    log_dir = Path(os.environ.get("LOG_DIR", "./logs")).absolute() / "demo"
+    log_dir = Path(default_log_dir()).absolute() / "demo"
     return load_records(), log_dir
 
 
