@@ -166,10 +166,16 @@ async def test_agent_type_and_config(
     assert kwargs["agent_config"] == agent_config
 
 
-async def test_empty_agent_type_is_a_value_error(agents: Agents) -> None:
-    wf = SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))
+async def test_empty_agent_type_is_a_value_error(agents: Agents, clean_env: Path) -> None:
+    # At construction, before any episode; and a record's own econfig, before its episode.
     with pytest.raises(ValueError, match="agent_type must not be empty"):
-        await wf.run(record(), base_url=URL)
+        SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))
+    wf = SWEAgentWorkflow(econfig=econfig(agents))
+    with pytest.raises(ValueError, match="agent_type must not be empty"):
+        await wf.run({**record(), "econfig": {"agent_type": " "}}, base_url=URL)
+    assert not (clean_env / "isolate").exists()  # no episode started, so no episode log
+    await wf.run(record(), base_url=URL)  # the control: an episode writes its log there
+    assert list((clean_env / "isolate").glob("*.log"))
 
 
 async def test_model_and_providers_from_econfig_then_env(
@@ -679,3 +685,22 @@ async def test_sandbox_from_econfig_writes_result_dir_and_allows_base_url(
 def test_invalid_sandbox_fails_at_construction() -> None:
     with pytest.raises(ValueError, match="connect"):
         SWEAgentWorkflow(econfig={"agent_root": str(SCRIPTED), "sandbox": {"connect": [0]}})
+
+
+def test_every_bad_key_is_named_at_construction() -> None:
+    bad = {
+        "agent_root": str(SCRIPTED),
+        "timeout": "soon",
+        "preload": "yes",
+        "on_crash": "explode",
+        "secret_env": "KEY",
+        "sandbox_backend": "local",
+        "sandbox_network": "everything",
+        "inherit_env": "HOME",
+    }
+    with pytest.raises(ValueError, match="econfig") as caught:
+        SWEAgentWorkflow(econfig=bad)
+    said = str(caught.value)
+    for key in bad.keys() - {"agent_root"}:
+        assert f"econfig.{key}" in said, (key, said)
+    assert len(said.splitlines()) == 1  # one line, as the command line prints it

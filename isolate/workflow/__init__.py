@@ -28,19 +28,20 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
 
-from .._core.allowlist import parse_rules, rule_for_url
-from .._core.config import EpisodeSpec, is_env_name
+from .._core.allowlist import rule_for_url
+from .._core.config import EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
 from .._core.sandbox import Sandbox, ports_of_url
 from .._core.templates import remedy
+from ._econfig import UPSTREAM_OVERRIDES, EConfig, plain
 
 __all__ = ["PASSTHROUGH_ENV", "SWEAgentWorkflow", "resolve_agent_root"]
 
@@ -55,23 +56,10 @@ _DEFAULT_AGENT_CONFIGS = {
     "opencode": "eval_opencode",
     "codex": "eval_codex",
 }
-#: The econfig keys that name the agent root, first found wins.
-ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
 _ROOT_ENV = ("AWEAGENT_ROOT", "SWE_AGENT_ROOT", "SWEAGENT_ROOT")
-_ON_CRASH = ("zero", "raise")
-_SANDBOX_BACKENDS = ("aenv", "e2b")
-#: Upstream's newer econfig keys, forwarded as ``override_<key>`` when present (and only then:
-#: an older AReaL-SWEAgent does not accept them).
-_UPSTREAM_OVERRIDES = (
-    "harness_timeout",
-    "eval_timeout",
-    "session_idle_timeout",
-    "session_poll_interval",
-    "terminal_exit_grace",
-    "opencode_config",
-    "max_tokens",
-    "max_completion_tokens",
-)
+
+#: An econfig as a mapping (AReaL's dict, or OmegaConf's) or as its checked model.
+Econfig = Mapping[str, Any] | EConfig
 
 
 def default_log_dir() -> str:
@@ -86,145 +74,80 @@ def default_agent_root() -> Path:
     return project_root.parent / "AReaL-SWEAgent"
 
 
-def resolve_agent_root(econfig: dict[str, Any]) -> Path:
+def resolve_agent_root(econfig: Econfig) -> Path:
     """econfig ``agent_root`` → ``aweagent_root`` → ``swe_agent_root``; else env
     ``AWEAGENT_ROOT`` → ``SWE_AGENT_ROOT`` → ``SWEAGENT_ROOT``; else the sibling checkout."""
-    for key in ROOT_KEYS:
-        if econfig.get(key):
-            return Path(econfig[key]).expanduser().absolute()
+    root = EConfig.of(econfig).agent_root
+    if root is not None:
+        return root
     for name in _ROOT_ENV:
         if os.environ.get(name):
             return Path(os.environ[name]).expanduser().absolute()
     return default_agent_root()
 
 
-def agent_type_of(econfig: dict[str, Any]) -> str:
-    agent_type = str(econfig.get("agent_type") or "swe").strip().lower()
-    if not agent_type:
-        raise ValueError("econfig.agent_type must not be empty")
-    return agent_type
-
-
-def agent_config_of(econfig: dict[str, Any], agent_type: str) -> str:
-    return str(
-        econfig.get("agent_config")
-        or econfig.get(f"{agent_type}_agent_config")
-        or econfig.get("swe_agent_config")
+def episode_kwargs(econfig: Econfig, base_url: str) -> dict[str, Any]:
+    """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret): the
+    seed's, plus upstream's newer keys where econfig has them."""
+    cfg = EConfig.of(econfig)
+    agent_type = cfg.agent_type
+    agent_config = (
+        cfg.agent_config
+        or cfg.get(f"{agent_type}_agent_config")
+        or cfg.get("swe_agent_config")
         or _DEFAULT_AGENT_CONFIGS.get(agent_type)
         or agent_type
     )
-
-
-def _from_env(econfig: dict[str, Any], key: str, env: str) -> str | None:
-    value = econfig.get(key) or os.environ.get(env) or None
-    return None if value is None else str(value)
-
-
-def sandbox_backend_of(econfig: dict[str, Any]) -> str:
-    """econfig ``sandbox_backend`` stripped and lower-cased (upstream's default ``aenv``)."""
-    value = econfig.get("sandbox_backend")
-    backend = "aenv" if value is None else str(value).strip().lower()
-    if backend not in _SANDBOX_BACKENDS:
-        raise ValueError(f"econfig.sandbox_backend must be 'aenv' or 'e2b', got {value!r}")
-    return backend
-
-
-def _plain(value: Any) -> Any:
-    """A config value as plain JSON containers (AReaL's econfig may hold OmegaConf ones)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        return [_plain(v) for v in value]
-    return value
-
-
-def episode_kwargs(econfig: dict[str, Any], base_url: str) -> dict[str, Any]:
-    """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret): the
-    seed's, plus upstream's newer keys where econfig has them."""
-    agent_type = agent_type_of(econfig)
     kwargs = {
         "agent_type": agent_type,
-        "agent_config": agent_config_of(econfig, agent_type),
+        "agent_config": str(agent_config),
         "result_dir": default_log_dir(),
         "override_base_url": base_url,
-        "override_llm_model": _from_env(econfig, "llm_model", "LLM_MODEL"),
-        "override_opencode_provider": _from_env(econfig, "opencode_provider", "OPENCODE_PROVIDER"),
-        "override_codex_provider": _from_env(econfig, "codex_provider", "CODEX_PROVIDER"),
+        "override_llm_model": cfg.llm_model or os.environ.get("LLM_MODEL") or None,
+        "override_opencode_provider": (
+            cfg.opencode_provider or os.environ.get("OPENCODE_PROVIDER") or None
+        ),
+        "override_codex_provider": cfg.codex_provider or os.environ.get("CODEX_PROVIDER") or None,
     }
-    if "sandbox_backend" in econfig:
-        kwargs["sandbox_backend"] = sandbox_backend_of(econfig)
-    for key in _UPSTREAM_OVERRIDES:
-        if key in econfig:
-            kwargs[f"override_{key}"] = _plain(econfig[key])
+    if "sandbox_backend" in cfg.model_fields_set:
+        kwargs["sandbox_backend"] = cfg.sandbox_backend or "aenv"  # upstream's default
+    extra = cfg.model_extra or {}
+    for key in UPSTREAM_OVERRIDES:
+        if key in extra:
+            kwargs[f"override_{key}"] = plain(extra[key])
     return kwargs
 
 
-def secret_env_names(econfig: dict[str, Any]) -> list[str]:
-    """econfig ``secret_env``: a list of variable names (checked, not looked up)."""
-    names = econfig.get("secret_env")
-    if names is None:
-        return []
-    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
-        raise ValueError(
-            f"econfig.secret_env must be a list of variable names, got {type(names).__name__}"
-        )
-    for name in names:
-        if not isinstance(name, str) or not is_env_name(name):
-            raise ValueError(f"econfig.secret_env: invalid variable name {name!r}")
-    return list(names)
-
-
 def episode_secret_env(
-    econfig: dict[str, Any], environ: Mapping[str, str] | None = None
+    econfig: Econfig, environ: Mapping[str, str] | None = None
 ) -> dict[str, SecretStr]:
     """econfig ``secret_env``'s names with their values from ``environ`` (default: this
     process's environment)."""
-    environ = os.environ if environ is None else environ
-    names = secret_env_names(econfig)
-    missing = [name for name in names if name not in environ]
-    if missing:
-        raise ValueError(f"econfig.secret_env: not set in the environment: {', '.join(missing)}")
-    both = sorted(set(names) & set(econfig.get("env") or {}))
-    if both:
-        raise ValueError(f"econfig.secret_env and econfig.env both set {', '.join(both)}")
-    return {name: SecretStr(environ[name]) for name in names}
+    values = EConfig.of(econfig).secret_env_values(environ)
+    return {name: SecretStr(value) for name, value in values.items()}
 
 
-def inherit_env_of(econfig: dict[str, Any]) -> tuple[str, ...]:
-    """econfig ``inherit_env``, else :data:`PASSTHROUGH_ENV` (the trainer's environment minus
-    credential-like and interpreter-steering names)."""
-    names = econfig.get("inherit_env")
-    if names is None:
-        return PASSTHROUGH_ENV
-    if isinstance(names, str | bytes) or not isinstance(names, Sequence):
-        raise ValueError(f"econfig.inherit_env must be a list of names, got {names!r}")
-    return tuple(names)
-
-
-def timeout_of(econfig: dict[str, Any], default: float) -> float:
+def timeout_of(econfig: Econfig, default: float) -> float:
     """econfig ``timeout`` (seconds), else ``default``."""
-    value = econfig.get("timeout", default)
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"econfig.timeout must be a number of seconds, got {value!r}") from None
+    timeout = EConfig.of(econfig).timeout
+    return default if timeout is None else timeout
 
 
 def sandbox_of(
-    econfig: dict[str, Any], result_dir: str | None = None, base_url: str | None = None
+    econfig: Econfig, result_dir: str | None = None, base_url: str | None = None
 ) -> Sandbox | None:
     """econfig ``sandbox`` (True, or a dict of Sandbox's fields) and ``sandbox_network``
     (Sandbox's ``network``; alone, it means a default sandbox with it), with the episode's
     ``result_dir`` writable and ``base_url`` reachable: its port added to ``connect`` when
     that is set, the endpoint to ``network`` when that is an allow-list."""
-    raw = econfig.get("sandbox")
-    network = _plain(econfig.get("sandbox_network"))
+    cfg = EConfig.of(econfig)
+    raw, network = cfg.sandbox, cfg.sandbox_network
     if (raw is None or raw is False) and network is None:
         return None
     box = Sandbox() if raw is True or raw is None or raw is False else Sandbox.model_validate(raw)
     update: dict[str, Any] = {}
     if network is not None:
-        update["network"] = network_of(network, "econfig.sandbox_network")
+        update["network"] = network
     allowed = update.get("network", box.network)
     if isinstance(allowed, tuple) and base_url is not None:
         endpoint = rule_for_url(base_url)
@@ -243,54 +166,31 @@ def sandbox_of(
     return Sandbox.model_validate({**box.model_dump(), **update}) if update else box
 
 
-def network_of(value: Any, name: str) -> str | tuple[str, ...]:
-    """A sandbox's ``network`` from config: ``"none"`` or a list of ``host[:port]`` entries;
-    a ValueError that names ``name``."""
-    if value == "none":
-        return "none"
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{name} must be 'none' or a list of 'host[:port]', got {value!r}")
-    try:
-        parse_rules(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    return tuple(value)
-
-
 def episode_spec(
-    econfig: dict[str, Any],
+    econfig: Econfig,
     agent_root: Path,
     timeout: float,
     log_dir: Path | None,
     sandbox: Sandbox | None = None,
 ) -> EpisodeSpec:
     """The spec for one episode from the isolation keys of ``econfig``."""
+    cfg = EConfig.of(econfig)
     return EpisodeSpec(
         agent_root=agent_root,
         entrypoint=ENTRYPOINT,
-        python=str(econfig.get("python") or sys.executable),
+        python=cfg.python or sys.executable,
         timeout=timeout,
-        kill_grace=float(econfig.get("kill_grace", 5.0)),
-        cancel_grace=float(econfig.get("cancel_grace", 30.0)),
-        exit_grace=float(econfig.get("exit_grace", 10.0)),
-        env=dict(econfig.get("env") or {}),
-        inherit_env=inherit_env_of(econfig),
+        kill_grace=cfg.kill_grace,
+        cancel_grace=cfg.cancel_grace,
+        exit_grace=cfg.exit_grace,
+        env=dict(cfg.env or {}),
+        inherit_env=PASSTHROUGH_ENV if cfg.inherit_env is None else cfg.inherit_env,
         log_dir=log_dir,
-        containment=econfig.get("containment", "auto"),
-        limits=econfig.get("limits"),
-        sandbox=sandbox if sandbox is not None else sandbox_of(econfig),
-        preload=preload_of(econfig),
+        containment=cfg.containment,
+        limits=cfg.limits,
+        sandbox=sandbox if sandbox is not None else sandbox_of(cfg),
+        preload=cfg.preload,
     )
-
-
-def preload_of(econfig: dict[str, Any]) -> bool | tuple[str, ...]:
-    """econfig ``preload``: a bool, or a list of module names to import in the template too."""
-    value = _plain(econfig.get("preload", False))
-    if isinstance(value, list | tuple):
-        return tuple(value)
-    if not isinstance(value, bool):
-        raise ValueError(f"econfig.preload must be a bool or a list of module names, got {value!r}")
-    return value
 
 
 class SWEAgentWorkflow:
@@ -328,18 +228,13 @@ class SWEAgentWorkflow:
             econfig = {}
         self.econfig = econfig
         self.gen_args = gen_args or {}
-        self.timeout = timeout_of(econfig, timeout)
-        self.agent_root = resolve_agent_root(econfig)
+        # Fail fast on bad settings rather than on the first episode.
+        cfg = EConfig.of(econfig)
+        self.timeout = timeout_of(cfg, timeout)
+        self.agent_root = resolve_agent_root(cfg)
         self._preload_refused: set[str] = set()  # each reason warned about once
-        if econfig.get("on_crash", "zero") not in _ON_CRASH:
-            raise ValueError(
-                f"econfig.on_crash must be 'zero' or 'raise', got {econfig['on_crash']!r}"
-            )
-        # Fail fast on bad isolation settings rather than on the first episode.
-        episode_spec(econfig, self.agent_root, self.timeout, None)
-        episode_secret_env(econfig)
-        if "sandbox_backend" in econfig:
-            sandbox_backend_of(econfig)
+        episode_spec(cfg, self.agent_root, self.timeout, None)
+        episode_secret_env(cfg)
         # Warn now, not mid-training, when the checkout is missing.
         if not self.agent_root.is_dir():
             logger.warning(
@@ -369,15 +264,16 @@ class SWEAgentWorkflow:
         econfig = self.econfig.copy()
         if "econfig" in data:
             econfig.update(data["econfig"])
-        kwargs = episode_kwargs(econfig, str(base_url))
+        cfg = EConfig.of(econfig)
+        kwargs = episode_kwargs(cfg, str(base_url))
         instance_id = str(data.get("instance_id", "unknown"))
         log_dir = Path(kwargs["result_dir"]) / "isolate"
         # A record's econfig timeout counts for that record, as its other keys do (AReaL's
         # in-process workflow ignores it; a per-record deadline that is silently dropped is
         # worse than one that applies).
-        box = sandbox_of(econfig, kwargs["result_dir"], str(base_url))
-        timeout = timeout_of(econfig, self.timeout)
-        spec = episode_spec(econfig, self.agent_root, timeout, log_dir, box)
+        box = sandbox_of(cfg, kwargs["result_dir"], str(base_url))
+        timeout = timeout_of(cfg, self.timeout)
+        spec = episode_spec(cfg, self.agent_root, timeout, log_dir, box)
         logger.info(
             "Starting %s episode: instance_id=%s, config=%s",
             kwargs["agent_type"],
@@ -389,10 +285,10 @@ class SWEAgentWorkflow:
             data,
             kwargs=kwargs,
             secrets={"override_api_key": api_key},
-            secret_env=episode_secret_env(econfig),
+            secret_env=episode_secret_env(cfg),
         )
         self._log_outcome(instance_id, outcome)
-        return self._reward(instance_id, outcome, econfig.get("on_crash", "zero"), spec.timeout)
+        return self._reward(instance_id, outcome, cfg.on_crash, spec.timeout)
 
     def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
         # One structured line per episode, for grepping a night's run.

@@ -23,16 +23,15 @@ from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
 from ..._core.prepare import default_episode_id
 from ...workflow import (
-    ROOT_KEYS,
     default_log_dir,
     episode_kwargs,
     episode_secret_env,
     episode_spec,
-    network_of,
     resolve_agent_root,
     sandbox_of,
     timeout_of,
 )
+from ...workflow._econfig import ROOT_KEYS, network_of
 from ..options import UsageError, read_secret_env
 
 
