@@ -525,7 +525,7 @@ def test_the_shim_cuts_errors_to_what_the_parent_keeps() -> None:
     secret = "sk-" + "s" * 40
     message = "m" * (MAX_MESSAGE_CHARS - 80) + secret + "m" * 100
     traceback = "t" * 100 + secret + "t" * (MAX_TRACEBACK_CHARS - 80) + "END"
-    fields = agent_shim.shim.report(message, traceback, [secret])
+    fields = agent_shim.shim.load_part("worker").report(message, traceback, [secret])
     assert len(fields["message"]) <= MAX_MESSAGE_CHARS
     assert len(fields["traceback"]) <= MAX_TRACEBACK_CHARS
     assert "s" * 12 not in fields["message"] + fields["traceback"]  # never half a secret
@@ -534,7 +534,7 @@ def test_the_shim_cuts_errors_to_what_the_parent_keeps() -> None:
         f"[... {len(message) - MAX_MESSAGE_CHARS + 80} more characters]"
     )
     assert fields["traceback"].endswith("t" * 1000 + "END")
-    small = agent_shim.shim.report("short", "tb", [secret])
+    small = agent_shim.shim.load_part("worker").report("short", "tb", [secret])
     assert small == {"message": "short", "traceback": "tb"}
 
 

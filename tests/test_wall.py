@@ -324,5 +324,5 @@ def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
     import agent_shim.shim
 
     named = sorted(CAPABILITY_BITS[name] for name in _containment.KEPT_CAPABILITIES)
-    assert named == sorted(agent_shim.shim.KEPT_CAPABILITIES)
+    assert named == sorted(agent_shim.shim.load_part("worker").KEPT_CAPABILITIES)
     assert sum(1 << bit for bit in named) == 0xA80424FB  # as the README gives CapEff

@@ -1,0 +1,407 @@
+"""The supervisor: the shim's process that outlives the worker and ends the episode.
+
+It reaps what is re-parented to it, waits for the worker's exit, the deadline, a cancel
+request, SIGTERM or the parent's death, cancels the agent first where it must, then kills
+every process left below it and sends ``done``. Loaded with ``load_part("supervisor")``.
+Standard library only, Python 3.9+.
+"""
+
+import os
+import select
+import sys
+import time
+
+shim = sys.modules["_isolate_shim"]
+signal = shim.signal
+
+
+# --- containment: the cgroups, the PID namespace --------------------------------------------
+
+
+def contain(hs):
+    """Join the episode's cgroups; with pidns, fork PID 1 of a new PID namespace, and turn this
+    process into a relay. Returns a problem, or None in the process that carries on. A
+    template's fork (``forked``) lives in its template's PID namespace already."""
+    problem = join_cgroups(hs.get("cgroups", ()))
+    if problem is not None or "pidns" not in shim.layers_of(hs) or hs.get("forked"):
+        return problem
+    problem = unshare_pidns(hs.get("userns", False))
+    if problem is not None:
+        return problem
+    pid = os.fork()
+    if pid:
+        relay(pid)  # exits
+    return become_init()
+
+
+def join_cgroups(paths):
+    """Be in each of these cgroup directories before creating any process; a problem or None."""
+    me = str(os.getpid())
+    for path in paths:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                if me in f.read().split():
+                    continue  # the parent moved us in already
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(me)
+        except OSError as exc:
+            return "cannot join cgroup %s: %s" % (path, exc.strerror or exc)
+    return None
+
+
+def unshare_pidns(userns):
+    uid, gid = os.getuid(), os.getgid()
+    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS | (shim.CLONE_NEWUSER if userns else 0)
+    result, errno = shim.c_call("unshare", flags)
+    if result != 0:
+        return "unshare(%s): %s" % (
+            "user+pid+mount" if userns else "pid+mount",
+            os.strerror(errno),
+        )
+    return shim.map_own_ids(uid, gid) if userns else None
+
+
+def become_init():
+    """In PID 1 of the new namespace: die with the relay; mount a /proc that shows only the
+    namespace, or the supervisor's scan of /proc would see the whole machine."""
+    shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # C strings as bytes, NULL as None, the flags as an int: what shim.c_call passes without ctypes
+    # itself, whose import would cost every episode in a namespace ~2 ms.
+    for args in (
+        (None, b"/", None, shim.MS_REC | shim.MS_PRIVATE, None),
+        (b"proc", b"/proc", b"proc", shim.MS_NOSUID | shim.MS_NODEV | shim.MS_NOEXEC, None),
+    ):
+        result, errno = shim.c_call("mount", *args)
+        if result != 0:
+            return "cannot mount a private /proc: %s" % os.strerror(errno)
+    return private_shm()
+
+
+def private_shm():
+    """A /dev/shm of the episode's own: the machine's is shared by every process, and what is
+    left there outlives the episode. It goes with the mount namespace; its pages are charged to
+    the cgroup of whoever writes them. A problem or None."""
+    if not os.path.isdir("/dev/shm"):
+        return None
+    flags = shim.MS_NOSUID | shim.MS_NODEV
+    result, errno = shim.c_call("mount", b"tmpfs", b"/dev/shm", b"tmpfs", flags, b"mode=1777")
+    if result != 0:
+        return "cannot mount a private /dev/shm: %s" % os.strerror(errno)
+    return None
+
+
+def relay(child):
+    """The outer half of a PID namespace: pass SIGTERM on to PID 1, exit as it exits."""
+    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
+
+    def forward(*_):
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            else:
+                os.kill(child, signal.SIGTERM)
+        except OSError:
+            pass  # PID 1 is gone already
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _, status = os.waitpid(child, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if os.WIFSIGNALED(status):
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+# --- supervision ------------------------------------------------------------------------------
+
+
+def process_table():
+    """Map pid -> (ppid, state) for every process, from /proc; empty where there is no /proc."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        stat = read_stat("/proc/%s/stat" % name)
+        if stat is None:
+            continue
+        # The command name may hold spaces and parentheses: split after the last ')'.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        table[int(name)] = (int(rest[1]), rest[0].decode())
+    return table
+
+
+def read_stat(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def has_live_thread(pid):
+    """Whether a thread of ``pid`` can still run. A process whose main thread exited
+    (``pthread_exit``) reads as a zombie while its other threads run on."""
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return False
+    for tid in tids:
+        stat = read_stat("/proc/%d/task/%s/stat" % (pid, tid))
+        if stat is not None and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in b"ZXx":
+            return True
+    return False
+
+
+def live_descendants(root):
+    table = process_table()
+    children = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], list(children.get(root, ()))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, ()))
+        if table[pid][1] not in "ZX" or has_live_thread(pid):
+            found.append(pid)
+    return found
+
+
+def reap(worker_pid, status):
+    """Reap every exited child. Returns the worker's (wait status, CPU seconds) once known, and
+    whether no child at all is left."""
+    while True:
+        try:
+            pid, code, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status, True
+        if pid == 0:
+            return status, False
+        if pid == worker_pid:
+            status = (code, usage.ru_utime + usage.ru_stime)
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+# After SIGKILL, how long the supervisor waits for its tree to be gone before it leaves the rest
+# to the parent's sweep, or, as PID 1 of a namespace, to the kernel (seconds).
+KILL_WAIT = 5.0
+
+
+def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
+    """SIGTERM+SIGCONT every descendant, SIGKILL what is left after ``grace`` seconds, and reap
+    everything; at most ``grace`` + KILL_WAIT seconds, and with the parent's pipe at EOF at most
+    shim.PARENT_GONE_GRACE + KILL_WAIT. Returns (number of processes signalled, worker's status)."""
+    status, clear = reap(worker_pid, status)
+    if clear and reaper:
+        # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
+        # reset to SIGCHLD, so a reaper that wait4() finds childless has no descendants at all:
+        # no need to read /proc.
+        return 0, status
+    me = os.getpid()
+    victims = set()
+    end = time.monotonic() + grace
+    poller = None
+    if parent_fd is not None:
+        poller = select.poll()
+        poller.register(parent_fd, select.POLLIN)
+    delay = 0.002
+    while True:
+        # Reap the dead too: an unreaped zombie's own children would be handed to init.
+        status, clear = reap(worker_pid, status)
+        live = live_descendants(me)
+        now = time.monotonic()
+        if not live and clear:
+            return len(victims), status
+        if now > end + KILL_WAIT:
+            # Something is stuck in the kernel (D state), or a child cannot be reaped: the
+            # parent's sweep (or the namespace's end) takes over.
+            return len(victims), status
+        fresh = [pid for pid in live if pid not in victims]
+        victims.update(fresh)
+        if now < end:
+            signal_all(fresh, signal.SIGTERM)
+            signal_all(fresh, signal.SIGCONT)  # after: a stopped process meets SIGTERM pending
+        else:
+            signal_all(live, signal.SIGKILL)
+        if poller is None:
+            time.sleep(delay)
+        else:
+            for _ in poller.poll(delay * 1000):
+                if parent_eof(parent_fd):
+                    poller = None
+                    end = min(end, time.monotonic() + shim.PARENT_GONE_GRACE)
+        delay = min(delay * 2, 0.02)
+
+
+def parent_eof(fd):
+    """Read what the parent sent (a cancel request, ignored this late); True at EOF."""
+    try:
+        return not os.read(fd, 4096)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class Supervisor:
+    """The supervisor's side of one episode: the wake pipe its signal handlers write to, the
+    pipe on which the worker says that its final frame is out, and the parent's pipe.
+
+    Made before the fork (its handlers and the blocked SIGINT are the worker's to undo, with
+    :meth:`as_worker`); after it, :meth:`run` supervises and exits.
+    """
+
+    def __init__(self, parent_fd, pending):
+        self.parent_fd = parent_fd
+        self.pending = pending  # what came after the handshake: a cancel request, maybe
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.exit_r, self.exit_w = os.pipe()  # the worker writes a byte once its frame is out
+        self.flags = {}
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: self.flags.update(terminated=True))
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closing terminal is not our business
+        # SIGINT is how the worker is cancelled; the supervisor never takes it. Blocked before
+        # the fork, so that one sent before the worker has set its handler waits for it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+
+    def as_worker(self):
+        """In the worker, at once after the fork: the supervisor's handlers and fds gone. The
+        fd to write one byte to once the final frame is out."""
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        for fd in (self.wake_r, self.wake_w, self.parent_fd, self.exit_r):
+            os.close(fd)
+        return self.exit_w
+
+    def run(self, hs, channel, worker_pid, reaper):
+        """Wait for the worker to exit (bounded by ``exit_grace`` once it said its final frame
+        is out), for the deadline, a cancel request, SIGTERM or the parent's death; at an early
+        end cancel the agent first (``cancel_grace``); then kill the tree and send ``done``.
+        ``reaper``: this process is a subreaper or PID 1. Never returns."""
+        os.close(self.exit_w)
+        self.worker_pid = worker_pid
+        grace = float(hs.get("kill_grace", 5.0))
+        status, why, exiting = self._wait(hs)
+        if why in ("terminated", "parent gone"):
+            grace = min(grace, shim.PARENT_GONE_GRACE)
+        cancel_grace = float(hs.get("cancel_grace", 0.0))
+        if why not in ("exited", "terminated") and not exiting and cancel_grace > 0:
+            status = self._cancel(channel, status, cancel_grace, tell=why != "parent gone")
+        watch = None if why == "parent gone" else self.parent_fd
+        killed, status = kill_tree(worker_pid, status, grace, reaper, watch)
+        if why == "parent gone":
+            os._exit(0)  # nobody to report to; skip the interpreter shutdown
+        try:
+            channel.send("done", **done_frame(why, killed, status))
+        except OSError:
+            pass
+        # The report is out: skip interpreter finalisation, which costs every episode ~20 ms.
+        shim.flush_std_streams()
+        os._exit(0 if why == "exited" else 3)
+
+    def _wait(self, hs):
+        """Until the episode ends: the worker's (wait status, CPU seconds) or None, why it
+        ended (``exited``, ``deadline``, ``cancelled``, ``terminated``, ``parent gone``), and
+        whether the worker's final frame was out."""
+        deadline = time.monotonic() + float(hs.get("deadline", 1e9))
+        exit_grace = float(hs.get("exit_grace", 10.0))
+        poller = select.poll()
+        for fd in (self.parent_fd, self.wake_r, self.exit_r):
+            poller.register(fd, select.POLLIN)
+        status, why = None, "cancelled" if shim.CANCEL in self.pending else "exited"
+        exit_by = None  # when the worker's normal exit must be over (monotonic)
+        exiting = False  # the worker's final frame is out: nothing left to cancel
+        while why == "exited":
+            status, _ = reap(self.worker_pid, status)
+            if status is not None:
+                break
+            if self.flags.get("terminated"):
+                why = "terminated"
+                break
+            now = time.monotonic()
+            if exit_by is not None and now >= exit_by:
+                sys.stderr.write(
+                    "isolate shim: the agent's exit took longer than exit_grace (%g s): killed; "
+                    "its result stands\n" % exit_grace
+                )
+                signal_all([self.worker_pid], signal.SIGKILL)
+                exit_by = None
+            remaining = deadline - now
+            if remaining <= 0 and not exiting:
+                # Once the final frame is out, the result stands: exit_grace bounds the rest.
+                why = "deadline"
+                break
+            if exiting:
+                remaining = 3600.0  # past the deadline too: exit_by decides
+            if exit_by is not None:
+                remaining = min(remaining, exit_by - now)
+            for fd, _ in poller.poll(min(remaining, 3600.0) * 1000):
+                if fd == self.wake_r:
+                    drain(self.wake_r)
+                elif fd == self.exit_r:
+                    if not os.read(self.exit_r, 16):
+                        poller.unregister(self.exit_r)  # EOF: the worker is gone
+                    elif not exiting:
+                        exiting, exit_by = True, time.monotonic() + exit_grace
+                else:
+                    data = os.read(self.parent_fd, 4096)
+                    if not data:
+                        why = "parent gone"
+                        poller.unregister(self.parent_fd)
+                    elif shim.CANCEL in data:
+                        why = "cancelled"
+        return status, why, exiting
+
+    def _cancel(self, channel, status, grace, tell):
+        """Cancel first: the agent releases its sandboxes in its own finally: blocks. The
+        worker's status, once it exited; ``tell``: send how its clean-up went."""
+        status, _ = reap(self.worker_pid, status)
+        if status is not None:
+            return status
+        part = shim.load_part("cancel")
+        status, how = part.cancel_worker(
+            self.worker_pid, status, grace, self.wake_r, self.flags, reap
+        )
+        if tell:
+            try:
+                channel.send("cleanup", how=how)
+            except OSError:
+                pass
+        return status
+
+
+def drain(fd):
+    try:
+        os.read(fd, 4096)
+    except BlockingIOError:
+        pass
+
+
+def done_frame(why, killed, status):
+    """The ``done`` frame's fields; ``status``: the worker's (wait status, CPU seconds)."""
+    done = {"why": why, "killed": killed, "exit_code": None, "signal": None}
+    if status is not None:
+        status, done["cpu_s"] = status
+        if os.WIFSIGNALED(status):
+            done["signal"] = os.WTERMSIG(status)
+        else:
+            done["exit_code"] = os.WEXITSTATUS(status)
+    return done
