@@ -60,7 +60,7 @@ HEAVY_AGENT = (
 def os_exit_shim(workdir: Path) -> Path:
     """A copy of the shim whose worker leaves by ``os._exit`` right after its final frame."""
     return shim_variant(
-        workdir, "os_exit_shim", {"        leave_worker(code)\n": "        os._exit(code)\n"}
+        workdir, "os_exit_shim", {"    leave_worker(code)\n": "    os._exit(code)\n"}
     )
 
 
@@ -85,13 +85,12 @@ def shim_variant(workdir: Path, name: str, changes: dict[str, str]) -> Path:
     shutil.copytree(
         source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
     )
-    shim = target / "shim.py"
-    text = shim.read_text()
     for old, new in changes.items():
-        if text.count(old) != 1:
+        # The one file of the shim (shim.py or a part) with that line, once.
+        found = [p for p in sorted(target.glob("shim*.py")) if p.read_text().count(old) == 1]
+        if len(found) != 1:
             raise RuntimeError(f"{old.strip()!r} is not where bench expects it in the shim")
-        text = text.replace(old, new)
-    shim.write_text(text)
+        found[0].write_text(found[0].read_text().replace(old, new))
     return target / "boot.py"
 
 
