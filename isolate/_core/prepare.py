@@ -167,7 +167,7 @@ def _contain(req: Request, prep: Prepared) -> None:
     if "pidns" in prep.layers:
         prep.userns = _containment.needs_userns()
     if "cgroup" in prep.layers:
-        prep.leaves = _containment.Leaves(_containment.cgroups(), req.episode_id, how)
+        prep.leaves = _containment.Leaves(_containment.cgroups(), req.episode_id, how.writes)
         problem = prep.leaves.create()
         if problem is not None:
             raise SetupProblem(problem)

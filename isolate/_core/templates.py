@@ -638,7 +638,7 @@ def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) ->
         how = _containment.plan(level, spec.limits, groups)
         if isinstance(how, str):
             return how
-        leaves = _containment.Leaves(groups, name, how)
+        leaves = _containment.Leaves(groups, name, how.writes)
         problem = leaves.create()
         if problem is not None:
             leaves.remove()

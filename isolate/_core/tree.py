@@ -88,7 +88,7 @@ def pids_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def _tagged(episode_id: str) -> list[int]:
+def tagged(episode_id: str) -> list[int]:
     """Pids whose initial environment carries this episode's tag."""
     return pids_with_env(EPISODE_ENV, episode_id)
 
@@ -132,7 +132,7 @@ class ProcessTree:
             add(_procs(self.box.members()))
         add(_procs(_session_members(self.sid)))
         if self.episode_id is not None:
-            add(_procs(_tagged(self.episode_id)))
+            add(_procs(tagged(self.episode_id)))
         live = [p for p in found.values() if is_alive(p)]
         shim_pid = self.shim.pid if self.shim is not None else -1
         # The shim last: its descendants die first, rather than being orphaned to an init

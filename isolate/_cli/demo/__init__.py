@@ -25,7 +25,7 @@ from pydantic import SecretStr
 
 from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
-from ..._core.tree import _tagged, is_alive
+from ..._core.tree import is_alive, tagged
 from ...workflow import default_log_dir, episode_kwargs, episode_spec
 from .scripted_llm import ScriptedLLM, demo_script
 
@@ -50,7 +50,7 @@ def left_behind(outcome: EpisodeOutcome) -> int:
     import psutil
 
     procs = []
-    for pid in _tagged(outcome.episode_id):
+    for pid in tagged(outcome.episode_id):
         try:
             procs.append(psutil.Process(pid))
         except psutil.Error:

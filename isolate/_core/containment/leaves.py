@@ -10,15 +10,11 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..procfs import start_time
-from .probes import Cgroups, _probe_cgroups, _probe_lock, _probed
-
-if TYPE_CHECKING:
-    from .limits import LimitPlan
+from .probes import Cgroups, once, probe_cgroups
 
 #: How long teardown waits for ``populated 0`` after ``cgroup.kill`` (seconds).
 _EMPTY_WAIT_S = 2.0
@@ -38,13 +34,16 @@ _active: dict[Path, int] = {}
 class Leaves:
     """The cgroup leaves of one episode: created before spawn, removed after teardown."""
 
-    def __init__(self, groups: Cgroups, episode_id: str, how: LimitPlan) -> None:
+    def __init__(
+        self, groups: Cgroups, episode_id: str, writes: Mapping[str, Mapping[str, str]]
+    ) -> None:
+        """``writes``: leaf (``v2``, ``pids``, ``memory``) -> file -> value, as planned."""
         assert groups.v2 is not None
-        self.plan = how
+        self.writes = writes
         self.name = f"{episode_id}.{secrets.token_hex(4)}"
         roots = {"v2": groups.v2}
         for name in ("pids", "memory"):
-            if name in how.writes:
+            if name in writes:
                 roots[name] = groups.v1[name]
         self.parents = {kind: root / _owner_name() for kind, root in roots.items()}
         self.dirs: dict[str, Path] = {}
@@ -56,7 +55,7 @@ class Leaves:
             with _dir_lock:
                 try:
                     parent.mkdir(exist_ok=True)
-                    if kind == "v2" and self.plan.writes.get("v2"):
+                    if kind == "v2" and self.writes.get("v2"):
                         wanted = " ".join(f"+{c}" for c in ("memory", "pids"))
                         _write_each(parent / "cgroup.subtree_control", wanted.split())
                     leaf.mkdir()
@@ -64,7 +63,7 @@ class Leaves:
                     return f"cannot create cgroup {leaf}: {exc.strerror or exc}"
                 _active[parent] = _active.get(parent, 0) + 1
             self.dirs[kind] = leaf
-            for name, value in self.plan.writes.get(kind, {}).items():
+            for name, value in self.writes.get(kind, {}).items():
                 path = leaf / name
                 if not path.exists() and name in ("memory.swap.max", "memory.memsw.limit_in_bytes"):
                     continue  # no swap accounting here: nothing to cap
@@ -134,7 +133,7 @@ class Leaves:
     def pids_limit_hits(self) -> int:
         """Forks refused by ``pids.max``."""
         for kind in ("pids", "v2"):
-            if "pids.max" in self.plan.writes.get(kind, {}) and kind in self.dirs:
+            if "pids.max" in self.writes.get(kind, {}) and kind in self.dirs:
                 return _counter(self.dirs[kind] / "pids.events", "max") or 0
         return 0
 
@@ -271,12 +270,10 @@ def clean_stale(roots: Iterable[Path]) -> int:
 
 def cgroups() -> Cgroups:
     """What this process can do with cgroups (probed once; stale leaves cleaned on the way)."""
-    with _probe_lock:
-        key = f"cgroups.{os.getpid()}"
-        found = _probed.get(key)
-        if not isinstance(found, Cgroups):
-            found = _probe_cgroups()
-            roots = [found.v2] if found.v2 is not None else []
-            clean_stale(roots + list(found.v1.values()))
-            _probed[key] = found
-        return found
+    return once(f"cgroups.{os.getpid()}", _probe_and_clean)
+
+
+def _probe_and_clean() -> Cgroups:
+    found = probe_cgroups()
+    clean_stale(([found.v2] if found.v2 is not None else []) + list(found.v1.values()))
+    return found

@@ -8,9 +8,10 @@ import re
 import secrets
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from agent_shim.shim_wire import LAYERS
 
@@ -36,6 +37,16 @@ _V1 = ("pids", "memory")
 
 _probe_lock = threading.Lock()
 _probed: dict[str, object] = {}
+_T = TypeVar("_T")
+
+
+def once(key: str, make: Callable[[], _T]) -> _T:
+    """What ``make()`` returned the first time ``key`` was asked for in this process (one
+    probe at a time: a second caller waits for the first)."""
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = make()
+        return _probed[key]  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -118,7 +129,8 @@ def _writable_root(base: Path) -> tuple[Path | None, str | None]:
             pass
 
 
-def _probe_cgroups() -> Cgroups:
+def probe_cgroups() -> Cgroups:
+    """Where this process may create leaves, probed now (``leaves.cgroups`` keeps it)."""
     try:
         mounts = _mounts()
         own = _own_cgroups()
@@ -215,20 +227,12 @@ def _probe_landlock() -> LandlockProbe:
 
 def landlock() -> LandlockProbe:
     """This machine's Landlock, as the shim sees it (probed once)."""
-    with _probe_lock:
-        found = _probed.get("landlock")
-        if not isinstance(found, LandlockProbe):
-            found = _probed["landlock"] = _probe_landlock()
-        return found
+    return once("landlock", _probe_landlock)
 
 
 def pidns_problem() -> str | None:
     """Why this machine gives us no PID namespace, or None (probed once)."""
-    with _probe_lock:
-        if "pidns" not in _probed:
-            _probed["pidns"] = _probe_pidns()
-        problem = _probed["pidns"]
-        return problem if isinstance(problem, str) else None
+    return once("pidns", _probe_pidns)
 
 
 def layers(containment: str) -> tuple[str, ...]:
