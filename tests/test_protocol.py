@@ -589,7 +589,8 @@ def test_the_wire_is_written_once() -> None:
 
     assert supervise.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS
-    assert templates._receive is wire.receive_message
+    assert templates.process.receive_message is wire.receive_message
+    assert templates.registry.receive_message is wire.receive_message
 
 
 @pytest.mark.parametrize(

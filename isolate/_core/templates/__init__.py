@@ -1,0 +1,49 @@
+"""Preloaded templates (``EpisodeSpec.preload``): episodes forked from a shim that imported the
+agent once.
+
+A template is a shim process under the agent's interpreter that imported the entrypoint's
+module (and ``spec.preload``) and never runs an episode; the child side, and the messages, are
+in ``agent_shim/shim_template.py``. For each episode the parent makes the usual three pipes and
+hands the child's ends to the template over a Unix socket (SCM_RIGHTS); the template forks, and
+the fork runs the shim exactly as a fresh start does. So the handshake, the protocol and the
+pipe-EOF watch stay as they are; only the exit status comes another way: from the template,
+the fork's parent.
+
+One template per key: everything a fork inherits (interpreter, agent root, entrypoint,
+environment, working directory, containment, preload list). Episodes that need a template while
+it starts wait for it. A template that cannot be used (not importable, a thread running after
+import, a socket open) is refused for its key until :func:`close_templates`: its episodes start
+fresh, with the reason in their logs. One that dies is replaced by the next episode.
+
+The parts: ``process`` (one template and its forks), ``registry`` (the templates of this
+process, by key).
+"""
+
+from .process import Forked, Template, TemplateGone, pidfd_pid
+from .registry import (
+    TEMP_ENV,
+    acquire,
+    close_all,
+    close_templates,
+    preload_list,
+    probe,
+    remedy,
+    started_templates,
+    unusable,
+)
+
+__all__ = [
+    "TEMP_ENV",
+    "Forked",
+    "Template",
+    "TemplateGone",
+    "acquire",
+    "close_all",
+    "close_templates",
+    "pidfd_pid",
+    "preload_list",
+    "probe",
+    "remedy",
+    "started_templates",
+    "unusable",
+]

@@ -1,0 +1,408 @@
+"""One running template and the episodes forked from it, as the parent sees them: the
+template's processes, its control socket and leaf, each fork's handle and exit status.
+
+Everything here blocks but :meth:`Forked.wait_exit`: run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import IO, Any
+
+import anyio
+import psutil
+
+from agent_shim.shim_wire import receive_message, send_message
+
+from .. import admission as _admission
+from .. import containment as _containment
+from .. import sandbox as _sandbox
+from ..outcome import describe_exit, signal_name
+from ..procfs import exited, parent_pid
+from ..tree import ProcessTree
+
+#: A template answers a fork request within milliseconds; one that does not is stuck (seconds).
+_FORK_TIMEOUT_S = 10.0
+#: After the fork has exited, how long its status may take to come from the template (seconds).
+_STATUS_WAIT_S = 2.0
+#: After its control socket closes, how long a template gets to exit before SIGKILL (seconds).
+_CLOSE_GRACE_S = 2.0
+#: ``returncode`` of a fork whose template died before reporting its exit status.
+_UNKNOWN = 255
+
+
+class TemplateGone(Exception):
+    """The template did not fork the episode (it died, or is stuck); the episode starts fresh."""
+
+
+def pidfd_pid(pidfd: int) -> int | None:
+    """The pid, in our PID namespace, of the process a pidfd refers to; None if it is gone or
+    the fd is no pidfd. (A template in a namespace of its own knows only its own numbers.)"""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class Forked:
+    """The parent's handle on one episode forked from a template (a ``child.Child``). Its exit
+    status comes from the template, the fork's parent, on the fork's reply socket."""
+
+    def __init__(
+        self,
+        pid: int,
+        pidfd: int | None,
+        reply: socket.socket,
+        err: int,
+        template: Template | None = None,
+    ) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+        self.reply = reply
+        self.template = template
+        # Its stdin and stdout are the launcher's channel socket, as for a fresh start.
+        self.stderr: IO[bytes] = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
+        self.returncode: int | None = None
+        #: False when the template died before it could report the exit status.
+        self.status_known = True
+        self._eof = False
+        reply.setblocking(False)
+
+    def stderr_fd(self) -> int:
+        return self.stderr.fileno()
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal) once known, else None."""
+        while self.returncode is None and not self._eof:
+            try:
+                message, fds = receive_message(self.reply)
+            except BlockingIOError:
+                break
+            except (OSError, ValueError):
+                message, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if message is None:
+                self._eof = True  # the template is gone: wait for the fork itself
+            elif message.get("t") == "exit" and isinstance(message.get("status"), int):
+                self.returncode = os.waitstatus_to_exitcode(message["status"])
+        if self.returncode is None and self._eof and self._exited():
+            self.returncode, self.status_known = _UNKNOWN, False
+        return self.returncode
+
+    def _exited(self) -> bool:
+        if self.pidfd is not None:
+            return bool(select.select([self.pidfd], [], [], 0)[0])
+        return exited(self.pid)
+
+    async def wait_exit(self) -> None:
+        """Until the fork has exited and its status is in (or known to be lost)."""
+        if self.poll() is not None:
+            return
+        if self.pidfd is not None:
+            await anyio.wait_readable(self.pidfd)
+        else:
+            while not self._exited():  # noqa: ASYNC110 - no pidfd on this platform
+                await anyio.sleep(0.01)
+        # The template reaps it at once; should the template be stopped, the status is lost.
+        with anyio.move_on_after(_STATUS_WAIT_S):
+            while self.poll() is None and not self._eof:
+                await anyio.wait_readable(self.reply.fileno())
+        if self.returncode is None:
+            self.returncode, self.status_known = _UNKNOWN, False
+
+    def kill(self) -> None:
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass  # gone already
+
+    def wait(self) -> int:
+        """Block until the fork has exited (for a spawn that failed half-way)."""
+        end = time.monotonic() + _STATUS_WAIT_S
+        while self.poll() is None and (not self._exited() or time.monotonic() < end):
+            time.sleep(0.005)
+        if self.returncode is None:
+            self.returncode, self.status_known = _UNKNOWN, False
+        return self.returncode
+
+    def close(self) -> None:
+        self.stderr.close()
+        if self.returncode is None:
+            self.poll()
+        self.reply.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        if self.template is not None:
+            self.template.fork_ended(self)
+            self.template = None
+
+
+class Template:
+    """One running template: its outer process, the importer, the control socket, and the
+    importer's cgroup leaf. With a PID namespace the outer process's child is the
+    namespace's PID 1, which outlives the importer until the last fork has ended."""
+
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        control: socket.socket,
+        life: socket.socket,
+        leaves: _containment.Leaves | None,
+        name: str,
+        sandbox: _sandbox.PreparedSandbox | None = None,
+    ) -> None:
+        self.popen = popen
+        self.control = control
+        #: Held for as long as the template may live: EOF there tells the outer process that
+        #: we are gone. The importer's wait status comes back on it.
+        self.life = life
+        self.leaves = leaves
+        self.name = name
+        #: The sandbox every fork's own is carved from: its TMPDIR holds theirs.
+        self.sandbox = sandbox
+        #: What the importer enters before it imports: an episode's containment.
+        self.wall: dict[str, Any] = {}
+        self.importer: int | None = None
+        self.importer_fd: int | None = None
+        self.status: int | None = None
+        self.forks: set[Forked] = set()
+        self.closing = False
+        self._finished = False
+        self._forks_lock = threading.Lock()
+        #: Its control and life sockets, counted in the episodes' fd budget while it runs.
+        self.fds: _admission.Hold | None = None
+
+    @property
+    def pid(self) -> int:
+        """The importer's pid (the process holding the agent's code), once it is ready."""
+        return self.importer if self.importer is not None else self.popen.pid
+
+    def ready(self, pidfd: int | None) -> str | None:
+        """Take the importer's pidfd from its ready message; a problem if it names anything
+        but the outer process's child or grandchild."""
+        if pidfd is None:
+            return "the template's ready message carried no pidfd of its own"
+        pid = pidfd_pid(pidfd)
+        if pid is None:
+            os.close(pidfd)
+            return "the template's ready message carried no pidfd of its own"
+        up = parent_pid(pid)
+        if self.popen.pid not in (up, parent_pid(up) if up is not None else None):
+            os.close(pidfd)
+            return f"the template's ready message named process {pid}, not its own"
+        self.importer, self.importer_fd = pid, pidfd
+        return None
+
+    def own_pids(self) -> set[int]:
+        """The template's own processes: the outer one, PID 1 of its namespace (if it has
+        one) and the importer."""
+        pids = {self.popen.pid}
+        if self.importer is not None:
+            pids.add(self.importer)
+            up = parent_pid(self.importer)
+            if up is not None and parent_pid(up) == self.popen.pid:
+                pids.add(up)
+        return pids
+
+    def alive(self) -> bool:
+        if self.importer_fd is not None:
+            return not select.select([self.importer_fd], [], [], 0)[0]
+        return self.popen.poll() is None
+
+    def death(self) -> str:
+        """How the dead template's importer ended, in words."""
+        end = time.monotonic() + _STATUS_WAIT_S
+        while self.status is None and self.life.fileno() >= 0:
+            # Its parent sends it once it has reaped it: just after the pidfd said so.
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.life], [], [], left)[0]:
+                break
+            try:
+                message, fds = receive_message(self.life)
+            except (BlockingIOError, OSError, ValueError):
+                break
+            for fd in fds:
+                os.close(fd)
+            if message is None:
+                break
+            if message.get("t") == "exit" and isinstance(message.get("status"), int):
+                self.status = message["status"]
+        if self.status is None:
+            code = self.popen.returncode  # the outer process: killed, say, by close_templates()
+            return describe_exit(None, signal_name(-code)) if code and code < 0 else "ended"
+        try:
+            code = os.waitstatus_to_exitcode(self.status)
+        except ValueError:
+            return "ended"
+        if code < 0:
+            return describe_exit(None, signal_name(-code))
+        return describe_exit(code, None)
+
+    def fork(self, episode_id: str, channel: int) -> Forked:
+        """Fork one episode whose stdin and stdout are ``channel`` (the child's end of the
+        launcher's socket); blocking. Raises :class:`TemplateGone`."""
+        err_r, err_w = os.pipe()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ok = False
+        try:
+            try:
+                message = {"t": "fork", "episode_id": episode_id}
+                send_message(self.control, message, [channel, err_w, theirs.fileno()])
+            except OSError as exc:
+                raise TemplateGone(f"template {self.name} is gone ({exc.strerror})") from None
+            finally:
+                os.close(err_w)
+                theirs.close()
+            mine.settimeout(_FORK_TIMEOUT_S)
+            try:
+                reply, fds = receive_message(mine)
+            except (OSError, ValueError):
+                reply, fds = None, []
+            if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
+                for fd in fds:
+                    os.close(fd)
+                why = reply.get("reason") if reply else None
+                raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
+            pidfd = fds[0] if fds else None
+            for fd in fds[1:]:
+                os.close(fd)
+            pid = pidfd_pid(pidfd) if pidfd is not None else None
+            if pid is None or parent_pid(pid) != self.importer:
+                if pidfd is not None:
+                    os.close(pidfd)
+                raise TemplateGone(f"template {self.name} named no fork of its own")
+            forked = Forked(pid, pidfd, mine, err_r, self)
+            with self._forks_lock:
+                self.forks.add(forked)
+            ok = True
+            return forked
+        finally:
+            if not ok:
+                mine.close()
+                os.close(err_r)
+
+    def release_fds(self) -> None:
+        """Give its fd back to the budget; in the event loop, once it is closed."""
+        if self.fds is not None:
+            self.fds.release()
+            self.fds = None
+
+    def close(self, grace: float = _CLOSE_GRACE_S) -> None:
+        """End the importer (EOF on its control socket, then SIGKILL after ``grace`` seconds)
+        and everything left in its leaf, and remove the leaf; blocking. Episodes forked from
+        it run on (each has a leaf of its own); its PID namespace, its outer process and its
+        sandbox's TMPDIR go when the last of them has ended."""
+        if self.importer_fd is not None:
+            # Nothing of the agent's is worth a graceful end: stopped, so that nothing new
+            # appears below it, then killed with all it started but its forks.
+            self._signal_importer(signal.SIGSTOP)
+            self._kill_leftovers()
+            self._signal_importer(signal.SIGKILL)
+            select.select([self.importer_fd], [], [], _CLOSE_GRACE_S)
+        self.control.close()
+        if self.leaves is not None:
+            end = time.monotonic() + _CLOSE_GRACE_S
+            while self.leaves.populated() and time.monotonic() < end:
+                self.leaves.kill()
+                time.sleep(0.01)
+            self.leaves.remove()
+        with self._forks_lock:
+            self.closing = True
+            last = not self.forks
+        if last:
+            self._finish(0.0 if self.importer_fd is not None else grace)
+
+    def _signal_importer(self, sig: int) -> None:
+        if self.importer_fd is not None:
+            try:
+                signal.pidfd_send_signal(self.importer_fd, sig)
+            except OSError:
+                pass  # gone already
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL every process below the importer but its forks (and what is below them),
+        until none is left, for at most a few seconds. The importer is a subreaper: whatever
+        it started, double-forked or not, is below it."""
+        with self._forks_lock:
+            forks = {forked.pid for forked in self.forks}
+        if self.importer_fd is None or select.select([self.importer_fd], [], [], 0)[0]:
+            return  # it is gone: its number may name another process now
+        end = time.monotonic() + _CLOSE_GRACE_S
+        while time.monotonic() < end:
+            try:
+                children = psutil.Process(self.pid).children()
+            except psutil.Error:
+                return
+            left: list[psutil.Process] = []
+            for child in children:
+                if child.pid in forks:
+                    continue
+                left.append(child)
+                try:
+                    left += child.children(recursive=True)
+                except psutil.Error:
+                    pass
+            if not left:
+                return
+            for proc in left:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            time.sleep(0.005)
+
+    def fork_ended(self, forked: Forked) -> None:
+        with self._forks_lock:
+            self.forks.discard(forked)
+            last = self.closing and not self.forks
+        if last:
+            threading.Thread(target=self._finish, args=(0.0,), daemon=True).start()
+
+    def _finish(self, grace: float) -> None:
+        """Once the importer is gone and no fork is left: the outer process (and with it the
+        namespace), what is left in its session, the sandbox's TMPDIR, the life socket."""
+        with self._forks_lock:
+            if self._finished:
+                return
+            self._finished = True
+        if self.popen.returncode is None:
+            # Not reaped before the sweep: while it is ours to reap, its pid (the session's
+            # id) names no other process.
+            outer = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
+            try:
+                if outer is None or not select.select([outer], [], [], grace)[0]:
+                    self.popen.send_signal(signal.SIGKILL)
+                rest = ProcessTree(None, self.popen.pid, None, None)
+                end = time.monotonic() + _CLOSE_GRACE_S
+                while time.monotonic() < end:
+                    left = rest.live()
+                    if not left:
+                        break
+                    rest.signal(left, signal.SIGKILL)
+                    time.sleep(0.01)
+            finally:
+                if outer is not None:
+                    os.close(outer)
+        self.popen.wait()
+        if self.importer_fd is not None:
+            os.close(self.importer_fd)
+            self.importer_fd = None
+        self.life.close()
+        if self.sandbox is not None:
+            _sandbox.remove_tmpdir(self.sandbox.tmpdir)

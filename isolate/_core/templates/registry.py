@@ -1,0 +1,403 @@
+"""The templates of this process, one per key: started on first use, shared by the episodes
+of that key, refused for good when unusable, replaced when dead, closed by
+:func:`close_templates`.
+
+Everything here but :func:`acquire`, :func:`probe` and :func:`close_templates` blocks: run it
+in a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agent_shim.shim_wire import EPISODE_ENV, json_file, receive_message, send_message
+
+from .. import admission as _admission
+from .. import containment as _containment
+from .. import sandbox as _sandbox
+from ..config import EpisodeSpec
+from ..env import split_env
+from ..shim import boot_path
+from .process import Template
+
+
+@dataclass
+class _Entry:
+    """The template of one key, or why that key gets none."""
+
+    name: str
+    template: Template | None = None
+    starting: bool = False
+    pending: Template | None = None
+    """The template being started, until it is ready or refused."""
+    refused: str | None = None
+    restarts: int = 0
+    closed: bool = False
+
+
+_lock = threading.Lock()
+#: Held from a template's spawn until it is ``pending``: close_templates() then sees it.
+_spawn_lock = threading.Lock()
+_entries: dict[tuple[Any, ...], _Entry] = {}
+
+
+def preload_list(spec: EpisodeSpec) -> tuple[str, ...]:
+    return () if isinstance(spec.preload, bool) else spec.preload
+
+
+#: Per-episode variables the fork's worker sets itself (the handshake's ``temp_env``): not part
+#: of a template's key, or every sandboxed episode (a private TMPDIR each) had a template.
+TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
+
+
+def _key(
+    spec: EpisodeSpec, env: dict[str, str], agent_root: str | None, level: str
+) -> tuple[Any, ...]:
+    per_episode = (EPISODE_ENV, *TEMP_ENV)
+    return (
+        spec.python,
+        agent_root,
+        spec.entrypoint,
+        tuple(sorted((k, v) for k, v in env.items() if k not in per_episode)),
+        str(spec.cwd.absolute()) if spec.cwd is not None else os.getcwd(),
+        spec.containment,
+        level,
+        preload_list(spec),
+        # The importer is walled in as its episodes are: their limits and sandbox are its.
+        spec.limits.model_dump_json() if spec.limits is not None else None,
+        spec.sandbox.model_dump_json() if spec.sandbox is not None else None,
+    )
+
+
+def unusable(spec: EpisodeSpec, level: str) -> str | None:
+    """Why no template can give episodes of ``spec`` at ``level`` what a fresh start gives
+    them, or None. Blocking (a probe may run)."""
+    layers = _containment.layers(level)
+    if spec.sandbox is not None and spec.sandbox.network is not None:
+        return (
+            "a template cannot give each episode a network namespace of its own: episodes "
+            "with Sandbox(network=...) start fresh"
+        )
+    if "pidns" in layers:
+        if not hasattr(os, "pidfd_open"):
+            return "a template in a PID namespace needs pidfds (Linux 5.3)"
+        problem = _containment.landlock().problem
+        if problem is not None:
+            return (
+                "the episodes of a template share its PID namespace, and only a Landlock "
+                f"domain of their own keeps them from signalling each other ({problem})"
+            )
+        how = _containment.plan(level, spec.limits, _containment.cgroups())
+        if isinstance(how, _containment.LimitPlan) and "RLIMIT_NPROC" in how.rlimits:
+            return (
+                "limits.max_processes without a pids cgroup counts the processes of a user "
+                "namespace, which a template's episodes share: add the 'cgroup' layer"
+            )
+    return None
+
+
+async def acquire(
+    spec: EpisodeSpec,
+    env: dict[str, str],
+    agent_root: str | None,
+    level: str,
+    note: Callable[[str], None],
+    refused_because: Callable[[str], None] = lambda reason: None,
+) -> Template | None:
+    """The running template for an episode of ``spec`` whose exec environment would be
+    ``env``, started (or restarted) if need be; None when its key is refused (the reason goes
+    to ``note``, and to ``refused_because``): the episode starts fresh."""
+    key = _key(spec, env, agent_root, level)
+    name = "template." + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+    while True:
+        died = None
+        with _lock:
+            entry = _entries.setdefault(key, _Entry(name))
+            template, starter = entry.template, False
+            if entry.refused is None and template is not None:
+                if template.alive():
+                    return template
+                entry.template, died = None, template
+                entry.restarts += 1
+            if entry.refused is None and not entry.starting:
+                entry.starting = starter = True
+        if died is not None:
+            note(
+                f"template {name} (pid {died.pid}) {died.death()}; starting a new one "
+                f"(restart {entry.restarts})"
+            )
+            died.release_fds()
+            threading.Thread(target=died.close, daemon=True).start()  # reap it, remove its leaf
+        if starter:
+            problem = await anyio.to_thread.run_sync(unusable, spec, level)
+            if problem is not None:
+                with _lock:
+                    entry.starting, entry.refused = False, problem
+        if entry.refused is not None:
+            note(f"preload refused: {entry.refused}; this episode starts fresh")
+            refused_because(entry.refused)
+            return None
+        if not starter:
+            await anyio.sleep(0.01)  # another episode is starting it: wait for that
+            continue
+        started: Template | None = None
+        refused: str | None = None
+        try:
+            tagged = {**env, EPISODE_ENV: name}  # the episode's, tagged with the template's name
+            started, refused = await _start(spec, tagged, agent_root, level, entry)
+        finally:
+            with _lock:
+                entry.starting, entry.pending = False, None
+                if entry.closed and started is not None:
+                    # close_templates() ran while this one started.
+                    started.release_fds()
+                    threading.Thread(target=started.close, daemon=True).start()
+                    started, refused = None, "templates were closed while this one started"
+                entry.template, entry.refused = started, refused
+        if started is None:
+            assert refused is not None
+            note(f"preload refused: {refused}; this episode starts fresh")
+            refused_because(refused)
+            return None
+        note(f"template {name} started (pid {started.pid})")
+        return started
+
+
+async def _start(
+    spec: EpisodeSpec, env: dict[str, str], agent_root: str | None, level: str, entry: _Entry
+) -> tuple[Template | None, str | None]:
+    """Start a template and wait until it has preloaded: (template, None) or (None, reason)."""
+    found = await anyio.to_thread.run_sync(_spawn, spec, env, level, entry)
+    if isinstance(found, str):
+        return None, found
+    template = found
+    template.fds = _admission.hold_fds(3, entry.name)  # control, life, the importer's pidfd
+    try:
+        message = {
+            "t": "preload",
+            "entrypoint": spec.entrypoint,
+            "agent_root": agent_root,
+            "preload": list(preload_list(spec)),
+        }
+        try:
+            # The wall goes as a file: a sandbox's rules can outgrow a control message.
+            wall = json_file(template.wall)
+            try:
+                send_message(template.control, message, [wall])
+            finally:
+                os.close(wall)
+            await anyio.wait_readable(template.control.fileno())
+            reply, fds = receive_message(template.control)
+        except (OSError, ValueError):  # it died (ECONNRESET), or said something else
+            reply, fds = None, []
+        problem = None
+        if reply is not None and reply.get("t") == "ready":
+            problem = template.ready(fds.pop(0) if fds else None)
+        for fd in fds:
+            os.close(fd)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(template.close, 0.0)  # busy importing: no EOF seen
+            template.release_fds()
+        raise
+    if reply is not None and reply.get("t") == "ready" and problem is None:
+        return template, None
+    died = None
+    if problem is None and (reply is None or reply.get("t") != "refused"):
+        died = await anyio.to_thread.run_sync(template.death)  # before close() ends its socket
+    await anyio.to_thread.run_sync(template.close)
+    template.release_fds()
+    if problem is not None:
+        return None, problem
+    if died is None:
+        return None, str(reply.get("reason") if reply is not None else "refused")
+    log = spec.log_dir / f"{entry.name}.log" if spec.log_dir is not None else None
+    where = f"; see {log}" if log is not None else ""
+    return None, f"the template {died} while importing{where}"
+
+
+def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template | str:
+    name = entry.name
+    layers = _containment.layers(level)
+    wall: dict[str, Any] = {"containment": level}
+    leaves = None
+    if "cgroup" in layers:
+        # Its own leaf, with the episodes' limits: never killed or counted with an episode.
+        groups = _containment.cgroups()
+        how = _containment.plan(level, spec.limits, groups)
+        if isinstance(how, str):
+            return how
+        leaves = _containment.Leaves(groups, name, how.writes)
+        problem = leaves.create()
+        if problem is not None:
+            leaves.remove()
+            return problem
+        wall["cgroups"] = leaves.join()
+    if "pidns" in layers:
+        wall["userns"] = _containment.needs_userns()
+    sandbox = None
+    if spec.sandbox is not None:
+        found = _sandbox.prepare(
+            spec.sandbox,
+            episode_id=name,
+            cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
+            child_env=spec.env,
+            mountns="pidns" in layers,
+            can_unshare=not _containment.needs_userns(),
+        )
+        if isinstance(found, str):
+            if leaves is not None:
+                leaves.remove()
+            return found
+        sandbox = found
+        wall["sandbox"] = found.handshake
+        env = {**env, **{k: found.tmpdir for k in TEMP_ENV}}  # the only place it may write
+    with _spawn_lock:
+        made = _spawn_locked(spec, env, entry, leaves, "pidns" in layers, sandbox)
+    if isinstance(made, Template):
+        made.wall = wall
+    return made
+
+
+def _spawn_locked(
+    spec: EpisodeSpec,
+    env: dict[str, str],
+    entry: _Entry,
+    leaves: _containment.Leaves | None,
+    pidns: bool,
+    sandbox: _sandbox.PreparedSandbox | None,
+) -> Template | str:
+    name = entry.name
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    life, its_life = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    log: Any = subprocess.DEVNULL
+
+    def undo() -> None:
+        mine.close()
+        life.close()
+        if leaves is not None:
+            leaves.remove()
+        if sandbox is not None:
+            _sandbox.remove_tmpdir(sandbox.tmpdir)
+
+    try:
+        if spec.log_dir is not None:
+            spec.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(Path(spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
+        popen = subprocess.Popen(
+            [spec.python, "-I", str(boot_path()), "--template", str(its_life.fileno())],
+            stdin=theirs.fileno(),
+            stdout=log,
+            stderr=log,
+            env=env,
+            cwd=spec.cwd,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(its_life.fileno(),),
+        )
+    except OSError as exc:
+        undo()
+        return f"cannot start a template: {exc.strerror or exc}"
+    finally:
+        theirs.close()
+        its_life.close()
+        if log is not subprocess.DEVNULL:
+            log.close()
+    if leaves is not None and not pidns:
+        # With a PID namespace the outer process and PID 1 stay outside the leaf (its kill
+        # must not end the namespace its episodes live in); the importer joins it itself.
+        leaves.move(popen.pid)
+    life.setblocking(False)
+    template = Template(popen, mine, life, leaves, name, sandbox)
+    with _lock:
+        entry.pending, closed = template, entry.closed
+    if closed:  # close_templates() ran meanwhile, and could not see this one
+        template.close(0.0)
+        return "templates were closed while this one started"
+    return template
+
+
+async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
+    """Start a template for ``spec`` as its first episode would, outside the registry, and
+    close it again: (why it would be refused, or None; seconds until it was ready)."""
+    env, _ = split_env(os.environ, spec.inherit_env)
+    env.update(spec.env)
+    entry = _Entry("template.doctor")
+    env[EPISODE_ENV] = entry.name
+    root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
+    found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+    if isinstance(found, str):
+        return found, 0.0
+    level = found[0]
+    problem = await anyio.to_thread.run_sync(unusable, spec, level)
+    if problem is not None:
+        return problem, 0.0
+    started = time.monotonic()
+    template, refused = await _start(spec, env, root, level, entry)
+    seconds = time.monotonic() - started
+    if template is not None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(template.close)
+        template.release_fds()
+    return refused, seconds
+
+
+def remedy(refused: str) -> str | None:
+    """How to get a template used after it was refused for ``refused``, where a fix is known."""
+    if "litellm" in refused:
+        return (
+            "litellm starts that thread at import unless LITELLM_LOCAL_MODEL_COST_MAP=True is "
+            "in the agent's environment (econfig env, EpisodeSpec.env)"
+        )
+    return None
+
+
+def started_templates() -> list[Template]:
+    """The templates running now (for diagnostics and tests)."""
+    with _lock:
+        return [e.template for e in _entries.values() if e.template is not None]
+
+
+async def close_templates() -> None:
+    """Stop every preloaded template (and forget refusals), leaving no template process behind.
+    Episodes forked from them run on to their normal end. The next episode with
+    ``preload`` starts a new template.
+
+    **Cancellation:** shielded; the templates are gone when this returns or raises.
+    """
+    with anyio.CancelScope(shield=True):
+        for template in await anyio.to_thread.run_sync(close_all):
+            template.release_fds()
+
+
+def close_all() -> list[Template]:
+    """:func:`close_templates`, blocking, for code outside an event loop; returns the templates
+    it closed (their fds are still counted in their loop's budget)."""
+    with _lock:
+        entries = list(_entries.values())
+        _entries.clear()
+        for entry in entries:
+            entry.closed = True
+    templates = [e.template for e in entries if e.template is not None]
+    for template in templates:
+        template.control.close()  # all of them at once, then wait for each
+    for template in templates:
+        template.close()
+    with _spawn_lock:
+        pending = [e.pending for e in entries if e.pending is not None]
+    for template in pending:
+        # Still importing, it would not notice an EOF; its starter sees it die.
+        template.popen.kill()
+        template.popen.wait()
+    return templates
