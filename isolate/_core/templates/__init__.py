@@ -3,11 +3,11 @@ agent once.
 
 A template is a shim process under the agent's interpreter that imported the entrypoint's
 module (and ``spec.preload``) and never runs an episode; the child side, and the messages, are
-in ``agent_shim/shim_template.py``. For each episode the parent makes the usual three pipes and
-hands the child's ends to the template over a Unix socket (SCM_RIGHTS); the template forks, and
-the fork runs the shim exactly as a fresh start does. So the handshake, the protocol and the
-pipe-EOF watch stay as they are; only the exit status comes another way: from the template,
-the fork's parent.
+in ``agent_shim/shim_template.py``. For each episode the parent hands the template the child's
+end of the episode's channel socket, a stderr pipe and a reply socket (SCM_RIGHTS); the
+template forks, and the fork runs the shim exactly as a fresh start does. So the handshake, the
+protocol and the EOF watch stay as they are; only the exit status comes another way: from the
+template, the fork's parent, on the reply socket.
 
 One template per key: everything a fork inherits (interpreter, agent root, entrypoint,
 environment, working directory, containment, preload list). Episodes that need a template while

@@ -145,33 +145,42 @@ async def acquire(
                 with _lock:
                     entry.starting, entry.refused = False, problem
         if entry.refused is not None:
-            note(f"preload refused: {entry.refused}; this episode starts fresh")
-            refused_because(entry.refused)
+            _refused(entry.refused, note, refused_because)
             return None
         if not starter:
             await anyio.sleep(0.01)  # another episode is starting it: wait for that
             continue
-        started: Template | None = None
-        refused: str | None = None
+        started: tuple[Template | None, str | None] = (None, None)
         try:
             tagged = {**env, EPISODE_ENV: name}  # the episode's, tagged with the template's name
-            started, refused = await _start(spec, tagged, agent_root, level, entry)
+            started = await _start(spec, tagged, agent_root, level, entry)
         finally:
-            with _lock:
-                entry.starting, entry.pending = False, None
-                if entry.closed and started is not None:
-                    # close_templates() ran while this one started.
-                    started.release_fds()
-                    threading.Thread(target=started.close, daemon=True).start()
-                    started, refused = None, "templates were closed while this one started"
-                entry.template, entry.refused = started, refused
-        if started is None:
+            template, refused = _settle(entry, *started)
+        if template is None:
             assert refused is not None
-            note(f"preload refused: {refused}; this episode starts fresh")
-            refused_because(refused)
+            _refused(refused, note, refused_because)
             return None
-        note(f"template {name} started (pid {started.pid})")
-        return started
+        note(f"template {name} started (pid {template.pid})")
+        return template
+
+
+def _refused(reason: str, note: Callable[[str], None], because: Callable[[str], None]) -> None:
+    note(f"preload refused: {reason}; this episode starts fresh")
+    because(reason)
+
+
+def _settle(
+    entry: _Entry, started: Template | None, refused: str | None
+) -> tuple[Template | None, str | None]:
+    """Record how a start ended in its entry; (template, None) or (None, why)."""
+    with _lock:
+        entry.starting, entry.pending = False, None
+        if entry.closed and started is not None:  # close_templates() ran while it started
+            started.release_fds()
+            threading.Thread(target=started.close, daemon=True).start()
+            started, refused = None, "templates were closed while this one started"
+        entry.template, entry.refused = started, refused
+    return started, refused
 
 
 async def _start(
