@@ -24,13 +24,9 @@ from __future__ import annotations
 import errno
 import ipaddress
 import math
-import os
-import re
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import TypeAlias
 
 import anyio
 import anyio.lowlevel
@@ -46,18 +42,30 @@ from .allowlist import (
     own_addresses,
     refusal,
     reserved,
-    split_authority,
+)
+from .streams import (
+    SOCKS_BAD_ADDRESS,
+    SOCKS_BAD_COMMAND,
+    SOCKS_FAILURE,
+    SOCKS_HOST_UNREACHABLE,
+    SOCKS_NOT_ALLOWED,
+    SOCKS_REFUSED,
+    Closed,
+    Reader,
+    Target,
+    connect,
+    http_answer,
+    last_word,
+    nodelay,
+    parse_http,
+    send_all,
+    socks_reply,
+    splice,
 )
 
-_Target: TypeAlias = "tuple[int, tuple[str, int]]"  # (address family, socket address)
-
-_CHUNK = 64 * 1024  # bytes per recv
-_HEAD_LIMIT = 64 * 1024  # bytes of an HTTP request head; more gets 431
 _NAMES_KEPT = 32  # distinct refused destinations counted by name; the rest count as "other"
 _NOTE_LIMIT = 100  # note lines per episode
 _ACCEPT_BACKOFF = 0.1  # seconds to wait when the parent is out of file descriptors
-_LINGER = 1.0  # seconds a refused client has to close after its answer
-_LINGER_BYTES = 1024 * 1024  # bytes taken from it meanwhile
 
 # accept(2) errors that belong to one queued client; and those that mean "try again soon".
 _ACCEPT_RETRY = frozenset(
@@ -65,29 +73,6 @@ _ACCEPT_RETRY = frozenset(
     | {errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.ENONET}
 )
 _ACCEPT_BACKOFF_ON = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed in header values
-_HOP_BY_HOP = frozenset({b"connection", b"proxy-connection", b"proxy-authorization"})
-_REASONS = {
-    200: "Connection established",
-    400: "Bad Request",
-    403: "Forbidden",
-    431: "Request Header Fields Too Large",
-    502: "Bad Gateway",
-}
-
-# SOCKS5 reply codes (RFC 1928).
-_SOCKS_FAILURE = 0x01
-_SOCKS_NOT_ALLOWED = 0x02
-_SOCKS_HOST_UNREACHABLE = 0x04
-_SOCKS_REFUSED = 0x05
-_SOCKS_BAD_COMMAND = 0x07
-_SOCKS_BAD_ADDRESS = 0x08
-
-
-class _Closed(Exception):
-    """The client closed before its request was complete."""
 
 
 class _Refused(Exception):
@@ -106,189 +91,6 @@ class _Failed(Exception):
         super().__init__(reason)
         self.text = f"isolate: cannot connect to {dest}: {reason}"
         self.socks_code = socks_code
-
-
-@dataclass(frozen=True)
-class _Request:
-    dest: Destination
-    connect: bool  # CONNECT: answer 200, then splice; else send ``forwarded`` upstream first
-    forwarded: bytes
-
-
-class _Reader:
-    """A client's bytes, buffered while its request is parsed."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-
-    async def fill(self) -> None:
-        data = await _recv(self.sock)
-        if not data:
-            raise _Closed
-        self.buf += data
-
-    async def take(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            await self.fill()
-        return self.take_now(n)
-
-    async def head(self) -> bytes | None:
-        """An HTTP request head through its blank line, or None when it is over the limit."""
-        start = 0
-        while True:
-            end = self.buf.find(b"\r\n\r\n", max(0, start - 3))
-            if end >= 0:
-                return self.take_now(end + 4) if end + 4 <= _HEAD_LIMIT else None
-            if len(self.buf) >= _HEAD_LIMIT:
-                return None
-            start = len(self.buf)
-            await self.fill()
-
-    def take_now(self, n: int) -> bytes:
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        return out
-
-
-def _parse_http(head: bytes) -> _Request:
-    """The destination of an HTTP proxy request; ValueError with a reason when malformed."""
-    lines = head[:-4].split(b"\r\n")
-    if any(_CONTROL.search(line) for line in lines):
-        raise ValueError("control character in the request head")
-    words = lines[0].decode("latin-1").split(" ")
-    if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
-        raise ValueError("malformed request line")
-    method, target, version = words
-    if not _TOKEN.fullmatch(method.encode("latin-1")):
-        raise ValueError("malformed method")
-    headers = lines[1:]
-    names = [line.partition(b":")[0] for line in headers]
-    if not all(b":" in line for line in headers) or not all(map(_TOKEN.fullmatch, names)):
-        raise ValueError("malformed header line")
-    if method == "CONNECT":
-        host, port = split_authority(target)
-        if port is None:
-            raise ValueError("CONNECT needs host:port")
-        return _Request(destination(host, port), True, b"")
-    if target[:7].lower() != "http://":
-        raise ValueError("this is a proxy: send an absolute http:// URL")
-    rest = target[7:]
-    cut = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
-    authority, path = rest[:cut], rest[cut:]
-    if "@" in authority:
-        raise ValueError("user information in the URL")
-    host, port = split_authority(authority)
-    dest = destination(host, 80 if port is None else port)
-    kept = [
-        line for line, name in zip(headers, names, strict=True) if name.lower() not in _HOP_BY_HOP
-    ]
-    if b"host" not in (name.lower() for name in names):
-        kept.insert(0, b"Host: " + authority.encode("latin-1"))
-    path = path if path.startswith("/") else "/" + path
-    forwarded = [f"{method} {path} {version}".encode("latin-1"), *kept, b"Connection: close"]
-    return _Request(dest, False, b"\r\n".join(forwarded) + b"\r\n\r\n")
-
-
-def _http_answer(status: int, text: str) -> bytes:
-    body = (text + "\n").encode()
-    head = (
-        f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
-        "Content-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def _socks_reply(code: int) -> bytes:
-    # The bound address 0.0.0.0:0: clients do not use it for CONNECT.
-    return bytes([0x05, code, 0x00, 0x01, 0, 0, 0, 0, 0, 0])
-
-
-async def _recv(sock: socket.socket) -> bytes:
-    """Up to 64 KiB; b"" at end of stream."""
-    while True:
-        try:
-            return sock.recv(_CHUNK)
-        except BlockingIOError:
-            await anyio.wait_readable(sock)
-
-
-async def _send_all(sock: socket.socket, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view) :]
-        except BlockingIOError:
-            await anyio.wait_writable(sock)
-
-
-async def _last_word(sock: socket.socket, data: bytes) -> None:
-    """Send a client its last answer, then half-close and take what it still sends until it
-    closes, for at most 1 s and 1 MiB: closing with its bytes unread would reset the
-    connection, and the client could lose the answer."""
-    await _send_all(sock, data)
-    sock.shutdown(socket.SHUT_WR)
-    with anyio.move_on_after(_LINGER):
-        taken = 0
-        while taken < _LINGER_BYTES and (chunk := await _recv(sock)):
-            taken += len(chunk)
-
-
-async def _pump(
-    src: socket.socket, dst: socket.socket, first: bytes, scope: anyio.CancelScope
-) -> None:
-    """Copy ``src`` to ``dst`` until end of stream, then half-close ``dst``. An error on either
-    socket ends the other direction too: the connection is broken."""
-    try:
-        await _send_all(dst, first)
-        while data := await _recv(src):
-            await _send_all(dst, data)
-            await anyio.lowlevel.checkpoint()  # a fast sender must not starve the loop
-        dst.shutdown(socket.SHUT_WR)
-    except OSError:
-        scope.cancel()
-
-
-async def _splice(client: socket.socket, upstream: socket.socket, to_upstream: bytes) -> None:
-    """Copy both ways until both directions have ended."""
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_pump, client, upstream, to_upstream, tg.cancel_scope)
-        tg.start_soon(_pump, upstream, client, b"", tg.cancel_scope)
-
-
-async def _connect(targets: list[_Target]) -> socket.socket:
-    """A socket connected to the first of ``targets`` that answers; the last OSError if none."""
-    error = OSError(errno.EHOSTUNREACH, "no address to connect to")
-    for family, address in targets:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            try:
-                sock.connect(address)
-            except BlockingIOError:
-                await anyio.wait_writable(sock)
-                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if code:
-                    raise OSError(code, os.strerror(code)) from None
-        except OSError as exc:
-            sock.close()
-            error = exc
-            continue
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-    raise error
-
-
-def _nodelay(sock: socket.socket) -> None:
-    # Bytes are passed on as they come: batching them again only adds latency (a token stream).
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError:
-        pass
 
 
 class Egress:
@@ -396,9 +198,9 @@ class Egress:
     ) -> None:
         try:
             conn.setblocking(False)
-            _nodelay(conn)
+            nodelay(conn)
             await handle(conn)
-        except (OSError, _Closed):
+        except (OSError, Closed):
             pass  # the client went away: nothing to tell anyone
         except Exception as exc:
             # Every byte is the agent's: a request that trips a bug ends its own connection,
@@ -409,7 +211,7 @@ class Egress:
             self._slots.release()
 
     async def _proxy(self, conn: socket.socket) -> None:
-        reader = _Reader(conn)
+        reader = Reader(conn)
         # Without a complete request in time, the connection is closed without a word. The
         # handler lifts this deadline once it has the request.
         with anyio.move_on_after(self._head_timeout) as head_scope:
@@ -418,47 +220,47 @@ class Egress:
             await handle(conn, reader, head_scope)
 
     async def _http(
-        self, conn: socket.socket, reader: _Reader, head_scope: anyio.CancelScope
+        self, conn: socket.socket, reader: Reader, head_scope: anyio.CancelScope
     ) -> None:
         head = await reader.head()
         head_scope.deadline = math.inf
         if head is None:
-            await _last_word(conn, _http_answer(431, "isolate: request head over 64 KiB"))
+            await last_word(conn, http_answer(431, "isolate: request head over 64 KiB"))
             return
         try:
-            request = _parse_http(head)
+            request = parse_http(head)
         except ValueError as exc:
-            await _last_word(conn, _http_answer(400, f"isolate: {exc}"))
+            await last_word(conn, http_answer(400, f"isolate: {exc}"))
             return
         try:
             upstream = await self._open(request.dest)
         except _Refused as exc:
-            await _last_word(conn, _http_answer(403, exc.text))
+            await last_word(conn, http_answer(403, exc.text))
             return
         except _Failed as exc:
-            await _last_word(conn, _http_answer(502, exc.text))
+            await last_word(conn, http_answer(502, exc.text))
             return
         try:
             if request.connect:
-                await _send_all(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
-            await _splice(conn, upstream, request.forwarded + reader.take_now(len(reader.buf)))
+                await send_all(conn, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await splice(conn, upstream, request.forwarded + reader.take_now(len(reader.buf)))
         finally:
             upstream.close()
 
     async def _socks(
-        self, conn: socket.socket, reader: _Reader, head_scope: anyio.CancelScope
+        self, conn: socket.socket, reader: Reader, head_scope: anyio.CancelScope
     ) -> None:
         """SOCKS5 without authentication, CONNECT only (RFC 1928)."""
         _, count = await reader.take(2)
         if 0x00 not in await reader.take(count):
-            await _last_word(conn, b"\x05\xff")  # no acceptable method
+            await last_word(conn, b"\x05\xff")  # no acceptable method
             return
-        await _send_all(conn, b"\x05\x00")
+        await send_all(conn, b"\x05\x00")
         version, command, _, kind = await reader.take(4)
         if version != 0x05:
             return
         if command != 0x01:
-            await _last_word(conn, _socks_reply(_SOCKS_BAD_COMMAND))
+            await last_word(conn, socks_reply(SOCKS_BAD_COMMAND))
             return
         if kind == 0x01:
             host = str(ipaddress.IPv4Address(await reader.take(4)))
@@ -468,25 +270,25 @@ class Egress:
             (length,) = await reader.take(1)
             host = (await reader.take(length)).decode("ascii", "replace")
         else:
-            await _last_word(conn, _socks_reply(_SOCKS_BAD_ADDRESS))
+            await last_word(conn, socks_reply(SOCKS_BAD_ADDRESS))
             return
         try:
             dest = destination(host, int.from_bytes(await reader.take(2), "big"))
         except ValueError:
-            await _last_word(conn, _socks_reply(_SOCKS_FAILURE))
+            await last_word(conn, socks_reply(SOCKS_FAILURE))
             return
         head_scope.deadline = math.inf
         try:
             upstream = await self._open(dest)
         except _Refused:
-            await _last_word(conn, _socks_reply(_SOCKS_NOT_ALLOWED))
+            await last_word(conn, socks_reply(SOCKS_NOT_ALLOWED))
             return
         except _Failed as exc:
-            await _last_word(conn, _socks_reply(exc.socks_code))
+            await last_word(conn, socks_reply(exc.socks_code))
             return
         try:
-            await _send_all(conn, _socks_reply(0x00))
-            await _splice(conn, upstream, reader.take_now(len(reader.buf)))
+            await send_all(conn, socks_reply(0x00))
+            await splice(conn, upstream, reader.take_now(len(reader.buf)))
         finally:
             upstream.close()
 
@@ -496,7 +298,7 @@ class Egress:
         except _Failed:
             return  # nothing to answer on a raw forward: the client sees the close
         try:
-            await _splice(conn, upstream, b"")
+            await splice(conn, upstream, b"")
         finally:
             upstream.close()
 
@@ -512,18 +314,18 @@ class Egress:
         # Not fail_after: its TimeoutError could not be told from a connect's ETIMEDOUT.
         with anyio.move_on_after(self._connect_timeout):
             try:
-                sock = await _connect(await self._targets(dest))
+                sock = await connect(await self._targets(dest))
             except OSError as exc:
                 refused = exc.errno == errno.ECONNREFUSED
-                code = _SOCKS_REFUSED if refused else _SOCKS_HOST_UNREACHABLE
+                code = SOCKS_REFUSED if refused else SOCKS_HOST_UNREACHABLE
                 raise _Failed(dest, exc.strerror or str(exc), code) from None
-            _nodelay(sock)
+            nodelay(sock)
             self._allowed += 1
             return sock
         timeout = f"timed out after {self._connect_timeout:g} s"
-        raise _Failed(dest, timeout, _SOCKS_HOST_UNREACHABLE)
+        raise _Failed(dest, timeout, SOCKS_HOST_UNREACHABLE)
 
-    async def _targets(self, dest: Destination) -> list[_Target]:
+    async def _targets(self, dest: Destination) -> list[Target]:
         """Where to connect for ``dest``: an IP literal as it is, a name resolved and filtered."""
         if dest.ip is not None:
             family = socket.AF_INET6 if dest.ip.version == 6 else socket.AF_INET
@@ -531,12 +333,10 @@ class Egress:
         try:
             found = await anyio.getaddrinfo(dest.host, dest.port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
-            raise _Failed(
-                dest, f"cannot resolve: {exc.strerror}", _SOCKS_HOST_UNREACHABLE
-            ) from None
+            raise _Failed(dest, f"cannot resolve: {exc.strerror}", SOCKS_HOST_UNREACHABLE) from None
         local = is_local_name(dest.host)
         own: frozenset[IP] = frozenset() if local else own_addresses()
-        targets: list[_Target] = []
+        targets: list[Target] = []
         kinds: list[str] = []
         for family, _, _, _, address in found:
             ip = ip_of(address[0])
