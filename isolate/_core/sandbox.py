@@ -29,36 +29,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from .network import NetworkPlan, plan_network
+from . import sandbox_plan
 from .procfs import start_time
+from .sandbox_plan import SandboxPlan, under
 from .shim import probe
-
-#: Devices an agent may open for reading and writing (and ioctl: terminals).
-DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "ptmx")
-#: Directories under /dev the agent may write: pseudo-terminals, POSIX shared memory and
-#: message queues (multiprocessing's locks live in /dev/shm).
-DEVICE_DIRS = ("pts", "shm", "mqueue")
-#: Files under a writable path that stay read-only: a shell or git reads them and runs what
-#: they say, outside the sandbox, when the trainer's user next opens a shell or runs git there.
-PROTECTED = (
-    ".bashrc",
-    ".bash_profile",
-    ".bash_login",
-    ".bash_logout",
-    ".profile",
-    ".zshrc",
-    ".zshenv",
-    ".zprofile",
-    ".zlogin",
-    ".git/hooks",
-    ".git/config",
-)
 
 
 class Sandbox(BaseModel):
@@ -158,30 +138,6 @@ class SandboxReport(BaseModel):
     """Destinations the network's proxy refused, ``host:port`` to how many times."""
 
 
-@dataclass
-class SandboxPlan:
-    """What the shim's worker does for one episode's sandbox."""
-
-    rules: list[list[str]] = field(default_factory=list)
-    mounts: list[list[str]] = field(default_factory=list)
-    ports: list[int] | None = None
-    unshare_mounts: bool = False
-    """The worker makes its own mount namespace (the episode has none)."""
-    enforced: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    network: NetworkPlan | None = None
-
-    def handshake(self, best_effort: bool) -> dict[str, Any]:
-        return {
-            "rules": self.rules,
-            "mounts": self.mounts,
-            "ports": self.ports,
-            "unshare_mounts": self.unshare_mounts,
-            "best_effort": best_effort,
-            "network": None if self.network is None else self.network.handshake(),
-        }
-
-
 def homes(child_env: dict[str, str]) -> list[str]:
     """Every directory ``~`` can mean to an agent: its HOME, the parent's, the password one."""
     found = [child_env.get("HOME"), os.environ.get("HOME")]
@@ -210,10 +166,6 @@ def hidden_paths(sandbox: Sandbox, home_dirs: Iterable[str]) -> list[str]:
     return out
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def plan(
     sandbox: Sandbox,
     *,
@@ -224,143 +176,17 @@ def plan(
     mountns: bool,
     can_unshare: bool,
 ) -> SandboxPlan:
-    """The rules and mounts for one episode. ``abi``: the kernel's Landlock version;
-    ``mountns``: the episode has a mount namespace of its own; ``can_unshare``: the worker may
-    make one. Blocking (lists the directories above each hidden path)."""
-    out = SandboxPlan()
-    mounts = mountns or can_unshare
-    out.unshare_mounts = mounts and not mountns
-    hidden = hidden_paths(sandbox, home_dirs)
-    writable = [os.path.realpath(cwd), os.path.realpath(tmpdir)]
-    writable += [os.path.realpath(p) for p in sandbox.write]
-    writable = list(dict.fromkeys(writable))
-
-    # Reads: carve every existing directory above a hidden path, and /dev (raw disks).
-    carved = {"/dev"}
-    for path in hidden:
-        parent = os.path.dirname(path)
-        while True:
-            if os.path.isdir(parent):
-                carved.add(parent)
-            if parent == "/":
-                break
-            parent = os.path.dirname(parent)
-    hidden_set = set(hidden)
-    for directory in sorted(carved):
-        out.rules.append([directory, "ld"])  # listing only (READ_DIR)
-        for entry, is_dir, is_link in _entries(directory):
-            path = os.path.join(directory, entry)
-            # /dev/stdout and the like lead into /proc, which has a rule of its own.
-            if directory == "/dev" and entry not in DEVICE_DIRS + DEVICES:
-                continue
-            if not is_link:
-                # Carved directories are real paths, so is this entry; only a hidden path or
-                # a carved directory (it has rules of its own) can be it.
-                if path in hidden_set or path in carved:
-                    continue
-            else:
-                # A symlink is granted at its target (the shim never follows a rule's path):
-                # never one that leads into or above a hidden path (``~/keys -> ~/.ssh``).
-                path = os.path.realpath(path)
-                if path in carved or any(_under(path, h) or _under(h, path) for h in hidden):
-                    continue
-                is_dir = os.path.isdir(path)
-            if directory == "/dev" and entry in DEVICES:
-                out.rules.append([path, "dev"])
-            elif directory == "/dev" and entry in DEVICE_DIRS:
-                out.rules.append([path, "wd"])
-            else:
-                out.rules.append([path, "rd" if is_dir else "rf"])
-    out.rules.extend([p, "wd" if os.path.isdir(p) else "wf"] for p in writable)
-    out.enforced.append(f"reads: {len(hidden)} paths hidden")
-    out.enforced.append("writes: only " + ", ".join(writable) + " and /dev/null and its like")
-
-    if abi < 1:
-        out.missing.append("file-system rules: this kernel has no Landlock")
-        out.enforced.clear()
-    elif abi < 3:
-        out.missing.append(
-            f"truncate() of files outside the writable paths: needs Landlock ABI 3, "
-            f"this kernel has {abi}"
-        )
-
-    # What Landlock cannot subtract from a writable path: mounts, or missing.
-    inside = [h for h in hidden if any(_under(h, w) for w in writable) and os.path.lexists(h)]
-    protect = [
-        os.path.join(w, name)
-        for w in writable
-        if os.path.isdir(w)
-        for name in PROTECTED
-        if os.path.lexists(os.path.join(w, name)) and not os.path.islink(os.path.join(w, name))
-    ]
-    if mounts:
-        for w in writable:
-            git = os.path.join(w, ".git")
-            if os.path.isdir(git) and not os.path.islink(git):
-                out.mounts.append(["pin", git])
-        out.mounts.extend(["ro", p] for p in protect)
-        for path in hidden:
-            if os.path.isdir(path) and not os.path.islink(path):
-                out.mounts.append(["hide-dir", path])
-            elif os.path.isfile(path) and not os.path.islink(path):
-                out.mounts.append(["hide-file", path])
-        if protect:
-            out.enforced.append("read-only: " + ", ".join(protect))
-        out.enforced.append("hidden paths read as empty (mounts)")
-    else:
-        if protect:
-            out.missing.append(
-                "read-only " + ", ".join(protect) + " inside a writable path: needs a mount "
-                "namespace (containment with pidns, or root)"
-            )
-        if inside:
-            out.missing.append(
-                "hidden " + ", ".join(inside) + " inside a writable path: needs a mount namespace"
-            )
-
-    for path in hidden:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if not os.path.isdir(path) and st.st_nlink > 1:
-            out.missing.append(
-                f"hidden {path} has {st.st_nlink - 1} other hard link(s), readable where they are"
-            )
-
-    if sandbox.network is not None:
-        out.network = plan_network(sandbox.network)
-        out.enforced.append(out.network.describe())
-    if sandbox.connect is not None:
-        if abi >= 4:
-            out.ports = list(sandbox.connect)
-            if out.network is not None:
-                # The proxy and the carried ports, inside the episode's namespace.
-                out.ports = sorted({*out.ports, *out.network.ports})
-            ports = ", ".join(map(str, sandbox.connect)) or "none"
-            out.enforced.append(f"TCP connect only to ports {ports}")
-        else:
-            out.missing.append(
-                f"TCP connect ports: need Landlock ABI 4, this kernel has {abi or 'no Landlock'}"
-            )
-    out.enforced.append("no_new_privs")
-    return out
-
-
-def _entries(directory: str) -> list[tuple[str, bool, bool]]:
-    """(name, is a directory, is a symlink) of each entry."""
-    try:
-        with os.scandir(directory) as it:
-            return [(e.name, _is_dir(e), e.is_symlink()) for e in it]
-    except OSError:
-        return []
-
-
-def _is_dir(entry: os.DirEntry[str]) -> bool:
-    try:
-        return entry.is_dir(follow_symlinks=False)
-    except OSError:
-        return False
+    """The rules and mounts for one episode (``sandbox_plan.plan``, with its hidden paths).
+    Blocking."""
+    return sandbox_plan.plan(
+        hidden_paths(sandbox, home_dirs),
+        [os.path.realpath(cwd), os.path.realpath(tmpdir), *map(os.path.realpath, sandbox.write)],
+        sandbox.network,
+        sandbox.connect,
+        abi=abi,
+        mountns=mountns,
+        can_unshare=can_unshare,
+    )
 
 
 def write_paths_problem(sandbox: Sandbox, cwd: str) -> str | None:
@@ -372,7 +198,7 @@ def write_paths_problem(sandbox: Sandbox, cwd: str) -> str | None:
     writable = [("the working directory", cwd)] + [("write path", str(p)) for p in sandbox.write]
     for what, where in writable:
         real = os.path.realpath(where)
-        if real == "/" or any(_under(home, real) and home != real for home in homes({})):
+        if real == "/" or any(under(home, real) and home != real for home in homes({})):
             return (
                 f"sandbox: {what} {real} would make everything beneath it writable, the home "
                 "included; give the episode a working directory of its own (EpisodeSpec.cwd)"
