@@ -161,6 +161,77 @@ class _Stretch:
         return start, self.end
 
 
+class _Search:
+    """One search of the data for stretches of the forms: the stretches grown so far, by form
+    and alignment, and those long enough to mask."""
+
+    __slots__ = ("forms", "grams", "data", "ways", "spans", "found")
+
+    def __init__(
+        self, forms: list[_Form], grams: dict[int, list[tuple[int, int]]], data: bytes
+    ) -> None:
+        self.forms, self.grams, self.data, self.ways = forms, grams, data, len(forms)
+        self.spans: dict[int, list[tuple[int, int]]] = {}  # form and alignment -> stretches
+        self.found: list[_Stretch] = []
+
+    def around(self, at: int, gram: int) -> int:
+        """Grow every stretch that holds the window ``gram`` at ``at``, then, from each grown
+        one, those across its ends; the furthest end reached (-1 if none)."""
+        grown = []
+        for index, offset in self.grams[gram]:
+            if not self.known(index, at, offset):
+                span = self.grow(index, at, offset)
+                if span is not None:
+                    grown.append(span)
+        data, end, grams = self.data, len(self.data), self.grams
+        reached = -1
+        while grown:
+            start, stop = grown.pop()
+            reached = max(reached, stop)
+            for window in (start - 1, stop - _GRAM + 1):  # across each end
+                if window < 0 or window + _GRAM > end:
+                    continue
+                there = int.from_bytes(data[window : window + _GRAM], sys.byteorder)
+                for index, offset in grams.get(there) or ():
+                    if not self.known(index, window, offset):
+                        span = self.grow(index, window, offset)
+                        if span is not None:
+                            grown.append(span)
+        return reached
+
+    def known(self, index: int, at: int, offset: int) -> bool:
+        """Whether the window at ``at``, as ``offset`` of form ``index``, lies in a stretch
+        grown already."""
+        there = self.spans.get((at - offset) * self.ways + index)
+        return there is not None and any(lo <= at and at + _GRAM <= hi for lo, hi in there)
+
+    def grow(self, index: int, at: int, offset: int) -> tuple[int, int] | None:
+        """The maximal stretch around the window at ``at``, as ``offset`` of form ``index``,
+        if it is long enough to mask (it then goes to ``found`` too); else None."""
+        data, form = self.data, self.forms[index]
+        text = form.data
+        base = at - offset
+        if base >= 0 and data.startswith(text, base):
+            start, stop = base, base + len(text)  # the whole form: often, and cheap
+        else:
+            start = at - _agree_back(data, at, text, offset, min(at, offset))
+            # Too short unless the rest of 12 bytes (never fewer than characters) follows:
+            # one comparison decides the near misses that data made to hit the samples is
+            # full of.
+            need = start + FRAGMENT_CHARS - at
+            if data[at : at + need] != text[offset : offset + need]:
+                return None
+            stop = at + _agree(data, at, text, offset, min(len(data) - at, len(text) - offset))
+        self.spans.setdefault(base * self.ways + index, []).append((start, stop))
+        first, last = start - base, stop - base
+        if not form.ascii:  # whole characters only, so a mask never cuts one
+            first, last = form.next_char(first), form.prev_char(last)
+        if last <= first or form.chars(first, last) < FRAGMENT_CHARS:
+            return None
+        self.found.append(_Stretch(base + first, base + last, form, first))
+        return start, stop
+
+
 class Redactor:
     """Replace secret values in text, and in a byte stream split at arbitrary points.
 
@@ -228,43 +299,8 @@ class Redactor:
         samples = memoryview(data)[: len(data) // _GRAM * _GRAM].cast("I")[:: _STRIDE // _GRAM]
         if self._gram_set.isdisjoint(samples):  # the common case, all in C
             return []
-        grams, forms, ways, end = self._grams, self._forms, len(self._forms), len(data)
+        search = _Search(self._forms, self._grams, data)
         eights = self._eights
-        found: list[_Stretch] = []
-        spans: dict[int, list[tuple[int, int]]] = {}  # form and alignment -> stretches there
-
-        def known(index: int, at: int, offset: int) -> bool:
-            """Whether the window at ``at``, as ``offset`` of form ``index``, lies in a stretch
-            grown already."""
-            there = spans.get((at - offset) * ways + index)
-            return there is not None and any(lo <= at and at + _GRAM <= hi for lo, hi in there)
-
-        def grow(index: int, at: int, offset: int) -> tuple[int, int] | None:
-            """The maximal stretch around the window at ``at``, as ``offset`` of form
-            ``index``, if it is long enough to mask."""
-            form = forms[index]
-            text = form.data
-            base = at - offset
-            if base >= 0 and data.startswith(text, base):
-                start, stop = base, base + len(text)  # the whole form: often, and cheap
-            else:
-                start = at - _agree_back(data, at, text, offset, min(at, offset))
-                # Too short unless the rest of 12 bytes (never fewer than characters) follows:
-                # one comparison decides the near misses that data made to hit the samples
-                # is full of.
-                need = start + FRAGMENT_CHARS - at
-                if data[at : at + need] != text[offset : offset + need]:
-                    return None
-                stop = at + _agree(data, at, text, offset, min(end - at, len(text) - offset))
-            spans.setdefault(base * ways + index, []).append((start, stop))
-            first, last = start - base, stop - base
-            if not form.ascii:  # whole characters only, so a mask never cuts one
-                first, last = form.next_char(first), form.prev_char(last)
-            if last <= first or form.chars(first, last) < FRAGMENT_CHARS:
-                return None
-            found.append(_Stretch(base + first, base + last, form, first))
-            return start, stop
-
         covered = 0  # the data up to here lies in stretches grown already
         hits = self._hits(samples, 0)
         while (at := next(hits, -1)) >= 0:
@@ -274,33 +310,15 @@ class Redactor:
                 at : at + 2 * _GRAM
             ] not in eights:
                 continue
-            grown = []
-            for index, offset in grams[samples[at // _STRIDE]]:
-                if not known(index, at, offset):
-                    span = grow(index, at, offset)
-                    if span is not None:
-                        grown.append(span)
-            reached = covered
-            while grown:
-                start, stop = grown.pop()
-                reached = max(reached, stop)
-                for window in (start - 1, stop - _GRAM + 1):  # across each end
-                    if window < 0 or window + _GRAM > end:
-                        continue
-                    gram = int.from_bytes(data[window : window + _GRAM], sys.byteorder)
-                    for index, offset in grams.get(gram) or ():
-                        if not known(index, window, offset):
-                            span = grow(index, window, offset)
-                            if span is not None:
-                                grown.append(span)
+            reached = search.around(at, samples[at // _STRIDE])
             if reached > covered:
                 # Skip the samples that lie in what was grown and kept: a stretch that
                 # overlaps it and reaches past it holds the window just across one of its
                 # ends, and was grown from there above.
                 covered = reached
                 hits = self._hits(samples, -(-(covered - _GRAM + 1) // _STRIDE))
-        found.sort(key=lambda s: s.start)
-        return found
+        search.found.sort(key=lambda s: s.start)
+        return search.found
 
     def _spans(self, data: bytes) -> Iterator[tuple[int, int]]:
         """The matches in ``data``, left to right, each the leftmost then longest from where
