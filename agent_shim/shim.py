@@ -346,7 +346,7 @@ def is_rlimit(name, value):
     )
 
 
-# --- shared by the parts: user namespaces, Landlock, the entrypoint -----------------------------
+# --- shared by the parts: user namespaces, capabilities ------------------------------------------
 
 
 def map_own_ids(uid, gid):
@@ -377,41 +377,6 @@ def map_own_ids(uid, gid):
     return None
 
 
-def enter_landlock():
-    """Put this process (the worker, before anything of the agent runs) into a new Landlock
-    domain scoped for signals and abstract unix sockets, handling no file or port access. The
-    supervisor stays outside: the agent cannot signal it either. A problem or None."""
-    landlock = load_part("landlock")
-    landlock.use(c_call)  # the shim's calls: the part would import ctypes (~1.7 ms) otherwise
-    scoped = landlock.SCOPED_BY_ABI[6]
-    try:
-        ruleset = landlock.create_ruleset(scoped=scoped)
-    except (OSError, AttributeError) as exc:
-        return "cannot create a Landlock ruleset: %s" % (getattr(exc, "strerror", None) or exc)
-    try:
-        landlock.restrict_self(ruleset)
-    except OSError as exc:
-        return "cannot enter a Landlock domain: %s" % (exc.strerror or exc)
-    finally:
-        os.close(ruleset)
-    return None
-
-
-def load_entrypoint(entrypoint, agent_root):
-    """Import ``package.module:function`` with ``agent_root`` first on sys.path, then the
-    PYTHONPATH the spec set (-I ignores it); the function. isolate doctor uses this too."""
-    module_name, _, attr = entrypoint.partition(":")
-    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for entry in reversed(([agent_root] if agent_root else []) + extra_path):
-        sys.path.insert(0, entry)
-    target = __import__(module_name, fromlist=["_"])
-    for part in attr.split("."):
-        target = getattr(target, part)
-    if not callable(target):
-        raise TypeError("%s is a %s, not a function" % (entrypoint, type(target).__name__))
-    return target
-
-
 def capability_sets():
     """This process's capability sets from /proc/self/status: {"CapEff": int, ...}."""
     with open("/proc/self/status") as f:
@@ -426,31 +391,16 @@ def flush_std_streams():
             pass
 
 
-def helpers():
-    """What the template and probe parts use of the shim: a template's wall, and a probe's, is
-    an episode's."""
-    import types
-
-    names = "main load_entrypoint layers_of set_subreaper enter_landlock load_part c_call"
-    found = {name: globals()[name] for name in names.split()}
-    supervisor = load_part("supervisor")
-    theirs = "process_table live_descendants signal_all unshare_pidns become_init join_cgroups"
-    for name in theirs.split():
-        found[name] = getattr(supervisor, name)
-    found["harden"] = load_part("worker").harden
-    return types.SimpleNamespace(**found)
-
-
 def main():
     if sys.argv[1:2] == ["--probe-pidns"]:
-        return load_part("probe").pidns(helpers(), sys.argv[2:] == ["userns"])
+        return load_part("probe").pidns(sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
-        return load_part("probe").landlock(helpers())
+        return load_part("probe").landlock()
     if sys.argv[1:] == ["--probe-net"]:
-        return load_part("net").probe(c_call, map_own_ids, capability_sets)
+        return load_part("net").probe()
     if sys.argv[1:2] == ["--template"]:
         # A preloaded template (isolate preload=True): each of its forks calls main() again.
-        return load_part("template").serve(helpers())
+        return load_part("template").serve()
     if sys.platform.startswith("linux"):
         # Before anything else: nothing the agent starts (same user) may read or write this
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID

@@ -12,19 +12,22 @@
 4. The proxy's variables (``env``) in ``os.environ``, for the agent's clients and its
    subprocesses.
 
-``enter(network, channel, c_call, map_own_ids, capability_sets)`` returns a problem or None;
+``enter(network, channel)`` returns a problem or None;
 ``probe(...)`` (``shim.py --probe-net``, for doctor) tries steps 1 and 2 and says what failed.
 """
 
 import os
+import sys
+
+shim = sys.modules["_isolate_shim"]
 
 CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 
 
-def enter(network, channel, c_call, map_own_ids, capability_sets):
-    problem = unshare_net(c_call, map_own_ids, capability_sets)
+def enter(network, channel):
+    problem = unshare_net()
     if problem is None:
         problem = loopback_up()
     if problem is not None:
@@ -50,17 +53,17 @@ def enter(network, channel, c_call, map_own_ids, capability_sets):
     return None
 
 
-def unshare_net(c_call, map_own_ids, capability_sets):
+def unshare_net():
     """A network namespace; with a user namespace as well unless this process may make one
     without (root, or already in a user namespace of its own). A problem or None."""
-    caps = capability_sets().get("CapEff", 0)
+    caps = shim.capability_sets().get("CapEff", 0)
     needed = 1 << CAP_SYS_ADMIN | 1 << CAP_NET_ADMIN
     userns = caps & needed != needed
     uid, gid = os.getuid(), os.getgid()
-    result, errno = c_call("unshare", CLONE_NEWNET | (CLONE_NEWUSER if userns else 0))
+    result, errno = shim.c_call("unshare", CLONE_NEWNET | (CLONE_NEWUSER if userns else 0))
     if result != 0:
         return "unshare(%s): %s" % ("user+net" if userns else "net", os.strerror(errno))
-    return map_own_ids(uid, gid) if userns else None
+    return shim.map_own_ids(uid, gid) if userns else None
 
 
 def loopback_up():
@@ -81,11 +84,9 @@ def loopback_up():
     return None
 
 
-def probe(c_call, map_own_ids, capability_sets):
+def probe():
     """Exit status 0 if this process can have a network namespace with loopback up."""
-    import sys
-
-    problem = unshare_net(c_call, map_own_ids, capability_sets) or loopback_up()
+    problem = unshare_net() or loopback_up()
     if problem is not None:
         sys.stderr.write(problem + "\n")
         return 1

@@ -1,21 +1,23 @@
 """The shim's probes of what this machine provides, run by the parent in a short-lived shim
 (``shim.py --probe-pidns [userns]``, ``--probe-landlock``) and never on an episode's path.
 
-Loaded by shim.py, under its private name, only for a probe. ``shim``: the shim's functions
-(``helpers()``). Stdlib only, Python 3.9+.
+Loaded by shim.py, under its private name, only for a probe. Stdlib only, Python 3.9+.
 """
 
 import os
 import sys
 
+shim = sys.modules["_isolate_shim"]
 
-def pidns(shim, userns):
+
+def pidns(userns):
     """``shim.py --probe-pidns [userns]``: can this machine give an episode a PID namespace?"""
-    problem = shim.unshare_pidns(userns)
+    supervisor = shim.load_part("supervisor")
+    problem = supervisor.unshare_pidns(userns)
     if problem is None:
         pid = os.fork()
         if pid == 0:
-            problem = shim.become_init() or (None if os.getpid() == 1 else "not PID 1")
+            problem = supervisor.become_init() or (None if os.getpid() == 1 else "not PID 1")
             sys.stderr.write(problem + "\n" if problem else "")
             os._exit(1 if problem else 0)
         return 0 if os.waitpid(pid, 0)[1] == 0 else 1
@@ -23,7 +25,7 @@ def pidns(shim, userns):
     return 1
 
 
-def landlock(shim):
+def landlock():
     """``shim.py --probe-landlock``: can this machine give an episode the landlock layer? Says
     ``abi N`` and whether the domain can still read its parent's environ, on stdout."""
     version = shim.load_part("landlock").abi()
@@ -40,7 +42,7 @@ def landlock(shim):
     pid = os.fork()
     if pid == 0:
         os.close(read_r)
-        problem = shim.enter_landlock()
+        problem = shim.load_part("worker").enter_landlock()
         if problem is None:
             try:
                 os.kill(os.getppid(), 0)

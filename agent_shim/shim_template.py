@@ -49,6 +49,8 @@ import time
 # parent uses too.
 import _isolate_shim_wire as wire
 
+shim = sys.modules["_isolate_shim"]
+
 EPISODE_ENV = wire.EPISODE_ENV
 PR_SET_PDEATHSIG = 1
 send, receive = wire.send_message, wire.receive_message
@@ -141,13 +143,12 @@ def kill_children(process_table):
         time.sleep(0.005)
 
 
-def serve(shim):
+def serve():
     """The template's life: contain, preload, report, then fork episodes until the control
-    socket ends. Never returns: a thread the agent started must not hold up the exit.
-    ``shim``: the shim's functions (``helpers()``)."""
+    socket ends. Never returns: a thread the agent started must not hold up the exit."""
     code = 1
     try:
-        code = preload_and_loop(shim)
+        code = preload_and_loop()
     except BaseException:
         import traceback
 
@@ -167,7 +168,7 @@ def leave(code):
     os._exit(code)
 
 
-def preload_and_loop(shim):
+def preload_and_loop():
     import faulthandler
 
     # A template that a signal kills (SIGSEGV in an extension the agent imports, say) leaves
@@ -187,14 +188,14 @@ def preload_and_loop(shim):
     wall = wire.read_json_file(fds.pop(0)) if fds else {}
     for fd in fds:
         os.close(fd)
-    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life, shim)
+    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life)
     if problem is not None:
         sys.stderr.write("isolate template: cannot contain the template: %s\n" % problem)
         send(control, {"t": "refused", "reason": "cannot contain the template: " + problem})
         return 1
     started = time.monotonic()
     try:
-        shim.load_entrypoint(message["entrypoint"], message.get("agent_root"))
+        shim.load_part("worker").load_entrypoint(message["entrypoint"], message.get("agent_root"))
         for name in message.get("preload", ()):
             __import__(name)
     except BaseException as exc:
@@ -204,10 +205,11 @@ def preload_and_loop(shim):
         reason = "cannot import %s: %s: %s" % (message["entrypoint"], type(exc).__name__, exc)
         send(control, {"t": "refused", "reason": reason})
         return 1
-    reason = fork_hazard(control, shim.process_table)
+    process_table = shim.load_part("supervisor").process_table
+    reason = fork_hazard(control, process_table)
     if reason is not None:
         sys.stderr.write("isolate template: preload refused: %s\n" % reason)
-        kill_children(shim.process_table)  # nothing the import started outlives the refusal
+        kill_children(process_table)  # nothing the import started outlives the refusal
         send(control, {"t": "refused", "reason": reason})
         return 0
     # Objects that exist now are never collected in a fork: its collector leaves their pages
@@ -221,17 +223,18 @@ def preload_and_loop(shim):
     send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
     if me is not None:
         os.close(me)
-    loop(control, shim.main, state, shim.process_table)
+    loop(control, shim.main, state, process_table)
     return 0
 
 
-def enter_wall(wall, control, life, shim):
+def enter_wall(wall, control, life):
     """Become the importer, inside what a fresh episode of this containment gets; a problem,
     or None. The outer process and PID 1 stay in here until they exit."""
+    supervisor, worker = shim.load_part("supervisor"), shim.load_part("worker")
     layers = shim.layers_of(wall)
     pidns = "pidns" in layers
     if pidns:
-        problem = shim.unshare_pidns(wall.get("userns", False))
+        problem = supervisor.unshare_pidns(wall.get("userns", False))
         if problem is not None:
             return problem
     outer = os.getpid()
@@ -239,9 +242,9 @@ def enter_wall(wall, control, life, shim):
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        watch(child, life, leaves, None if pidns else shim)
+        watch(child, life, leaves, below=not pidns)
     if pidns:
-        problem = shim.become_init()  # dies with the outer process
+        problem = supervisor.become_init()  # dies with the outer process
         if problem is not None:
             return problem
         child = os.fork()
@@ -257,14 +260,14 @@ def enter_wall(wall, control, life, shim):
         os.close(life)
     # A subreaper, so that a process the import started stays its child, found and killed.
     shim.set_subreaper()
-    problem = shim.join_cgroups(wall.get("cgroups", ()))
+    problem = supervisor.join_cgroups(wall.get("cgroups", ()))
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
     for part in ("cancel", "seccomp", "sandbox", "landlock"):
         shim.load_part(part)
     if "landlock" in layers:
-        problem = shim.enter_landlock()
+        problem = worker.enter_landlock()
         if problem is not None:
             return problem
     sandbox = wall.get("sandbox")
@@ -274,7 +277,7 @@ def enter_wall(wall, control, life, shim):
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
-        return shim.harden()
+        return worker.harden()
     return None
 
 
@@ -287,9 +290,9 @@ def tell(life, status):
             pass  # the parent is gone
 
 
-def watch(child, life, leaves, shim):
+def watch(child, life, leaves, below):
     """The outer process: exit once ``child`` has. Should the parent go first, kill ``child``:
-    PID 1, and with it the whole namespace; or, without a namespace (``shim`` given),
+    PID 1, and with it the whole namespace; or, without a namespace (``below``),
     the importer, its cgroup ``leaves`` and every process below it (a subreaper: whatever it
     started is there), and send its wait status on LIFE. Never returns."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -311,9 +314,9 @@ def watch(child, life, leaves, shim):
                         kill_leaves(leaves)
                 break
         if life in ready and not os.read(life, 64):
-            kill_all(child, leaves, shim)
+            kill_all(child, leaves, below)
             status = os.waitpid(child, 0)[1]
-    if shim is not None:
+    if below:
         tell(life, status)
     os._exit(0)
 
@@ -328,18 +331,19 @@ def kill_leaves(leaves):
             pass  # cgroup v1, or gone already
 
 
-def kill_all(child, leaves, shim):
-    """SIGKILL ``child`` and, when ``shim`` is given, every process below it (the shim's own
+def kill_all(child, leaves, below):
+    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's own
     ``live_descendants``): the child is stopped first, so that nothing new appears below it
     meanwhile."""
     kill_leaves(leaves)
-    if shim is not None:
-        shim.signal_all([child], signal.SIGSTOP)
+    if below:
+        supervisor = shim.load_part("supervisor")
+        supervisor.signal_all([child], signal.SIGSTOP)
         for _ in range(100):
-            below = shim.live_descendants(child)
-            if not below:
+            found = supervisor.live_descendants(child)
+            if not found:
                 break
-            shim.signal_all(below, signal.SIGKILL)
+            supervisor.signal_all(found, signal.SIGKILL)
             time.sleep(0.005)
     try:
         os.kill(child, signal.SIGKILL)

@@ -57,7 +57,7 @@ def worker(hs, channel):
         # Cancellation arrives as SIGINT (blocked since before the fork, so none is lost).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-        target = shim.load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
+        target = load_entrypoint(hs["entrypoint"], hs.get("agent_root"))
     except BaseException as exc:
         text = format_exc()
         sys.stderr.write(text)
@@ -99,7 +99,7 @@ def enter(hs, channel):
     # A template's forks share its PID namespace: each worker gets a domain of its own, so that
     # no episode can signal or trace another (``scoped``).
     if "landlock" in shim.layers_of(hs) or hs.get("scoped"):
-        problem = shim.enter_landlock()
+        problem = enter_landlock()
         if problem is not None:
             channel.send("error", kind="setup", type="ContainmentError", message=problem)
             return None
@@ -137,13 +137,48 @@ def enter(hs, channel):
     return secret_env
 
 
+def enter_landlock():
+    """Put this process (the worker, before anything of the agent runs) into a new Landlock
+    domain scoped for signals and abstract unix sockets, handling no file or port access. The
+    supervisor stays outside: the agent cannot signal it either. A problem or None."""
+    landlock = shim.load_part("landlock")
+    landlock.use(shim.c_call)  # the shim's calls: the part would import ctypes (~1.7 ms) otherwise
+    scoped = landlock.SCOPED_BY_ABI[6]
+    try:
+        ruleset = landlock.create_ruleset(scoped=scoped)
+    except (OSError, AttributeError) as exc:
+        return "cannot create a Landlock ruleset: %s" % (getattr(exc, "strerror", None) or exc)
+    try:
+        landlock.restrict_self(ruleset)
+    except OSError as exc:
+        return "cannot enter a Landlock domain: %s" % (exc.strerror or exc)
+    finally:
+        os.close(ruleset)
+    return None
+
+
+def load_entrypoint(entrypoint, agent_root):
+    """Import ``package.module:function`` with ``agent_root`` first on sys.path, then the
+    PYTHONPATH the spec set (-I ignores it); the function. isolate doctor uses this too."""
+    module_name, _, attr = entrypoint.partition(":")
+    extra_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in reversed(([agent_root] if agent_root else []) + extra_path):
+        sys.path.insert(0, entry)
+    target = __import__(module_name, fromlist=["_"])
+    for part in attr.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError("%s is a %s, not a function" % (entrypoint, type(target).__name__))
+    return target
+
+
 def enter_sandbox(sandbox, channel):
     """The network namespace and the file-system sandbox; False after the error frame."""
     missing = []
     network = sandbox.get("network")
     if network is not None:
         part = shim.load_part("net")
-        problem = part.enter(network, channel, shim.c_call, shim.map_own_ids, shim.capability_sets)
+        problem = part.enter(network, channel)
         if problem is not None:
             missing.append("network isolation: " + problem)
     # Last before the agent's import: the shim's own parts are loaded by now.

@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(shim))
 import shim as episode_shim
 del sys.path[0], sys.modules["shim"]
 try:
-    target = episode_shim.load_entrypoint(entry, root)
+    target = episode_shim.load_part("worker").load_entrypoint(entry, root)
     report["import"] = None
     try:
         sig = inspect.signature(target)
