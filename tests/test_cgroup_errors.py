@@ -15,6 +15,7 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
+from isolate._core.errors import SetupProblem
 
 from .conftest import Agents, own_leaves, wait_until
 from .test_protocol import frames_of, marker_agent, run_real_shim
@@ -150,15 +151,17 @@ async def test_auto_refuses_limits_that_no_combination_can_enforce(
         monkeypatch.setattr(where, "needs_userns", lambda: False)
     first = _containment.AUTO[0]
     assert _containment.problem(first) is None  # available: only the limit stops it
-    found = _containment.resolve("auto", isolate.Limits(max_processes=8))
-    assert found == (
+    found = (
         f"containment {first!r} cannot enforce the limits: limits.max_processes needs a pids "
         "cgroup controller, and none is writable"
     )
+    with pytest.raises(SetupProblem) as raised:
+        _containment.resolve("auto", isolate.Limits(max_processes=8))
+    assert str(raised.value) == found
     spec = agents.spec("def run(d):\n    return 1.0\n", limits=isolate.Limits(max_processes=8))
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "setup_error", outcome.summary()
     assert outcome.error is not None
     assert outcome.error.message == found
     # The same machine without the limit: auto's first choice, as always.
-    assert _containment.resolve("auto", None)[0] == first  # type: ignore[index]
+    assert _containment.resolve("auto", None)[0] == first

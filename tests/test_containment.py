@@ -55,7 +55,6 @@ def needs(name: str) -> str:
     combination it stands for (``auto``: the one it picks here)."""
     if name == "auto":
         found = _containment.resolve("auto", None)
-        assert not isinstance(found, str), found
         return found[0]
     problem = _containment.problem(name)
     if problem is not None:

@@ -19,6 +19,7 @@ from .._core import sandbox as _sandbox
 from .._core import templates as _templates
 from .._core.config import EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV, split_env
+from .._core.errors import SetupProblem
 from .._core.launcher import run_episode
 from .._core.shim import shim_path
 from ..workflow import ENTRYPOINT, resolve_agent_root
@@ -180,11 +181,11 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         else:
             how = f"Landlock ABI {_sandbox.landlock_abi()}, scoped signals"
         report.line("ok", f"layer {layer}: available ({how})")
-    found = _containment.resolve(requested, None)
-    if isinstance(found, str):
-        report.line("FAIL", found)
+    try:
+        used = _containment.resolve(requested, None)[0]
+    except SetupProblem as exc:
+        report.line("FAIL", str(exc))
         return None
-    used = found[0]
     report.line("ok", f"containment {requested}" + (f": {used}" if used != requested else ""))
     caveat = root_caveat()
     if caveat is not None:
@@ -209,9 +210,9 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     report.line("warn", f"at {used} an agent can still, whatever it runs:")
     for what in left:
         print(f"          - {what}")
-    best = _containment.resolve("auto", None)
-    if isinstance(best, tuple) and not exposure(best[0]):
-        report.line("info", f"containment 'auto' here is {best[0]}, which closes all of that")
+    best = _containment.resolve("auto", None)[0]  # "session" at the least: it never fails
+    if not exposure(best):
+        report.line("info", f"containment 'auto' here is {best}, which closes all of that")
         return used
     for layer in ("pidns", "landlock", "cgroup"):
         if layer not in _containment.layers(used) and _containment.layer_problem(layer):

@@ -16,7 +16,7 @@ with ``Too many open files``. So, per event loop:
 The API, for the launcher and for other parts that hold fds (templates)::
 
     cost = episode_fds(spec)        # Cost(peak, steady): fds one episode holds here
-    ticket = await admit(episode_id, cost)   # waits its turn; a str (the problem) if it never fits
+    ticket = await admit(episode_id, cost)   # waits its turn; SetupProblem if it never fits
     ticket.started()                # the spawn's temporary fds are closed: keep only `steady`
     problem = await ticket.starved(exc, give_up_after)  # after EMFILE/ENFILE: wait, then retry
     ticket.release()                # every fd of the episode is closed
@@ -43,6 +43,8 @@ from typing import Any
 
 import anyio
 from anyio.lowlevel import RunVar
+
+from .errors import SetupProblem
 
 logger = logging.getLogger("isolate")
 
@@ -307,8 +309,8 @@ _FIX = (
 )
 
 
-async def admit(episode_id: str, cost: Cost) -> Ticket | str:
-    """Wait until the episode's fds fit the budget. A problem (str) if they never can."""
+async def admit(episode_id: str, cost: Cost) -> Ticket:
+    """Wait until the episode's fds fit the budget; SetupProblem if they never can."""
     budget = _budget()
     if cost.peak > budget.capacity:
         budget._resize()
@@ -318,7 +320,7 @@ async def admit(episode_id: str, cost: Cost) -> Ticket | str:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         if not _raise_wanted() and hard > budget.limit:
             problem += f"; or unset {RAISE_ENV}, so isolate raises the soft limit to the hard one"
-        return problem
+        raise SetupProblem(problem)
     ticket = Ticket(budget, episode_id, cost)
     if budget.queue or not budget.fits(cost.peak):
         logger.debug(

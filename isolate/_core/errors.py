@@ -64,4 +64,5 @@ class SetupError(EpisodeError):
 
 
 class SetupProblem(IsolateError):
-    """Internal: a set-up step failed; the message is the outcome's ``error.message``."""
+    """Internal: a set-up step cannot be done here (a limit, a layer, a sandbox, the fd budget,
+    a cgroup); the message says why, and becomes the outcome's ``error.message``."""

@@ -186,8 +186,6 @@ class _Run:
         """Admission, preparation and the start; raises :class:`SetupProblem`."""
         # Wait for this episode's fds to fit the open-file limit, instead of hitting EMFILE.
         ticket = await _admission.admit(self.req.episode_id, _admission.episode_fds(self.spec))
-        if isinstance(ticket, str):
-            raise SetupProblem(ticket)
         self.ticket = ticket
         await anyio.to_thread.run_sync(_prepare, self.req, self.shim, self.prep, self.log.note)
         self.frames.containment = self.prep.containment

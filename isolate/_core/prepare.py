@@ -11,7 +11,7 @@ import secrets as _secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import SecretStr
 
@@ -30,8 +30,6 @@ from .redact import Redactor
 #: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
 #: for a parent that is stopped or hung, never the normal path.
 SHIM_DEADLINE_MARGIN_S = 2.0
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -153,7 +151,7 @@ def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None
         raise SetupProblem(f"shim {shim} is missing from the installation")
     _contain(req, prep)
     if spec.sandbox is not None:
-        prep.sandbox = _setup(_sandbox_for(req, prep.containment, spec.sandbox))
+        prep.sandbox = _sandbox_for(req, prep.containment, spec.sandbox)
         if prep.sandbox.plan.network is not None:
             prep.network = EpisodeNetwork(prep.sandbox.plan.network, note)
     prep.rlimits = _admission.child_rlimits(prep.rlimits)
@@ -161,22 +159,19 @@ def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None
 
 def _contain(req: Request, prep: Prepared) -> None:
     """Pick the containment layers and make the cgroup leaves."""
-    found = _setup(_containment.resolve(req.spec.containment, req.spec.limits))
-    prep.containment, how = found
+    prep.containment, how = _containment.resolve(req.spec.containment, req.spec.limits)
     prep.rlimits = {name: list(pair) for name, pair in how.rlimits.items()}
     if "pidns" in prep.layers:
         prep.userns = _containment.needs_userns()
     if "cgroup" in prep.layers:
         prep.leaves = _containment.Leaves(_containment.cgroups(), req.episode_id, how.writes)
-        problem = prep.leaves.create()
-        if problem is not None:
-            raise SetupProblem(problem)
+        prep.leaves.create()
 
 
 def _sandbox_for(
     req: Request, containment: str, sandbox: _sandbox.Sandbox, under: str | None = None
-) -> _sandbox.PreparedSandbox | str:
-    """The private TMPDIR and the rules the worker enforces; a problem, or the plan. Under a
+) -> _sandbox.PreparedSandbox:
+    """The private TMPDIR and the rules the worker enforces; raises SetupProblem. Under a
     template (``under``: its TMPDIR) the fork's mounts are the template's."""
     fork = under is not None
     return _sandbox.prepare(
@@ -194,14 +189,7 @@ def fork_sandbox(req: Request, template: _templates.Template) -> _sandbox.Prepar
     """A template fork's sandbox: its TMPDIR under the template's. Raises SetupProblem."""
     assert req.spec.sandbox is not None
     assert template.sandbox is not None
-    return _setup(_sandbox_for(req, "", req.spec.sandbox, under=template.sandbox.tmpdir))
-
-
-def _setup(found: _T | str) -> _T:
-    """``found``, unless it is a problem (a string): then SetupProblem."""
-    if isinstance(found, str):
-        raise SetupProblem(found)
-    return found
+    return _sandbox_for(req, "", req.spec.sandbox, under=template.sandbox.tmpdir)
 
 
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:

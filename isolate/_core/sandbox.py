@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from . import sandbox_plan
+from .errors import SetupProblem
 from .procfs import start_time
 from .sandbox_plan import SandboxPlan, under
 from .shim import probe
@@ -264,12 +265,13 @@ def prepare(
     mountns: bool,
     can_unshare: bool,
     under: str | None = None,
-) -> PreparedSandbox | str:
-    """Make the private TMPDIR (in ``under``, a template's, if given) and the plan; a problem
-    when the machine cannot enforce the profile and ``best_effort`` is off. Blocking."""
+) -> PreparedSandbox:
+    """Make the private TMPDIR (in ``under``, a template's, if given) and the plan;
+    SetupProblem when the machine cannot enforce the profile and ``best_effort`` is off.
+    Blocking."""
     problem = write_paths_problem(sandbox, cwd)
     if problem is not None:
-        return problem
+        raise SetupProblem(problem)
     abi = landlock_abi()
     if under is None and not _swept:
         _swept.append(True)
@@ -292,7 +294,7 @@ def prepare(
         raise
     if found.missing and not sandbox.best_effort:
         remove_tmpdir(tmpdir)
-        return (
+        raise SetupProblem(
             "sandbox: this machine cannot enforce "
             + "; ".join(found.missing)
             + " (Sandbox(best_effort=True) runs without it)"

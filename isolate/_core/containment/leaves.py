@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ..errors import SetupProblem
 from ..procfs import start_time
 from .probes import Cgroups, once, probe_cgroups
 
@@ -48,8 +49,9 @@ class Leaves:
         self.parents = {kind: root / _owner_name() for kind, root in roots.items()}
         self.dirs: dict[str, Path] = {}
 
-    def create(self) -> str | None:
-        """Make the leaves and write the limits; a problem, or None."""
+    def create(self) -> None:
+        """Make the leaves and write the limits; SetupProblem if one cannot be made. The
+        caller removes what was made either way (:meth:`remove`)."""
         for kind, parent in self.parents.items():
             leaf = parent / self.name
             with _dir_lock:
@@ -60,7 +62,9 @@ class Leaves:
                         _write_each(parent / "cgroup.subtree_control", wanted.split())
                     leaf.mkdir()
                 except OSError as exc:
-                    return f"cannot create cgroup {leaf}: {exc.strerror or exc}"
+                    raise SetupProblem(
+                        f"cannot create cgroup {leaf}: {exc.strerror or exc}"
+                    ) from None
                 _active[parent] = _active.get(parent, 0) + 1
             self.dirs[kind] = leaf
             for name, value in self.writes.get(kind, {}).items():
@@ -70,8 +74,8 @@ class Leaves:
                 try:
                     path.write_text(value)
                 except OSError as exc:
-                    return f"cannot write {value} to {path}: {exc.strerror or exc}"
-        return None
+                    problem = f"cannot write {value} to {path}: {exc.strerror or exc}"
+                    raise SetupProblem(problem) from None
 
     def join(self) -> list[str]:
         """Directories whose ``cgroup.procs`` the shim writes itself into (unless in already)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import Limits
+from ..errors import SetupProblem
 from .leaves import cgroups
 from .probes import AUTO, Cgroups, landlock, layers, needs_userns, pidns_problem
 
@@ -57,9 +58,9 @@ class LimitPlan:
     """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
 
 
-def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> LimitPlan | str:
-    """The mechanisms for ``limits`` under ``containment``, or why one limit cannot be
-    enforced there. ``groups``: where leaves go, when the combination has the cgroup layer."""
+def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> LimitPlan:
+    """The mechanisms for ``limits`` under ``containment``; SetupProblem when one limit cannot
+    be enforced there. ``groups``: where leaves go, when the combination has the cgroup layer."""
     out = LimitPlan()
     if limits is None:
         return out
@@ -88,15 +89,19 @@ def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Lim
             count = limits.max_processes + 2
             out.rlimits["RLIMIT_NPROC"] = (count, count)
         elif "cgroup" in on:
-            return "limits.max_processes needs a pids cgroup controller, and none is writable"
+            raise SetupProblem(
+                "limits.max_processes needs a pids cgroup controller, and none is writable"
+            )
         elif "pidns" in on:
-            return (
+            raise SetupProblem(
                 f"limits.max_processes at containment {containment!r} needs a user namespace, "
                 "which a privileged parent does not use (RLIMIT_NPROC does not bind it): add "
                 "the 'cgroup' layer"
             )
         else:
-            return "limits.max_processes needs the containment layer 'cgroup' or 'pidns'"
+            raise SetupProblem(
+                "limits.max_processes needs the containment layer 'cgroup' or 'pidns'"
+            )
     if limits.cpu_seconds is not None:
         # SIGXCPU at the limit, SIGKILL a second later if the agent ignores it.
         out.rlimits["RLIMIT_CPU"] = (limits.cpu_seconds, limits.cpu_seconds + 1)
@@ -107,9 +112,9 @@ def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> Lim
     return out
 
 
-def resolve(requested: str, limits: Limits | None) -> tuple[str, LimitPlan] | str:
-    """The combination to use and its limit plan, or why the requested one cannot be had.
-    Blocking (probes run on first use)."""
+def resolve(requested: str, limits: Limits | None) -> tuple[str, LimitPlan]:
+    """The combination to use and its limit plan; SetupProblem saying why the requested one
+    cannot be had. Blocking (probes run on first use)."""
     candidates = AUTO if requested == "auto" else (requested,)
     first_problem = None
     for containment in candidates:
@@ -118,10 +123,10 @@ def resolve(requested: str, limits: Limits | None) -> tuple[str, LimitPlan] | st
             missing = f"containment {containment!r} is not available: {missing}"
         else:
             groups = cgroups() if "cgroup" in layers(containment) else None
-            how = plan(containment, limits, groups)
-            if isinstance(how, LimitPlan):
-                return containment, how
-            missing = f"containment {containment!r} cannot enforce the limits: {how}"
+            try:
+                return containment, plan(containment, limits, groups)
+            except SetupProblem as exc:
+                missing = f"containment {containment!r} cannot enforce the limits: {exc}"
         first_problem = first_problem or missing
     assert first_problem is not None
-    return first_problem
+    raise SetupProblem(first_problem)

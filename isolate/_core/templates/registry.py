@@ -28,6 +28,7 @@ from .. import containment as _containment
 from .. import sandbox as _sandbox
 from ..config import EpisodeSpec
 from ..env import split_env
+from ..errors import SetupProblem
 from ..shim import boot_path
 from .process import Template
 
@@ -98,8 +99,11 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
                 "the episodes of a template share its PID namespace, and only a Landlock "
                 f"domain of their own keeps them from signalling each other ({problem})"
             )
-        how = _containment.plan(level, spec.limits, _containment.cgroups())
-        if isinstance(how, _containment.LimitPlan) and "RLIMIT_NPROC" in how.rlimits:
+        try:
+            how = _containment.plan(level, spec.limits, _containment.cgroups())
+        except SetupProblem:
+            return None  # refused at the start as an episode of that level would be
+        if "RLIMIT_NPROC" in how.rlimits:
             return (
                 "limits.max_processes without a pids cgroup counts the processes of a user "
                 "namespace, which a template's episodes share: add the 'cgroup' layer"
@@ -187,10 +191,10 @@ async def _start(
     spec: EpisodeSpec, env: dict[str, str], agent_root: str | None, level: str, entry: _Entry
 ) -> tuple[Template | None, str | None]:
     """Start a template and wait until it has preloaded: (template, None) or (None, reason)."""
-    found = await anyio.to_thread.run_sync(_spawn, spec, env, level, entry)
-    if isinstance(found, str):
-        return None, found
-    template = found
+    try:
+        template = await anyio.to_thread.run_sync(_spawn, spec, env, level, entry)
+    except SetupProblem as exc:
+        return None, str(exc)
     template.fds = _admission.hold_fds(3, entry.name)  # control, life, the importer's pidfd
     try:
         message = {
@@ -236,7 +240,8 @@ async def _start(
     return None, f"the template {died} while importing{where}"
 
 
-def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template | str:
+def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template:
+    """Start the template's process, walled in as its episodes are; SetupProblem."""
     name = entry.name
     layers = _containment.layers(level)
     wall: dict[str, Any] = {"containment": level}
@@ -244,38 +249,37 @@ def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) ->
     if "cgroup" in layers:
         # Its own leaf, with the episodes' limits: never killed or counted with an episode.
         groups = _containment.cgroups()
-        how = _containment.plan(level, spec.limits, groups)
-        if isinstance(how, str):
-            return how
-        leaves = _containment.Leaves(groups, name, how.writes)
-        problem = leaves.create()
-        if problem is not None:
+        leaves = _containment.Leaves(
+            groups, name, _containment.plan(level, spec.limits, groups).writes
+        )
+        try:
+            leaves.create()
+        except SetupProblem:
             leaves.remove()
-            return problem
+            raise
         wall["cgroups"] = leaves.join()
     if "pidns" in layers:
         wall["userns"] = _containment.needs_userns()
     sandbox = None
     if spec.sandbox is not None:
-        found = _sandbox.prepare(
-            spec.sandbox,
-            episode_id=name,
-            cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
-            child_env=spec.env,
-            mountns="pidns" in layers,
-            can_unshare=not _containment.needs_userns(),
-        )
-        if isinstance(found, str):
+        try:
+            sandbox = _sandbox.prepare(
+                spec.sandbox,
+                episode_id=name,
+                cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
+                child_env=spec.env,
+                mountns="pidns" in layers,
+                can_unshare=not _containment.needs_userns(),
+            )
+        except SetupProblem:
             if leaves is not None:
                 leaves.remove()
-            return found
-        sandbox = found
-        wall["sandbox"] = found.handshake
-        env = {**env, **{k: found.tmpdir for k in TEMP_ENV}}  # the only place it may write
+            raise
+        wall["sandbox"] = sandbox.handshake
+        env = {**env, **{k: sandbox.tmpdir for k in TEMP_ENV}}  # the only place it may write
     with _spawn_lock:
         made = _spawn_locked(spec, env, entry, leaves, "pidns" in layers, sandbox)
-    if isinstance(made, Template):
-        made.wall = wall
+    made.wall = wall
     return made
 
 
@@ -286,7 +290,7 @@ def _spawn_locked(
     leaves: _containment.Leaves | None,
     pidns: bool,
     sandbox: _sandbox.PreparedSandbox | None,
-) -> Template | str:
+) -> Template:
     name = entry.name
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     life, its_life = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -317,7 +321,7 @@ def _spawn_locked(
         )
     except OSError as exc:
         undo()
-        return f"cannot start a template: {exc.strerror or exc}"
+        raise SetupProblem(f"cannot start a template: {exc.strerror or exc}") from None
     finally:
         theirs.close()
         its_life.close()
@@ -333,7 +337,7 @@ def _spawn_locked(
         entry.pending, closed = template, entry.closed
     if closed:  # close_templates() ran meanwhile, and could not see this one
         template.close(0.0)
-        return "templates were closed while this one started"
+        raise SetupProblem("templates were closed while this one started")
     return template
 
 
@@ -345,9 +349,10 @@ async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
     entry = _Entry("template.doctor")
     env[EPISODE_ENV] = entry.name
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
-    found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
-    if isinstance(found, str):
-        return found, 0.0
+    try:
+        found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+    except SetupProblem as exc:
+        return str(exc), 0.0
     level = found[0]
     problem = await anyio.to_thread.run_sync(unusable, spec, level)
     if problem is not None:
