@@ -30,9 +30,9 @@ from ..options import (
 from .selection import count, id_list, shard
 
 if TYPE_CHECKING:
-    from .io import Records, Unit
+    from .io import Record, Records, Results, Unit
     from .job import RecordPlan
-    from .scheduler import Backend
+    from .scheduler import Backend, RetryPolicy
 
 #: At most this many invalid lines are listed; the rest are counted.
 _SHOWN_ERRORS = 20
@@ -227,9 +227,9 @@ def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
 def batch_command(args: argparse.Namespace) -> int:
     import anyio
 
-    from .io import BatchError, Results
+    from .io import Results
     from .job import RecordPlan
-    from .scheduler import RetryPolicy, Scheduler, record_lost
+    from .scheduler import RetryPolicy, Scheduler
     from .selection import select
     from .view import View, summary
 
@@ -239,76 +239,25 @@ def batch_command(args: argparse.Namespace) -> int:
     records = _load(args, plan)
     try:
         chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)
-    except UsageError:
-        records.close()
-        raise
-    try:
         check_log_dir(plan.log_dir)
+        if args.backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise UsageError("--backend ray needs Ray: pip install 'episode-isolate[ray]'")
     except UsageError:
         records.close()
         raise
-    if args.backend == "ray" and importlib.util.find_spec("ray") is None:
-        records.close()
-        raise UsageError("--backend ray needs Ray: pip install 'episode-isolate[ray]'")
     fresh = not args.out.exists()  # a results file this run made and left empty goes again
     results = Results(args.out)
     ray_backend: Any = None
     started = False
     try:
-        try:
-            results.open()
-        except BatchError as exc:
-            raise UsageError(str(exc)) from None
-        if results.dropped:
-            print(
-                f"isolate: ignored a partial last line of {args.out} ({len(results.dropped)} "
-                "bytes): the driver was stopped while writing it; that episode runs again",
-                file=sys.stderr,
-            )
-        try:
-            lost = record_lost(results, plan.log_dir, policy)
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
-        if lost:
-            print(
-                f"isolate: {lost} attempt(s) of an earlier run had no line in {args.out} (its "
-                f"driver was stopped): recorded from their bundles in {plan.log_dir}",
-                file=sys.stderr,
-            )
-        samples = args.samples or 1
-        units = [(r, n) for r in chosen for n in range(samples)]
-        keys = [(r.instance_id, n) for r, n in units]
-        todo = [(r, n) for r, n in units if not policy.done(results.last.get((r.instance_id, n)))]
-        pending = {(r.instance_id, n) for r, n in todo}
-        done = Counter(results.last[u]["status"] for u in keys if u not in pending)
-        if done:
-            what = "samples" if args.samples else "instances"
-            print(
-                f"isolate: resuming: {sum(done.values())} of {len(keys)} {what} already have "
-                f"a final result in {args.out}; {len(todo)} to run",
-                file=sys.stderr,
-            )
+        _open_results(args, results, plan.log_dir, policy)
+        keys, todo, done = _units(args, chosen, results, policy)
         key = read_api_key(args, sys.stdin) if todo else None
         backend, ray_backend = _backend(args, key)
         concurrency = args.concurrency
         if ray_backend is not None and todo:
-            try:
-                fit = ray_backend.start()
-            except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
-                ray_backend.stop()
-                where = args.ray_address or "a local instance"
-                first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-                hint = (
-                    "; check the address, and a cluster's token auth (RAY_AUTH_MODE=token "
-                    "with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
-                    if args.ray_address
-                    else ""
-                )
-                print(
-                    f"isolate: error: cannot start Ray ({where}): "
-                    f"{first or type(exc).__name__}{hint}",
-                    file=sys.stderr,
-                )
+            fit = _start_ray(args, ray_backend)
+            if fit is None:
                 return 2
             concurrency = concurrency or fit
         concurrency = concurrency or default_concurrency()
@@ -327,17 +276,81 @@ def batch_command(args: argparse.Namespace) -> int:
             _remove_if_empty(args.out)
     final = {u: e for u, e in results.last.items() if policy.done(e)}
     setup = {u: e for u, e in results.last.items() if e["status"] == "setup_error"}
-    summary(
-        sys.stdout,
-        keys,
-        final,
-        setup,
-        view,
-        samples=args.samples,
-        results=args.out,
-        log_dir=plan.log_dir,
-    )
+    kept = {"samples": args.samples, "results": args.out, "log_dir": plan.log_dir}
+    summary(sys.stdout, keys, final, setup, view, **kept)
     return _exit_status(keys, final, scheduler.failure, scheduler.interrupted)
+
+
+def _open_results(
+    args: argparse.Namespace, results: Results, log_dir: Path, policy: RetryPolicy
+) -> None:
+    """Open the results file, saying what an earlier, stopped run left unfinished in it."""
+    from .io import BatchError
+    from .scheduler import record_lost
+
+    try:
+        results.open()
+    except BatchError as exc:
+        raise UsageError(str(exc)) from None
+    if results.dropped:
+        print(
+            f"isolate: ignored a partial last line of {args.out} ({len(results.dropped)} "
+            "bytes): the driver was stopped while writing it; that episode runs again",
+            file=sys.stderr,
+        )
+    try:
+        lost = record_lost(results, log_dir, policy)
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    if lost:
+        print(
+            f"isolate: {lost} attempt(s) of an earlier run had no line in {args.out} (its "
+            f"driver was stopped): recorded from their bundles in {log_dir}",
+            file=sys.stderr,
+        )
+
+
+def _units(
+    args: argparse.Namespace, chosen: list[Record], results: Results, policy: RetryPolicy
+) -> tuple[list[Unit], list[tuple[Record, int]], Counter[str]]:
+    """Every (instance, sample) of the run, those still to run, and the final statuses of the
+    others (a resumed run: said on stderr)."""
+    samples = args.samples or 1
+    units = [(r, n) for r in chosen for n in range(samples)]
+    keys = [(r.instance_id, n) for r, n in units]
+    todo = [(r, n) for r, n in units if not policy.done(results.last.get((r.instance_id, n)))]
+    pending = {(r.instance_id, n) for r, n in todo}
+    done = Counter(results.last[u]["status"] for u in keys if u not in pending)
+    if done:
+        what = "samples" if args.samples else "instances"
+        print(
+            f"isolate: resuming: {sum(done.values())} of {len(keys)} {what} already have "
+            f"a final result in {args.out}; {len(todo)} to run",
+            file=sys.stderr,
+        )
+    return keys, todo, done
+
+
+def _start_ray(args: argparse.Namespace, ray_backend: Any) -> int | None:
+    """Start Ray; the concurrency that fits it, or None once the error is said."""
+    try:
+        fit: int = ray_backend.start()
+    except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
+        ray_backend.stop()
+        where = args.ray_address or "a local instance"
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        hint = (
+            "; check the address, and a cluster's token auth (RAY_AUTH_MODE=token "
+            "with RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+            if args.ray_address
+            else ""
+        )
+        print(
+            f"isolate: error: cannot start Ray ({where}): {first or type(exc).__name__}{hint}",
+            file=sys.stderr,
+        )
+        return None
+    return fit
 
 
 def _exit_status(

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -131,24 +132,6 @@ def build(path: Path, lines: ResultLines) -> dict[str, Any]:
     sizes = Counter(str(e["instance_id"]) for e in results)
     durations = sorted(d for e in results if (d := _number(e.get("duration_s"))) is not None)
     times = sorted(t for e in results if (t := finished_at(e)) is not None)
-    groups: dict[tuple[str, str | None, int | None, str | None], list[dict[str, Any]]] = {}
-    for entry in sorted(results, key=unit_of):
-        if entry["status"] != "ok":
-            groups.setdefault(_group_key(entry), []).append(entry)
-    order: dict[str, int] = {s: n for n, s in enumerate(STATUSES)}
-    failures = []
-    for key in sorted(groups, key=lambda k: (order[k[0]], -len(groups[k]), str(k))):
-        status, kind, code, signal = key
-        failures.append(
-            {
-                "status": status,
-                "error_type": kind,
-                "exit_code": code,
-                "signal": signal,
-                "count": len(groups[key]),
-                "results": [_failure(e) for e in groups[key]],
-            }
-        )
     not_final = Counter(e["status"] for e in results if not is_final(e))
     return {
         "file": str(path),
@@ -186,10 +169,34 @@ def build(path: Path, lines: ResultLines) -> dict[str, Any]:
             if times
             else None
         ),
-        "failures": failures,
+        "failures": _failures(results),
         "nodes": _breakdown(results, "node"),
         "containment": _breakdown(results, "containment"),
     }
+
+
+def _failures(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results that are not ``ok``, in groups of one status, error type, exit code and
+    signal: by status, then the biggest group first."""
+    groups: dict[tuple[str, str | None, int | None, str | None], list[dict[str, Any]]] = {}
+    for entry in sorted(results, key=unit_of):
+        if entry["status"] != "ok":
+            groups.setdefault(_group_key(entry), []).append(entry)
+    order: dict[str, int] = {s: n for n, s in enumerate(STATUSES)}
+    failures = []
+    for key in sorted(groups, key=lambda k: (order[k[0]], -len(groups[k]), str(k))):
+        status, kind, code, signal = key
+        failures.append(
+            {
+                "status": status,
+                "error_type": kind,
+                "exit_code": code,
+                "signal": signal,
+                "count": len(groups[key]),
+                "results": [_failure(e) for e in groups[key]],
+            }
+        )
+    return failures
 
 
 def _passes(per_instance: dict[str, tuple[int, int]]) -> dict[str, Any] | None:
@@ -302,26 +309,30 @@ def render(found: dict[str, Any]) -> str:
         facts.append(("not final", text))
     lines += [f"{name:<11}  {text}" for name, text in facts]
     if found["failures"]:
-        failed = sum(g["count"] for g in found["failures"])
-        groups = counted(len(found["failures"]), "group")
-        lines += ["", f"failures: {counted(failed, 'result')} in {groups}"]
-        for group in found["failures"]:
-            lines.append(_group_title(group))
-            messages = Counter(r["message"] for r in group["results"] if r["message"])
-            if messages:
-                lines.append(f"    e.g. {_shorten(messages.most_common(1)[0][0])}")
-            shown = group["results"][:SHOWN_PER_GROUP]
-            width = max(len(_label(r)) for r in shown)
-            for result in shown:
-                where = result["log_path"] or "no log"
-                lines.append(f"    {_label(result):<{width}}  {where}")
-            if group["count"] > len(shown):
-                lines.append(
-                    f"    ... and {group['count'] - len(shown)} more (--json lists every one)"
-                )
+        lines += _failure_lines(found["failures"])
     lines += ["", *_status_table("node", found["nodes"])]
     lines += ["", *_status_table("containment", found["containment"])]
     return "\n".join(lines)
+
+
+def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    """Each group of failures: its title, a message of its, and where the logs of the first
+    few are."""
+    failed = sum(g["count"] for g in failures)
+    lines = ["", f"failures: {counted(failed, 'result')} in {counted(len(failures), 'group')}"]
+    for group in failures:
+        lines.append(_group_title(group))
+        messages = Counter(r["message"] for r in group["results"] if r["message"])
+        if messages:
+            lines.append(f"    e.g. {_shorten(messages.most_common(1)[0][0])}")
+        shown = group["results"][:SHOWN_PER_GROUP]
+        width = max(len(_label(r)) for r in shown)
+        for result in shown:
+            where = result["log_path"] or "no log"
+            lines.append(f"    {_label(result):<{width}}  {where}")
+        if group["count"] > len(shown):
+            lines.append(f"    ... and {group['count'] - len(shown)} more (--json lists every one)")
+    return lines
 
 
 def plot(
@@ -330,58 +341,69 @@ def plot(
     """A PNG of two panels: the results by end time, stacked by status (cumulative), and the
     duration of the results of each status (a box, and each result as a dot). ``lines``:
     every line, earlier attempts too, for when the first attempt started."""
-    import random
-
     from matplotlib.figure import Figure
 
     statuses = [s for s in STATUSES if any(e["status"] == s for e in results)]
     fig = Figure(figsize=(12, 4.8), dpi=100, layout="constrained")
     over_time, durations = fig.subplots(1, 2, width_ratios=(3, 2))
     fig.suptitle(f"{title}: {len(results)} results")
+    _plot_over_time(over_time, results, lines, statuses)
+    _plot_durations(durations, results, statuses)
+    fig.savefig(path, format="png")
 
+
+def _plot_over_time(
+    axes: Any, results: list[dict[str, Any]], lines: list[dict[str, Any]], statuses: Sequence[str]
+) -> None:
+    """The results by end time, stacked by status, cumulative."""
     timed = sorted(
         (when, str(e["status"])) for e in results if (when := finished_at(e)) is not None
     )
-    if timed:
-        times = sorted({when for when, _ in timed})
-        # From when the first of them started, as near as the lines tell.
-        first = min(min(_started(e) or times[0] for e in lines), times[0])
-        span = (times[-1] - first).total_seconds()
-        unit, scale = ("seconds", 1.0) if span < 120 else ("minutes", 60.0)
-        if span >= 2 * 3600:
-            unit, scale = "hours", 3600.0
-        lead = max(1.0, span / 50) / scale
-        xs = [0.0, *((when - first).total_seconds() / scale for when in times)]
-        stacks: dict[str, list[int]] = {s: [0] for s in statuses}
-        seen: Counter[str] = Counter()
-        at = 0
-        for when in times:
-            while at < len(timed) and timed[at][0] == when:
-                seen[timed[at][1]] += 1
-                at += 1
-            for s in statuses:
-                stacks[s].append(seen[s])
-        xs.append(xs[-1] + lead)  # the last level, drawn as wide as the first step
+    axes.set_title("results by end time, cumulative")
+    axes.set_ylabel("results")
+    if not timed:
+        axes.text(0.5, 0.5, "no line says when it finished", ha="center", transform=axes.transAxes)
+        return
+    times = sorted({when for when, _ in timed})
+    # From when the first of them started, as near as the lines tell.
+    first = min(min(_started(e) or times[0] for e in lines), times[0])
+    span = (times[-1] - first).total_seconds()
+    unit, scale = ("seconds", 1.0) if span < 120 else ("minutes", 60.0)
+    if span >= 2 * 3600:
+        unit, scale = "hours", 3600.0
+    lead = max(1.0, span / 50) / scale
+    xs = [0.0, *((when - first).total_seconds() / scale for when in times)]
+    stacks: dict[str, list[int]] = {s: [0] for s in statuses}
+    seen: Counter[str] = Counter()
+    at = 0
+    for when in times:
+        while at < len(timed) and timed[at][0] == when:
+            seen[timed[at][1]] += 1
+            at += 1
         for s in statuses:
             stacks[s].append(seen[s])
-        over_time.stackplot(
-            xs,
-            *(stacks[s] for s in statuses),
-            labels=statuses,
-            colors=[COLORS[s] for s in statuses],
-            step="post",
-            alpha=0.85,
-        )
-        over_time.set_xlim(xs[0], xs[-1])
-        over_time.set_xlabel(f"{unit} since the first attempt started, {_stamp(first)}")
-        over_time.legend(loc="upper left", fontsize="small")
-    else:
-        over_time.text(
-            0.5, 0.5, "no line says when it finished", ha="center", transform=over_time.transAxes
-        )
-    over_time.set_title("results by end time, cumulative")
-    over_time.set_ylabel("results")
+    xs.append(xs[-1] + lead)  # the last level, drawn as wide as the first step
+    for s in statuses:
+        stacks[s].append(seen[s])
+    axes.stackplot(
+        xs,
+        *(stacks[s] for s in statuses),
+        labels=statuses,
+        colors=[COLORS[s] for s in statuses],
+        step="post",
+        alpha=0.85,
+    )
+    axes.set_xlim(xs[0], xs[-1])
+    axes.set_xlabel(f"{unit} since the first attempt started, {_stamp(first)}")
+    axes.legend(loc="upper left", fontsize="small")
 
+
+def _plot_durations(axes: Any, results: list[dict[str, Any]], statuses: Sequence[str]) -> None:
+    """The duration of the results of each status: a box, and each result as a dot."""
+    import random
+
+    axes.set_title("duration by status")
+    axes.set_ylabel("seconds")
     timed_statuses = []
     values = []
     for s in statuses:
@@ -389,23 +411,18 @@ def plot(
         if found:
             timed_statuses.append(s)
             values.append(found)
-    if values:
-        positions = list(range(1, len(values) + 1))
-        durations.boxplot(values, positions=positions, widths=0.5, showfliers=False)
-        jitter = random.Random(0)  # the same picture for the same file
-        for position, status, found in zip(positions, timed_statuses, values, strict=True):
-            xs_dots = [position + jitter.uniform(-0.18, 0.18) for _ in found]
-            durations.scatter(xs_dots, found, s=12, color=COLORS[status], alpha=0.7, zorder=3)
-        names = [f"{s}\n({len(v)})" for s, v in zip(timed_statuses, values, strict=True)]
-        durations.set_xticks(positions, names)
-        low = min(min(v) for v in values)
-        high = max(max(v) for v in values)
-        if low > 0 and high / low > 30:
-            durations.set_yscale("log")
-    else:
-        durations.text(
-            0.5, 0.5, "no line says how long it ran", ha="center", transform=durations.transAxes
-        )
-    durations.set_title("duration by status")
-    durations.set_ylabel("seconds")
-    fig.savefig(path, format="png")
+    if not values:
+        axes.text(0.5, 0.5, "no line says how long it ran", ha="center", transform=axes.transAxes)
+        return
+    positions = list(range(1, len(values) + 1))
+    axes.boxplot(values, positions=positions, widths=0.5, showfliers=False)
+    jitter = random.Random(0)  # the same picture for the same file
+    for position, status, found in zip(positions, timed_statuses, values, strict=True):
+        xs_dots = [position + jitter.uniform(-0.18, 0.18) for _ in found]
+        axes.scatter(xs_dots, found, s=12, color=COLORS[status], alpha=0.7, zorder=3)
+    names = [f"{s}\n({len(v)})" for s, v in zip(timed_statuses, values, strict=True)]
+    axes.set_xticks(positions, names)
+    low = min(min(v) for v in values)
+    high = max(max(v) for v in values)
+    if low > 0 and high / low > 30:
+        axes.set_yscale("log")

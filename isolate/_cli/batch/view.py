@@ -233,7 +233,6 @@ def summary(
     are, and the command that reports on them."""
     units = list(units)
     entries = [final[u] for u in units if u in final]
-    counts = Counter(e["status"] for e in entries)
     elapsed = time.monotonic() - view.start
     what = counted(len({i for i, _ in units}), "instance")
     if samples is not None:
@@ -243,50 +242,10 @@ def summary(
         f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
         "",
     ]
-    rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
-    setup = [u for u in units if u not in final and u in setup_errors]
-    if setup:
-        rows.append(("setup_error (runs again)", len(setup)))
-    missing = len(units) - len(entries) - len(setup)
-    if missing:
-        rows.append(("no result", missing))
-    cells: list[tuple[str, ...]] = [("status", "count", "share")]
-    cells += [(s, str(n), f"{100.0 * n / len(units):.1f}%") for s, n in rows]
-    cells.append(("total", str(len(units)), "100.0%" if units else "-"))
-    lines += table(cells, right={1, 2})
-    if setup:
-        causes = Counter(_cause(setup_errors[u]) for u in setup)
-        lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
-        lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
-    facts: list[tuple[str, str]] = []
+    lines += _status_table(units, entries, final, setup_errors)
+    facts = _facts(units, entries) if entries else []
     more: list[str] = []
     if entries:
-        mean = sum(mean_reward(e["reward"]) for e in entries) / len(entries)
-        done = sum(resolved(e) for e in entries)
-        durations = sorted(float(e["duration_s"]) for e in entries)
-        p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
-        facts += [
-            ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
-            ("resolved", f"{done}/{len(units)} ({100.0 * done / len(units):.1f}%)"),
-            ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
-        ]
-        # Results written before containment was recorded have none.
-        used = Counter(str(e["containment"]) for e in entries if e.get("containment"))
-        if used:
-            text = ", ".join(f"{c} ({n})" for c, n in sorted(used.items()))
-            facts.append(("containment", text))
-        starts = Counter(str(e["start"]) for e in entries if e.get("start"))
-        if starts["template"] or any(e.get("preload_refused") for e in entries):
-            # With --preload: how many episodes got a template, and why the others did not.
-            why = Counter(str(e["preload_refused"]) for e in entries if e.get("preload_refused"))
-            text = f"template {starts['template']}, fresh {starts['fresh']}"
-            if why:
-                text += " (" + "; ".join(f"{r}: {n}" for r, n in why.most_common()) + ")"
-            facts.append(("start", text))
-        slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
-        for n, e in enumerate(slowest):
-            text = f"{unit_label(e)}  {float(e['duration_s']):.2f} s  {e['status']}"
-            facts.append(("slowest" if n == 0 else "", text))
         per_instance = samples_of(entries)
         more = pass_lines(
             pass_at_ks(per_instance.values()),
@@ -316,6 +275,64 @@ def summary(
     lines += [f"{name:<11}  {text}" for name, text in facts[2:]]
     lines += ["", *(f"{name:<11}  {text}" for name, text in where)]
     print("\n".join(lines), file=out, flush=True)
+
+
+def _status_table(
+    units: list[Unit],
+    entries: list[dict[str, Any]],
+    final: dict[Unit, dict[str, Any]],
+    setup_errors: dict[Unit, dict[str, Any]],
+) -> list[str]:
+    """The count of each status (setup errors and units without a result too), and each
+    distinct cause of a setup error."""
+    counts = Counter(e["status"] for e in entries)
+    rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
+    setup = [u for u in units if u not in final and u in setup_errors]
+    if setup:
+        rows.append(("setup_error (runs again)", len(setup)))
+    missing = len(units) - len(entries) - len(setup)
+    if missing:
+        rows.append(("no result", missing))
+    cells: list[tuple[str, ...]] = [("status", "count", "share")]
+    cells += [(s, str(n), f"{100.0 * n / len(units):.1f}%") for s, n in rows]
+    cells.append(("total", str(len(units)), "100.0%" if units else "-"))
+    lines = table(cells, right={1, 2})
+    if setup:
+        causes = Counter(_cause(setup_errors[u]) for u in setup)
+        lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
+        lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
+    return lines
+
+
+def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(name, text) rows over the final results: reward, resolved, durations, containment,
+    how the episodes started, the slowest."""
+    mean = sum(mean_reward(e["reward"]) for e in entries) / len(entries)
+    done = sum(resolved(e) for e in entries)
+    durations = sorted(float(e["duration_s"]) for e in entries)
+    p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
+    facts = [
+        ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
+        ("resolved", f"{done}/{len(units)} ({100.0 * done / len(units):.1f}%)"),
+        ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
+    ]
+    # Results written before containment was recorded have none.
+    used = Counter(str(e["containment"]) for e in entries if e.get("containment"))
+    if used:
+        facts.append(("containment", ", ".join(f"{c} ({n})" for c, n in sorted(used.items()))))
+    starts = Counter(str(e["start"]) for e in entries if e.get("start"))
+    if starts["template"] or any(e.get("preload_refused") for e in entries):
+        # With --preload: how many episodes got a template, and why the others did not.
+        why = Counter(str(e["preload_refused"]) for e in entries if e.get("preload_refused"))
+        text = f"template {starts['template']}, fresh {starts['fresh']}"
+        if why:
+            text += " (" + "; ".join(f"{r}: {n}" for r, n in why.most_common()) + ")"
+        facts.append(("start", text))
+    slowest = sorted(entries, key=lambda e: -float(e["duration_s"]))[:5]
+    for n, e in enumerate(slowest):
+        text = f"{unit_label(e)}  {float(e['duration_s']):.2f} s  {e['status']}"
+        facts.append(("slowest" if n == 0 else "", text))
+    return facts
 
 
 def _cause(entry: dict[str, Any]) -> str:
