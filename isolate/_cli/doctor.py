@@ -277,33 +277,7 @@ def doctor(
     report.line("ok", f"interpreter {python} starts: Python {version}")
 
     used = _containment_report(report, containment)
-    spec = EpisodeSpec(
-        python=python,
-        entrypoint="builtins:float",
-        timeout=60.0,
-        kill_grace=1.0,
-        containment=used or "session",
-    )
-    shim = anyio.run(run_episode, spec, 1.0)
-    if shim.status == "ok":
-        report.line(
-            "ok",
-            f"shim speaks protocol {PROTOCOL_VERSION} ({shim.duration_s:.2f} s round trip, "
-            f"containment {shim.containment})",
-        )
-    else:
-        report.line("FAIL", f"shim: {shim.summary()}")
-    pyc, magic = probe["shim_pyc"]
-    if _usable_bytecode(Path(pyc), bytes.fromhex(magic), shim_path()):
-        report.line("ok", f"the shim starts from its cached bytecode ({pyc})")
-    else:
-        report.line(
-            "info",
-            f"no up-to-date bytecode of the shim at {pyc}, and its directory is not writable "
-            f"for episodes: each one compiles shim.py (about 5 ms more per start). Once, as "
-            f"the owner: {python} -m compileall {shim_path()}",
-        )
-
+    _shim_report(report, python, used or "session", probe["shim_pyc"])
     if probe["import"] is not None:
         report.line("FAIL", f"{entrypoint} does not import: {probe['import']}")
     else:
@@ -322,6 +296,37 @@ def doctor(
     for text in sandbox_lines():
         report.line("info", text)
     return report.end()
+
+
+def _shim_report(report: _Report, python: str, containment: str, pyc_magic: list[str]) -> None:
+    """One episode of ``builtins:float`` at ``containment``, and whether the shim's cached
+    bytecode is usable by the agent's interpreter."""
+    spec = EpisodeSpec(
+        python=python,
+        entrypoint="builtins:float",
+        timeout=60.0,
+        kill_grace=1.0,
+        containment=containment,
+    )
+    shim = anyio.run(run_episode, spec, 1.0)
+    if shim.status == "ok":
+        report.line(
+            "ok",
+            f"shim speaks protocol {PROTOCOL_VERSION} ({shim.duration_s:.2f} s round trip, "
+            f"containment {shim.containment})",
+        )
+    else:
+        report.line("FAIL", f"shim: {shim.summary()}")
+    pyc, magic = pyc_magic
+    if _usable_bytecode(Path(pyc), bytes.fromhex(magic), shim_path()):
+        report.line("ok", f"the shim starts from its cached bytecode ({pyc})")
+    else:
+        report.line(
+            "info",
+            f"no up-to-date bytecode of the shim at {pyc}, and its directory is not writable "
+            f"for episodes: each one compiles shim.py (about 5 ms more per start). Once, as "
+            f"the owner: {python} -m compileall {shim_path()}",
+        )
 
 
 # --- what each layer leaves an agent able to do ----------------------------------------------

@@ -23,13 +23,13 @@ from .options import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     UsageError,
-    _agent_options,
-    _key_options,
+    agent_options,
+    key_options,
     port_number,
     positive_seconds,
     read_api_key,
 )
-from .run import _PLAIN_TICK_S, _TTY_TICK_S, run_command
+from .run import PLAIN_TICK_S, TTY_TICK_S, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"isolate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+    add_batch_parser(sub)
+    add_report_parser(sub)
+    _add_doctor_parser(sub)
+    _add_demo_parsers(sub)
+    return parser
 
+
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser(
         "run",
         allow_abbrev=False,
@@ -53,18 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("record", nargs="?", type=Path, help="JSON file holding one record")
     run.add_argument("--replay", type=Path, metavar="DIR", help="re-run a replay bundle")
-    _agent_options(run)
-    _key_options(run)
+    agent_options(run)
+    key_options(run)
     run.add_argument(
         "--status-interval",
         type=positive_seconds,
         metavar="SECONDS",
-        help=f"status refresh (default {_TTY_TICK_S:g} on a terminal, else {_PLAIN_TICK_S:g})",
+        help=f"status refresh (default {TTY_TICK_S:g} on a terminal, else {PLAIN_TICK_S:g})",
     )
 
-    add_batch_parser(sub)
-    add_report_parser(sub)
 
+def _add_doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser(
         "doctor",
         allow_abbrev=False,
@@ -89,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also start a preloaded template of the agent: is it used, or why not",
     )
 
+
+def _add_demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo",
         help="run real episodes against a scripted LLM on 127.0.0.1",
@@ -114,7 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C. Accepts any API key; prints the `isolate run` commands to try.",
     )
     llm.add_argument("--port", type=port_number, default=0, help="TCP port (default: a free one)")
-    return parser
 
 
 def _entrypoint(value: str) -> str:

@@ -100,7 +100,7 @@ def seconds(text: str) -> float:
     return _seconds(text, "of 0 or more")
 
 
-def _agent_options(parser: argparse.ArgumentParser) -> None:
+def agent_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
     group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")
     group.add_argument("--python", help="the agent's interpreter (default: this one)")
@@ -155,7 +155,7 @@ def _agent_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _key_options(parser: argparse.ArgumentParser) -> None:
+def key_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "api key (never on the command line; order: file, env name, OPENAI_API_KEY, prompt, "
         "'dummy')"

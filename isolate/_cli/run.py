@@ -35,8 +35,8 @@ from .options import (
 )
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
-_TTY_TICK_S = 0.5
-_PLAIN_TICK_S = 10.0
+TTY_TICK_S = 0.5
+PLAIN_TICK_S = 10.0
 
 
 class PreparedRun:
@@ -163,39 +163,41 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                         print("isolate: killing the episode's processes now", file=sys.stderr)
                         status.kill()
 
-        async def episode() -> None:
-            with episode_scope:
-                await one_episode()
-            tg.cancel_scope.cancel()
-
         def ended(result: EpisodeOutcome) -> None:
             nonlocal outcome
             outcome = result  # also when interrupted: then run_episode raises, not returns
 
-        async def one_episode() -> None:
-            async with anyio.create_task_group() as inner:
-                inner.start_soon(status.run)
-                try:
-                    await run_episode(
-                        spec,
-                        prep.record,
-                        kwargs=prep.kwargs,
-                        secrets={"override_api_key": key},
-                        episode_id=episode_id,
-                        on_start=status.started,
-                        secret_env=prep.secret_env,
-                        on_end=ended,
-                    )
-                finally:
-                    status.clear()
-                    inner.cancel_scope.cancel()
-                    await close_templates()  # --preload: the one episode is over
+        async def episode() -> None:
+            with episode_scope:
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(status.run)
+                    try:
+                        await run_episode(
+                            spec,
+                            prep.record,
+                            kwargs=prep.kwargs,
+                            secrets={"override_api_key": key},
+                            episode_id=episode_id,
+                            on_start=status.started,
+                            secret_env=prep.secret_env,
+                            on_end=ended,
+                        )
+                    finally:
+                        status.clear()
+                        inner.cancel_scope.cancel()
+                        await close_templates()  # --preload: the one episode is over
+            tg.cancel_scope.cancel()
 
         tg.start_soon(watch_signals)
         tg.start_soon(episode)
 
     if outcome is None:
         return EXIT_INTERRUPTED  # interrupted before the episode could begin
+    return _finish(outcome, interrupted, bundle)
+
+
+def _finish(outcome: EpisodeOutcome, interrupted: bool, bundle: Path) -> int:
+    """Write the bundle's outcome.json, say how the episode ended; the exit status."""
     _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
     if interrupted:
         print(f"isolate: interrupted: {outcome.summary()}", file=sys.stderr)
@@ -230,7 +232,7 @@ class _Status:
         self.pid: int | None = None
         self.start = time.monotonic()
         self.tty = sys.stderr.isatty()
-        self.interval = interval or (_TTY_TICK_S if self.tty else _PLAIN_TICK_S)
+        self.interval = interval or (TTY_TICK_S if self.tty else PLAIN_TICK_S)
 
     def kill(self) -> None:
         """SIGKILL the episode's shim: its supervisor, whose worker dies with it; the teardown

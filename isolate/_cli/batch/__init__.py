@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 from ..options import (
     EXIT_INTERRUPTED,
     UsageError,
-    _agent_options,
-    _key_options,
+    agent_options,
     check_log_dir,
+    key_options,
     positive_seconds,
     read_api_key,
 )
@@ -62,7 +62,23 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="RESULTS.jsonl",
         help="results, one line per finished attempt; appended to, and read back to resume",
     )
-    run = batch.add_argument_group("batch")
+    _run_options(batch.add_argument_group("batch"))
+    _pick_options(
+        batch.add_argument_group(
+            "evaluation (records chosen by --instance-ids, then --shard, then --limit)"
+        )
+    )
+    agent_options(batch)
+    key_options(batch)
+    ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
+    ray.add_argument("--backend", choices=("local", "ray"), default="local")
+    ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
+    ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
+    ray.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs per episode (1)")
+    ray.add_argument("--ray-memory", metavar="BYTES", help="memory per episode, e.g. 4GiB")
+
+
+def _run_options(run: argparse._ArgumentGroup) -> None:
     run.add_argument(
         "--concurrency",
         type=int,
@@ -95,9 +111,9 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="SECONDS",
         help="progress refresh (default 0.5 on a terminal, else a plain line every 30)",
     )
-    pick = batch.add_argument_group(
-        "evaluation (records chosen by --instance-ids, then --shard, then --limit)"
-    )
+
+
+def _pick_options(pick: argparse._ArgumentGroup) -> None:
     pick.add_argument(
         "--samples",
         type=count,
@@ -115,14 +131,6 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="I/N",
         help="only the records whose position modulo N is I (from 0)",
     )
-    _agent_options(batch)
-    _key_options(batch)
-    ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
-    ray.add_argument("--backend", choices=("local", "ray"), default="local")
-    ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
-    ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
-    ray.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs per episode (1)")
-    ray.add_argument("--ray-memory", metavar="BYTES", help="memory per episode, e.g. 4GiB")
 
 
 def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
