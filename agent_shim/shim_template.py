@@ -266,6 +266,7 @@ def enter_wall(wall, control, life):
     # Loaded once here, before the sandbox: each fork's worker uses them.
     for part in ("cancel", "seccomp", "sandbox", "landlock"):
         shim.load_part(part)
+    import resource  # noqa: F401 - the worker sets the episode's rlimits with it
     if "landlock" in layers:
         problem = worker.enter_landlock()
         if problem is not None:
