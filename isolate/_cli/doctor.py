@@ -216,7 +216,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         return used
     for layer in ("pidns", "landlock", "cgroup"):
         if layer not in _containment.layers(used) and _containment.layer_problem(layer):
-            report.line("info", f"to add {layer}: {_containment.remedy(layer)}")
+            report.line("info", f"to add {layer}: {layer_remedy(layer)}")
     return used
 
 
@@ -327,6 +327,30 @@ def _shim_report(report: _Report, python: str, containment: str, pyc_magic: list
             f"for episodes: each one compiles shim.py (about 5 ms more per start). Once, as "
             f"the owner: {python} -m compileall {shim_path()}",
         )
+
+
+def layer_remedy(layer: str) -> str:
+    """How to give this machine the containment layer ``layer``."""
+    if layer == "pidns":
+        return (
+            "PID namespaces: allow user namespaces (sysctl user.max_user_namespaces > 0; "
+            "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels; "
+            "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10+), or give the "
+            "trainer CAP_SYS_ADMIN; in Docker, a seccomp profile that allows unshare and clone "
+            "(--security-opt seccomp=unconfined, or the default one with --cap-add SYS_ADMIN)"
+        )
+    if layer == "cgroup":
+        return (
+            "a delegated cgroup v2 subtree the trainer may write: systemd-run --scope -p "
+            "Delegate=yes (--user for a user session), Docker --cgroupns=private with "
+            "/sys/fs/cgroup mounted rw, or a Kubernetes pod with cgroup v2 and a writable "
+            "/sys/fs/cgroup"
+        )
+    return (
+        "Landlock ABI 6 (Linux 6.12 or later) enabled: CONFIG_SECURITY_LANDLOCK=y and "
+        "'landlock' in the kernel's lsm= list (cat /sys/kernel/security/lsm); in a "
+        "container, a seccomp profile that allows the landlock_* system calls"
+    )
 
 
 # --- what each layer leaves an agent able to do ----------------------------------------------

@@ -37,7 +37,6 @@ from .probes import (
     layers,
     needs_userns,
     pidns_problem,
-    remedy,
     seccomp_available,
 )
 
@@ -60,7 +59,6 @@ __all__ = [
     "pidns_problem",
     "plan",
     "problem",
-    "remedy",
     "resolve",
     "seccomp_available",
     "size",

@@ -267,27 +267,3 @@ def seccomp_available() -> bool:
             return any(line.startswith("Seccomp:") for line in f)
     except OSError:
         return False
-
-
-def remedy(layer: str) -> str:
-    """How to give this machine the containment layer ``layer``."""
-    if layer == "pidns":
-        return (
-            "PID namespaces: allow user namespaces (sysctl user.max_user_namespaces > 0; "
-            "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels; "
-            "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10+), or give the "
-            "trainer CAP_SYS_ADMIN; in Docker, a seccomp profile that allows unshare and clone "
-            "(--security-opt seccomp=unconfined, or the default one with --cap-add SYS_ADMIN)"
-        )
-    if layer == "cgroup":
-        return (
-            "a delegated cgroup v2 subtree the trainer may write: systemd-run --scope -p "
-            "Delegate=yes (--user for a user session), Docker --cgroupns=private with "
-            "/sys/fs/cgroup mounted rw, or a Kubernetes pod with cgroup v2 and a writable "
-            "/sys/fs/cgroup"
-        )
-    return (
-        "Landlock ABI 6 (Linux 6.12 or later) enabled: CONFIG_SECURITY_LANDLOCK=y and "
-        "'landlock' in the kernel's lsm= list (cat /sys/kernel/security/lsm); in a "
-        "container, a seccomp profile that allows the landlock_* system calls"
-    )
