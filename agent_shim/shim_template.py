@@ -267,6 +267,7 @@ def enter_wall(wall, control, life):
     for part in ("cancel", "seccomp", "sandbox", "landlock"):
         shim.load_part(part)
     import resource  # noqa: F401 - the worker sets the episode's rlimits with it
+
     if "landlock" in layers:
         problem = worker.enter_landlock()
         if problem is not None:
