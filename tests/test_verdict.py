@@ -63,6 +63,7 @@ def test_a_reward_that_is_not_finite_is_a_protocol_error(reward: Any) -> None:
     )
     assert status == "protocol_error"
     assert error is not None
+    assert error.type == "ProtocolError"
     assert "not a finite number" in error.message
 
 
@@ -138,7 +139,10 @@ def test_the_first_violation_is_the_error_whatever_else_came() -> None:
 
 def test_another_protocol_version_is_a_protocol_error() -> None:
     hello = HELLO.model_copy(update={"protocol": PROTOCOL_VERSION + 1})
-    assert v.conclude(observed(hello=hello))[0] == "protocol_error"
+    status, error, *_ = v.conclude(observed(hello=hello))
+    assert status == "protocol_error"
+    assert error is not None
+    assert error.type == "ProtocolError"
 
 
 @pytest.mark.parametrize(
@@ -215,6 +219,22 @@ def test_a_limit_hit_keeps_an_agents_error_type_and_makes_the_rest_a_crash() -> 
     assert timeout is not None
     assert timeout.type == "EpisodeCrashed"
     assert timeout.message == "memory limit 1 GiB hit: no result within 30 s; tree killed"
+
+
+def test_a_limit_hit_keeps_the_agents_traceback() -> None:
+    raised = proto.Error(
+        t="error",
+        nonce=NONCE,
+        kind="agent",
+        type="MemoryError",
+        message="",
+        traceback='Traceback (most recent call last):\n  File "agent.py", line 3\nMemoryError\n',
+    )
+    obs = observed(limits=Limits(memory_bytes=1 << 30), final=raised)
+    status, error, _, _, why = v.conclude(obs)
+    assert (status, why) == ("crashed", "memory limit 1 GiB")
+    assert error is not None
+    assert error.traceback == raised.traceback
 
 
 def test_a_limit_hit_does_not_turn_a_result_or_a_protocol_error_into_a_crash() -> None:
