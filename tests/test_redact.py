@@ -346,3 +346,32 @@ def test_pieces_shorter_than_the_bound_are_unchanged(
     sizes = data.draw(st.lists(st.integers(1, SHORTEST - 1), min_size=len(starts)))
     text = " ".join(key[a : a + n] for a, n in zip(starts, sizes, strict=False))
     assert every_way([key], text, points) == text
+
+
+#: A key masked in fragments whose UTF-8 form has characters of 2, 3 and 4 bytes.
+WIDE_KEY = "ключ-Zq8vRt2LmX9pWc4N-é€😀-Hj7Kd3Fs"
+
+
+def test_a_fragment_of_a_wide_key_that_begins_inside_a_character_is_masked_from_the_next() -> None:
+    raw = WIDE_KEY.encode()
+    cut = raw.index("л".encode()) + 1  # its second byte, 0xBB, a continuation byte
+    data = b"<" + raw[cut:] + b">"
+    masked = b"<" + raw[cut : cut + 1] + MASK + b">"  # the stray byte stays, "ю..." goes
+    assert Redactor([WIDE_KEY]).scrub(data) == masked
+    assert streamed([WIDE_KEY], data, [5, 9]) == masked
+
+
+def test_a_fragment_of_a_wide_key_that_ends_inside_a_character_is_masked_up_to_it() -> None:
+    raw = WIDE_KEY.encode()
+    emoji = raw.index("😀".encode())
+    for inside in (1, 2, 3):  # 1 to 3 of its 4 bytes
+        data = b"<" + raw[: emoji + inside] + b">"
+        masked = b"<" + MASK + raw[emoji : emoji + inside] + b">"
+        assert Redactor([WIDE_KEY]).scrub(data) == masked, inside
+
+
+def test_the_tail_of_a_wide_key_from_a_character_boundary_is_masked_to_its_end() -> None:
+    raw = WIDE_KEY.encode()
+    start = raw.index("é".encode())  # 13 characters: "é€😀-Hj7Kd3Fs"
+    data = b"<" + raw[start:] + b">"
+    assert Redactor([WIDE_KEY]).scrub(data) == b"<" + MASK + b">"
