@@ -292,10 +292,10 @@ def _parse_line(
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    """``text`` as one line of at most ``limit`` characters: control characters and lone
-    surrogates escaped."""
-    text = _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text[:limit])
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    """``text`` as one line of at most ``limit`` characters, ending in ``...`` where it was cut:
+    control characters and lone surrogates escaped."""
+    line = _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text[:limit])
+    return line if len(line) <= limit and len(text) <= limit else line[: limit - 3] + "..."
 
 
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
