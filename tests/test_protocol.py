@@ -23,6 +23,7 @@ import anyio
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from pydantic import SecretStr
 
 import agent_shim.shim
 import isolate
@@ -40,6 +41,8 @@ from isolate._core.protocol import (
     Progress,
     Result,
     Violation,
+    encode_handshake,
+    one_line,
     parse_line,
     shape,
 )
@@ -1141,3 +1144,75 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
     assert len(outcome.info) == big
     assert sorted(on_loop for size, on_loop in where if size > big) == [False]
     assert [on_loop for size, on_loop in where if size < 1024] == [True, True]  # hello, done
+
+
+def test_one_line_escapes_control_characters_and_lone_surrogates() -> None:
+    assert one_line("a\nb\tc\x00d\x7fe\ud800f") == "a\\nb\\tc\\x00d\\x7fe\\ud800f"
+    assert one_line("plain text, é €") == "plain text, é €"
+
+
+def test_one_line_ends_in_dots_wherever_it_cuts() -> None:
+    assert one_line("x" * 300) == "x" * 300
+    assert one_line("x" * 301) == "x" * 297 + "..."
+    # Escapes make it longer than the limit: cut again.
+    assert one_line("\n" * 200) == "\\n" * 148 + "\\" + "..."
+    assert one_line("ab\ncd", limit=5) == "ab..."
+    assert all(len(one_line(t)) <= 300 for t in ("x" * 10_000, "\x00" * 10_000))
+
+
+def test_a_short_secret_inside_a_protocol_word_leaves_the_frame_readable() -> None:
+    """A secret "exit" must not turn ``why: "exited"`` into ``[secret]ed``: the protocol's own
+    words at the top level are kept; the same text elsewhere is scrubbed."""
+    done = {"t": "done", "nonce": NONCE, "why": "exited", "killed": 0, "exit_code": 0}
+    item = parse_line(json.dumps(dict(done, signal=None)).encode(), NONCE, Redactor(["exit"]))
+    assert isinstance(item, Done)
+    assert (item.why, item.exit_code) == ("exited", 0)
+    progress = {"t": "progress", "nonce": NONCE, "info": {"step": "exited"}}
+    item = parse_line(json.dumps(progress).encode(), NONCE, Redactor(["exit"]))
+    assert isinstance(item, Progress)
+    assert item.info == {"step": "[secret]ed"}
+
+
+def test_a_progress_frame_keeps_its_own_fields_but_with_every_secret_scrubbed() -> None:
+    """Progress frames keep fields the protocol does not know yet: their names are scrubbed
+    too, not only their values."""
+    secret = "sk-" + "Q7vX2mR9tL4wZ8pK3nB6" * 2
+    obj = {"t": "progress", "nonce": NONCE, secret: 1, "note": f"key={secret}"}
+    item = parse_line(json.dumps(obj).encode(), NONCE, Redactor([secret]))
+    assert isinstance(item, Progress)
+    assert item.model_extra == {MASK.decode(): 1, "note": f"key={MASK.decode()}"}
+    assert secret not in repr(item)
+
+
+def test_the_handshake_line_is_compact_json_with_its_secrets_last() -> None:
+    line = encode_handshake(
+        {"nonce": "n", "data": [1, 2]},
+        {"key": SecretStr("v a")},
+        {"API_KEY": SecretStr("e")},
+    )
+    expected = b'{"nonce":"n","data":[1,2],"secrets":{"key":"v a"},"secret_env":{"API_KEY":"e"}}'
+    assert line == expected + b"\n"
+    # No secret_env: no field for it, the line is the same as before it existed.
+    assert encode_handshake({"nonce": "n"}, {}, {}) == b'{"nonce":"n","secrets":{}}\n'
+    assert encode_handshake({"nonce": "n"}, {}) == b'{"nonce":"n","secrets":{}}\n'
+
+
+def test_a_handshake_with_a_number_json_cannot_carry_is_refused() -> None:
+    with pytest.raises(ValueError, match="JSON compliant"):
+        encode_handshake({"nonce": "n", "timeout": math.inf}, {})
+
+
+def test_the_json_values_a_frame_may_hold_are_half_its_info_bound_plus_a_margin() -> None:
+    """``max_info_bytes // 2 + 65536`` values: one more is a violation that names the bound."""
+    bound = 1000 // 2 + 65536
+    fits = {"t": "progress", "nonce": NONCE, "info": None, "junk": [0] * (bound - 10)}
+    item = parse_line(json.dumps(fits).encode(), NONCE, NO_SECRETS, max_info_bytes=1000)
+    assert isinstance(item, Progress)
+    over = dict(fits, junk=[0] * (bound + 10))
+    item = parse_line(json.dumps(over).encode(), NONCE, NO_SECRETS, max_info_bytes=1000)
+    assert isinstance(item, Violation)
+    assert f"over the limit of {bound} (max_info_bytes // 2 + 65536)" in item.message
+    # At a large bound the half counts: 300,000 values fit under 600,000 bytes of info.
+    big = dict(fits, junk=[0] * 300_000)
+    item = parse_line(json.dumps(big).encode(), NONCE, NO_SECRETS, max_info_bytes=600_000)
+    assert isinstance(item, Progress)
