@@ -1216,3 +1216,74 @@ def test_the_json_values_a_frame_may_hold_are_half_its_info_bound_plus_a_margin(
     big = dict(fits, junk=[0] * 300_000)
     item = parse_line(json.dumps(big).encode(), NONCE, NO_SECRETS, max_info_bytes=600_000)
     assert isinstance(item, Progress)
+
+
+def test_shape_counts_strings_first_and_stops_there_when_they_are_over_the_limit() -> None:
+    three = b'["a","b","c"]'  # 4 values: the list and its 3 strings
+    assert shape(three) == (4, 1)
+    assert shape(three, 4) == (4, 1)
+    assert shape(three, 3) == (4, None)  # 3 strings are not over 3: every value counted
+    assert shape(three, 2) == (3, None)  # 3 strings are over 2: no need to count further
+    values = shape(three, 2)
+    assert values is not None
+    assert type(values[0]) is int
+    assert shape(b"[1,2,3]", 4) == (4, 1)
+    assert shape(b"[1,2,3]", 3) == (4, None)
+
+
+def test_a_line_too_large_to_read_without_the_nonce_is_noise_with_a_scrubbed_preview() -> None:
+    secret = "sk-preview-" + "Zq8vRt2L" * 3
+    line = json.dumps({"key": secret, "junk": [0] * 70_000}).encode()
+    item = parse_line(line, NONCE, Redactor([secret]), max_info_bytes=1000)
+    assert item == Noise(
+        "not a frame of this episode, too large to read",
+        Redactor([secret]).scrub(line)[:200],
+    )
+    assert secret.encode() not in item.preview
+
+
+def test_a_secret_spelled_with_some_slashes_escaped_is_scrubbed_from_the_frame() -> None:
+    """JSON may escape each ``/`` or not: a line that mixes both spells no form the redactor
+    looks for, but its string is the secret once parsed."""
+    secret = "ab/cd/ef-short"  # short: masked whole only
+    line = b'{"t":"progress","nonce":"%s","info":{"k":"ab\\/cd/ef-short"}}' % NONCE.encode()
+    assert Redactor([secret]).scrub(line) == line  # the line itself shows no form of it
+    item = parse_line(line, NONCE, Redactor([secret]))
+    assert isinstance(item, Progress)
+    assert item.info == {"k": MASK.decode()}
+
+
+def test_a_lone_surrogate_in_raw_bytes_comes_out_escaped_and_encodable() -> None:
+    line = b'{"t":"progress","nonce":"%s","info":{"k":"a\xed\xa0\x80b"}}' % NONCE.encode()
+    item = parse_line(line, NONCE, NO_SECRETS)
+    assert isinstance(item, Progress)
+    assert item.info == {"k": "a\\ud800b"}
+    item.model_dump_json().encode("utf-8")  # would raise on a lone surrogate
+
+
+def test_an_info_at_exactly_its_bound_plus_the_slack_fits() -> None:
+    bound = 1000 + 8 * 1024
+    for size, fits in ((bound, True), (bound + 1, False)):
+        info = "x" * (size - 2)  # json.dumps adds the quotes
+        line = json.dumps({"t": "progress", "nonce": NONCE, "info": info}).encode()
+        item = parse_line(line, NONCE, NO_SECRETS, max_info_bytes=1000)
+        assert isinstance(item, Progress) is fits, size
+
+
+def test_a_malformed_frame_names_the_field_by_its_dotted_path() -> None:
+    done = {"t": "done", "nonce": NONCE, "why": "exited", "killed": -1, "exit_code": 0}
+    item = parse_line(json.dumps(dict(done, signal=None)).encode(), NONCE, NO_SECRETS)
+    assert item == Violation(
+        "malformed 'done' frame: done.killed: Input should be greater than or equal to 0"
+    )
+
+
+class _BrokenRedactor(Redactor):
+    def scrub(self, data: bytes) -> bytes:
+        raise LookupError("broken")
+
+
+def test_a_frame_that_cannot_be_digested_is_a_violation_naming_the_error() -> None:
+    line = json.dumps({"t": "progress", "nonce": NONCE}).encode()
+    item = parse_line(line, NONCE, _BrokenRedactor(["k"]))
+    assert item == Violation(f"cannot read a frame of {len(line)} bytes: LookupError")
