@@ -1195,6 +1195,12 @@ def test_the_handshake_line_is_compact_json_with_its_secrets_last() -> None:
     # No secret_env: no field for it, the line is the same as before it existed.
     assert encode_handshake({"nonce": "n"}, {}, {}) == b'{"nonce":"n","secrets":{}}\n'
     assert encode_handshake({"nonce": "n"}, {}) == b'{"nonce":"n","secrets":{}}\n'
+    two = encode_handshake(
+        {"nonce": "n"},
+        {"a": SecretStr("1"), "b": SecretStr("2")},
+        {"A": SecretStr("3"), "B": SecretStr("4")},
+    )
+    assert two == b'{"nonce":"n","secrets":{"a":"1","b":"2"},"secret_env":{"A":"3","B":"4"}}\n'
 
 
 def test_a_handshake_with_a_number_json_cannot_carry_is_refused() -> None:
