@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
-from isolate._core import containment as _containment
 from isolate._core.containment.leaves import Leaves
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
-
-
-def _groups() -> _containment.Cgroups:
-    problem = _containment.problem("cgroup")
-    if problem is not None:
-        pytest.skip(f"containment 'cgroup' is not available here: {problem}")
-    return _containment.cgroups()
+from .test_stale_leaves import SLEEPER, cgroups_here
 
 
 @pytest.fixture
@@ -39,7 +30,7 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
 def test_kill_takes_every_process_of_the_leaf_at_once(
     sleepers: list[subprocess.Popen[bytes]],
 ) -> None:
-    leaves = Leaves(_groups(), "leaf-kill", {})
+    leaves = Leaves(cgroups_here(), "leaf-kill", {})
     made = []
     try:
         leaves.create()
@@ -62,7 +53,7 @@ def test_kill_takes_every_process_of_the_leaf_at_once(
 def test_kill_reaches_a_process_that_left_the_v2_leaf_but_not_its_v1_one(
     sleepers: list[subprocess.Popen[bytes]],
 ) -> None:
-    groups = _groups()
+    groups = cgroups_here()
     if "pids" not in groups.v1:
         pytest.skip("no cgroup v1 pids hierarchy here: the limits are all in the v2 leaf")
     leaves = Leaves(groups, "leaf-kill-v1", {"pids": {"pids.max": "100"}})

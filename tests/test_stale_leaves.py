@@ -24,11 +24,16 @@ from isolate._core import procfs
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
-def _root_of_our_own() -> Path:
+def cgroups_here() -> _containment.Cgroups:
+    """This machine's cgroup trees; skip, with the reason, where the cgroup layer is missing."""
     problem = _containment.problem("cgroup")
     if problem is not None:
         pytest.skip(f"containment 'cgroup' is not available here: {problem}")
-    groups = _containment.cgroups()
+    return _containment.cgroups()
+
+
+def _root_of_our_own() -> Path:
+    groups = cgroups_here()
     base = groups.v2 if groups.v2 is not None else next(iter(groups.v1.values()))
     # Not <pid>.<start>: no other isolate process takes it for an owner of its own.
     return base / f"stale-test.{secrets.token_hex(4)}"
