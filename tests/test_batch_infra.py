@@ -162,14 +162,19 @@ def _with_descendants(procs: list[psutil.Process]) -> list[psutil.Process]:
     return list(found.values())
 
 
-def _stop_cluster(ray_tmp: Path) -> None:
-    """Kill this test's cluster, found by its RAY_TMPDIR: never another Ray."""
-    procs = _cluster(ray_tmp)
+def _kill_each(procs: list[psutil.Process]) -> None:
+    """SIGKILL each; one may exit as the others die (a worker whose raylet went)."""
     for proc in procs:
         try:
             proc.kill()
         except psutil.Error:
             continue
+
+
+def _stop_cluster(ray_tmp: Path) -> None:
+    """Kill this test's cluster, found by its RAY_TMPDIR: never another Ray."""
+    procs = _cluster(ray_tmp)
+    _kill_each(procs)
     psutil.wait_procs(procs, timeout=10 * SLOW)
     wait_for(lambda: not _cluster(ray_tmp), 10, "the Ray cluster to stop")
 
@@ -223,11 +228,7 @@ def test_a_lost_ray_node_is_named_retried_under_its_own_budget_and_counted_apart
             [p for p in psutil.process_iter() if _env_of(p).get("ISOLATE_TEST_NODE") == marker]
         )
         assert "raylet" in {_name(p) for p in node}, node
-        for proc in node:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                continue  # one that exited as the others died (a worker whose raylet went)
+        _kill_each(node)
         wait_for(lambda: line_count(out) >= 1, 90, "the lost attempt's line")
         hold.unlink()  # the attempt left, and the next one, return at once
         code = driver.wait(timeout=120 * SLOW)
