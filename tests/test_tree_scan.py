@@ -1,0 +1,137 @@
+"""The parent's sweep, called in this process: the environment-tag scan, what one signal
+round sends and counts, and how PID 1 of a namespace is told apart.
+
+The end-to-end teardown tests reach these through whole episodes, where the shim, the
+session scan and the cgroup usually find a process before the tag scan must; here each is
+asked on its own, about stand-ins this test starts with a marker of its own."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from isolate._core import tree
+from isolate._core.tree import ProcessTree
+
+from .conftest import wait_for
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+MARK = "ISOLATE_TEST_SWEEP_MARK"
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts (appended as it goes), killed and reaped after it."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def _sleeper(
+    procs: list[subprocess.Popen[bytes]], env: dict[str, str], **kwargs: bool
+) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(SLEEPER, env=env, **kwargs)  # type: ignore[call-overload]
+    procs.append(proc)
+    return proc
+
+
+def test_the_tag_scan_finds_the_tag_first_or_among_others_and_nothing_like_it(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    tag = secrets.token_hex(6)
+    first = _sleeper(started, {MARK: tag})
+    among = _sleeper(started, {"A": "1", MARK: tag, "Z": "2"})
+    for env in (
+        {MARK: tag + "x"},  # a longer value
+        {"X" + MARK: tag},  # a longer name
+        {"A": f"{MARK}={tag}"},  # the tag inside another variable's value
+        {},
+    ):
+        _sleeper(started, env)
+    assert sorted(tree.pids_with_env(MARK, tag)) == sorted([first.pid, among.pid])
+    assert tree.pids_with_env(MARK, secrets.token_hex(6)) == []
+
+
+def test_live_finds_a_tagged_process_outside_the_shims_tree_and_session(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    episode = f"sweep-{secrets.token_hex(4)}"
+    env = {tree.EPISODE_ENV: episode}
+    escaped = _sleeper(started, env, start_new_session=True)
+    shim = _sleeper(started, {}, start_new_session=True)
+    sweep = ProcessTree(psutil.Process(shim.pid), os.getsid(shim.pid), episode)
+    assert [p.pid for p in sweep.live()] == [escaped.pid, shim.pid]  # the shim last
+    # Without the episode's id (a template's forks), the tag is not scanned for.
+    blind = ProcessTree(psutil.Process(shim.pid), os.getsid(shim.pid), None)
+    assert [p.pid for p in blind.live()] == [shim.pid]
+
+
+def test_a_signal_round_wakes_the_stopped_skips_the_gone_and_counts_each_process_once(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    gone = _sleeper(started, {})
+    gone_proc = psutil.Process(gone.pid)
+    gone.kill()
+    gone.wait()
+    stopped = _sleeper(started, {})
+    stopped.send_signal(signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(stopped.pid).status() == psutil.STATUS_STOPPED, what="stop")
+    running = _sleeper(started, {})
+    sweep = ProcessTree(None, os.getsid(0), None)
+    procs = [gone_proc, psutil.Process(stopped.pid), psutil.Process(running.pid)]
+    # SIGTERM stays pending in a stopped process: the SIGCONT after it makes it act.
+    assert sweep.signal(procs, signal.SIGTERM) == 2
+    assert stopped.wait(timeout=10) == -signal.SIGTERM
+    assert running.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_process_signalled_again_is_not_counted_again(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    # SIGCONT: a signal these sleepers survive, so the second round meets them alive.
+    procs = [psutil.Process(_sleeper(started, {}).pid) for _ in range(2)]
+    sweep = ProcessTree(None, os.getsid(0), None)
+    assert sweep.signal(procs, signal.SIGCONT) == 2
+    assert sweep.signal(procs, signal.SIGCONT) == 0
+    assert sweep.signal([psutil.Process(_sleeper(started, {}).pid)], signal.SIGCONT) == 1
+
+
+def test_pid_1_of_a_namespace_below_is_told_apart_from_ours_and_from_no_process(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    assert not tree._is_pid_1(1)  # PID 1 of this process's own namespace
+    assert not tree._is_pid_1(os.getpid())
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    assert not tree._is_pid_1(reaped.pid)  # no such process
+    # One namespace below, and two: PID 1 of each is the command unshare starts.
+    for depth in (1, 2):
+        command = [unshare, "--pid", "--fork", "--kill-child"] * depth + SLEEPER
+        started.append(subprocess.Popen(command))
+
+        def inner(depth: int = depth) -> int | None:
+            found = [
+                p.pid
+                for p in psutil.Process(started[-1].pid).children(recursive=True)
+                if p.cmdline() == SLEEPER
+            ]
+            return found[0] if found else None
+
+        pid = wait_for(inner, what=f"the sleeper {depth} namespace(s) down")
+        assert tree._is_pid_1(pid)
