@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import resource
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,14 +35,20 @@ def _budget(room: int) -> admission._Budget:
 
 
 @pytest.mark.anyio
-async def test_episodes_are_admitted_first_come_first_served_and_none_overtakes() -> None:
+async def test_episodes_are_admitted_first_come_first_served_and_none_overtakes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     budget = _budget(10)
+    caplog.set_level(logging.DEBUG, logger="isolate")
     first = await admission.admit("first", Cost(peak=6, steady=5))
+    assert first.wait_s == 0.0
     order: list[str] = []
+    waited: dict[str, float] = {}
 
     async def admit(name: str, cost: int) -> None:
         ticket = await admission.admit(name, Cost(peak=cost, steady=cost))
         order.append(name)
+        waited[name] = ticket.wait_s
         ticket.release()
 
     async with anyio.create_task_group() as tg:
@@ -58,6 +65,28 @@ async def test_episodes_are_admitted_first_come_first_served_and_none_overtakes(
     assert order == ["big", "small"]
     assert budget.used == 0
     assert admission.waiting() == 0
+    assert all(0.05 <= waited[name] < 60 for name in order), waited
+    said = [r.getMessage() for r in caplog.records]
+    capacity, describe = budget.capacity, budget.describe()
+    assert said == [
+        f"episode big waits for file descriptors: 6 of {capacity} in use by episodes, "
+        f"0 waiting; {describe}",
+        f"episode small waits for file descriptors: 6 of {capacity} in use by episodes, "
+        f"1 waiting; {describe}",
+        f"episode big admitted after {waited['big']:.2f} s",
+        f"episode small admitted after {waited['small']:.2f} s",
+    ]
+
+
+@pytest.mark.anyio
+async def test_episodes_that_fit_at_once_add_up_and_wait_for_nothing() -> None:
+    budget = _budget(20)
+    tickets = [await admission.admit(f"e{i}", Cost(peak=6, steady=3)) for i in range(3)]
+    assert budget.used == 18
+    assert [t.wait_s for t in tickets] == [0.0, 0.0, 0.0]
+    for ticket in tickets:
+        ticket.release()
+    assert budget.used == 0
 
 
 @pytest.mark.anyio
@@ -123,9 +152,17 @@ async def test_a_ticket_gives_back_the_spawns_surplus_once_and_the_rest_once() -
 
 
 @pytest.mark.anyio
-async def test_held_fds_count_at_once_even_past_the_room_and_are_given_back_once() -> None:
+async def test_held_fds_count_at_once_even_past_the_room_and_are_given_back_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     budget = _budget(5)
-    hold = admission.hold_fds(8, "a test's hold")
+    budget.used = 2
+    with caplog.at_level(logging.DEBUG, logger="isolate"):
+        hold = admission.hold_fds(8, "a test's hold")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a test's hold holds 8 file descriptors of the episodes' budget"
+    ]
+    budget.used -= 2
     assert budget.used == 8  # never waits, even past the room
     assert (hold.fds, hold.what) == (8, "a test's hold")
     hold.release()
@@ -134,26 +171,26 @@ async def test_held_fds_count_at_once_even_past_the_room_and_are_given_back_once
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("raise_value", ["1", "0"])
+@pytest.mark.parametrize(("raise_value", "soft"), [("1", 512), ("0", 512), ("0", None)])
 async def test_an_episode_that_can_never_fit_names_its_need_the_budget_and_the_fix(
-    raise_value: str, soft_limit: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+    raise_value: str, soft: int | None, soft_limit: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the raise turned off and a hard limit above the soft one, it also says that
-    isolate would raise the soft limit."""
+    isolate would raise the soft limit; not with the soft limit at the hard one."""
     _, hard = soft_limit
     if hard == resource.RLIM_INFINITY or hard <= 600:
         pytest.skip(f"a hard RLIMIT_NOFILE of {hard} leaves no soft limit below it")
     budget = _budget(5)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft or hard, hard))
     monkeypatch.setenv(admission.RAISE_ENV, raise_value)
     with pytest.raises(SetupProblem) as raised:
         await admission.admit("huge", Cost(peak=6, steady=3))
-    assert budget.limit == 512  # the budget followed the lowered limit before it gave up
+    assert budget.limit == (soft or hard)  # it followed a lowered limit before it gave up
     expected = (
         f"too few file descriptors for one episode: it needs 6, and {budget.describe()}; "
         f"{admission._FIX}"
     )
-    if raise_value == "0":
+    if raise_value == "0" and soft is not None:
         expected += (
             f"; or unset {admission.RAISE_ENV}, so isolate raises the soft limit to the hard one"
         )
@@ -216,7 +253,7 @@ async def test_the_budget_follows_a_soft_limit_changed_after_it_was_sized(
 
 @pytest.mark.anyio
 async def test_after_emfile_an_episode_waits_for_fds_given_back_then_gives_up_with_the_fix(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     budget = _budget(20)
     other = await admission.admit("other", Cost(peak=6, steady=6))
@@ -227,10 +264,14 @@ async def test_after_emfile_an_episode_waits_for_fds_given_back_then_gives_up_wi
     async def starve() -> None:
         result.append(await ticket.starved(EMFILE, give_up_after=3600.0))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(starve)
-        await wait_until(lambda: admission.waiting() == 1)
-        other.release()
+    with caplog.at_level(logging.DEBUG, logger="isolate"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(starve)
+            await wait_until(lambda: admission.waiting() == 1)
+            other.release()
+    assert [r.getMessage() for r in caplog.records] == [
+        "episode starved: [Errno 24] Too many open files; waiting for file descriptors to be freed"
+    ]
     assert result == [None]
     assert admission.waiting() == 0
     assert 0 < ticket.wait_s < 3600
@@ -241,6 +282,10 @@ async def test_after_emfile_an_episode_waits_for_fds_given_back_then_gives_up_wi
         f"no file descriptor became free in 12 s (Too many open files); {budget.describe()}; "
         f"something else in this process holds the rest: close what holds them, or "
         f"{admission._FIX}"
+    )
+    ticket.wait_s = 12.0  # patience ends at exactly its length, too
+    assert (await ticket.starved(EMFILE, give_up_after=12.0) or "").startswith(
+        "no file descriptor became free in 12 s"
     )
     ticket.release()
 
@@ -260,14 +305,35 @@ async def test_a_starved_episode_waits_no_longer_than_its_patience_left(
 
 
 def test_the_reserve_is_an_eighth_of_the_limit_within_16_and_256() -> None:
-    assert [admission._reserve(n) for n in (64, 1024, 1032, 2048, 4096, 1 << 20)] == [
+    assert [admission._reserve(n) for n in (64, 1024, 1030, 1032, 2048, 4096, 1 << 20)] == [
         16,
+        128,
         128,
         129,
         256,
         256,
         256,
     ]
+
+
+def test_the_fds_open_before_are_counted_without_the_count_s_own() -> None:
+    def is_open(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+        return True
+
+    # Listed while the listing's own fd was open; that one is closed by now.
+    assert admission._open_fds() == sum(is_open(int(fd)) for fd in os.listdir("/proc/self/fd"))
+
+
+def test_a_budget_is_sized_from_the_soft_limit_not_the_hard_one(
+    soft_limit: tuple[int, int],
+) -> None:
+    _, hard = soft_limit
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard - 100, hard))
+    assert admission._Budget().limit == hard - 100
 
 
 def test_a_full_fd_table_is_emfile_or_enfile_and_nothing_else() -> None:
