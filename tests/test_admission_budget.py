@@ -119,6 +119,36 @@ async def test_a_waiter_cancelled_at_the_head_of_the_line_lets_the_ones_behind_i
 
 
 @pytest.mark.anyio
+async def test_a_waiter_cancelled_behind_another_takes_nothing_with_it() -> None:
+    budget = _budget(10)
+    first = await admission.admit("first", Cost(peak=6, steady=6))
+    admitted: list[str] = []
+    scope = anyio.CancelScope()
+
+    async def ahead() -> None:
+        ticket = await admission.admit("ahead", Cost(peak=9, steady=9))
+        admitted.append("ahead")
+        ticket.release()
+
+    async def behind() -> None:
+        with scope:
+            await admission.admit("behind", Cost(peak=6, steady=6))
+            admitted.append("behind")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ahead)
+        await wait_until(lambda: admission.waiting() == 1)
+        tg.start_soon(behind)
+        await wait_until(lambda: admission.waiting() == 2)
+        scope.cancel()
+        await wait_until(lambda: admission.waiting() == 1)
+        first.release()
+    assert admitted == ["ahead"]
+    assert budget.used == 0
+    assert list(budget.queue) == []
+
+
+@pytest.mark.anyio
 async def test_a_waiter_cancelled_just_after_it_was_admitted_gives_its_fds_back() -> None:
     budget = _budget(10)
     first = await admission.admit("first", Cost(peak=6, steady=6))
