@@ -34,10 +34,22 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
     try:
         yield procs
     finally:
+        below: list[psutil.Process] = []
         for proc in procs:
             if proc.poll() is None:
+                try:  # what unshare started: killed here, not left to its parent's death
+                    below += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    pass
                 proc.kill()
             proc.wait()
+        for child in below:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(below, timeout=10)
+        assert alive == []
 
 
 def _sleeper(
