@@ -282,6 +282,28 @@ async def test_the_budget_follows_a_soft_limit_changed_after_it_was_sized(
 
 
 @pytest.mark.anyio
+async def test_an_episode_that_fits_only_in_a_raised_soft_limit_is_admitted_at_once(
+    soft_limit: tuple[int, int],
+) -> None:
+    soft, hard = soft_limit
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 100, hard))
+    budget = admission._budget()
+    budget._resize()
+    budget.capacity = budget.used + 10
+    held = await admission.admit("held", Cost(peak=5, steady=5))
+    assert not budget.fits(7)  # it would fit the room when empty: no resize for its size alone
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # 100 more: seen when it waits
+    ticket = await admission.admit("late", Cost(peak=7, steady=7))
+    assert ticket.wait_s == 0.0
+    assert admission.waiting() == 0
+    assert list(budget.queue) == []
+    assert (budget.used, budget.capacity, budget.limit) == (12, 110, soft)
+    ticket.release()
+    held.release()
+    assert budget.used == 0
+
+
+@pytest.mark.anyio
 async def test_after_emfile_an_episode_waits_for_fds_given_back_then_gives_up_with_the_fix(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
