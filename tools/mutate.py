@@ -50,6 +50,7 @@ class Module:
     tests: list[str]
     runner: str = "mutmut"
     functions: list[str] = field(default_factory=list)
+    pid_namespace: bool = False
 
     @property
     def dotted(self) -> str:
@@ -139,6 +140,8 @@ def run_mutmut(
         ]
     env = child_env()
     command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs), *names]
+    if module.pid_namespace:
+        command = as_pid_1(command)
     print(f"== {module.path}: mutmut in {copy}", flush=True)
     if subprocess.run(command, cwd=copy, env=env, check=False).returncode != 0:
         print(f"== {module.path}: mutmut failed (see above); results so far follow", flush=True)
@@ -168,6 +171,18 @@ def run_mutmut(
         )
         result.diffs[name] = shown.stdout
     return result
+
+
+def as_pid_1(command: list[str]) -> list[str]:
+    """``command`` as PID 1 of a PID (and mount) namespace of its own, where it can: a mutant of
+    the sweep may signal every process it can see, and PID 1 is the one process of a namespace
+    that a signal from inside it cannot kill (mutmut's own children can die: that mutant then
+    counts as killed). Without root or ``unshare`` the command runs as it is, with a warning."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        print("== no root or no unshare: mutmut runs where a sweep mutant can kill it", flush=True)
+        return command
+    return [unshare, "--pid", "--fork", "--mount-proc", "--kill-child", *command]
 
 
 def file_mutants(copy: Path, module: Module) -> list[tuple[str, str]]:
