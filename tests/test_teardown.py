@@ -295,6 +295,52 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, tmp_path: Path) ->
     remove_dead_parents_leaves()
 
 
+# A child that takes SIGTERM (and says so in a file) but does not die of it.
+STUBBORN_AGENT = r"""
+import os, subprocess, sys, time
+
+STUBBORN = (
+    "import os, signal, time\n"
+    "d = os.environ['PID_DIR']\n"
+    "signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(d, 'term'), 'w').close())\n"
+    "open(os.path.join(d, 'ready'), 'w').close()\n"
+    "while True:\n"
+    "    time.sleep(1)\n"
+)
+
+def run(data):
+    subprocess.Popen([sys.executable, "-c", STUBBORN])
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "ready")):
+        time.sleep(0.01)
+    time.sleep(300)
+"""
+
+
+def test_the_parents_death_cuts_a_long_kill_grace_short(agents: Agents) -> None:
+    """The deadline passed and the shim's teardown waits out a 60-s ``kill_grace`` for a child
+    that takes SIGTERM and lives on; the parent is SIGKILLed then. With nobody left to report
+    to, the shim cuts the grace to a second and kills the tree."""
+    spec = agents.spec(STUBBORN_AGENT, timeout=1.0, cancel_grace=0.5, kill_grace=60.0)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "term").exists(), 30.0 * SLOW, "the teardown's SIGTERM")
+        assert agents.left() != []  # the child outlived its SIGTERM
+        os.kill(parent.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        parent.wait()
+        wait_for(lambda: not agents.left(), 20.0, "the tree to die")
+        # The second the shim gives it, and its SIGKILL; not the 60 s of the grace.
+        assert time.monotonic() - killed_at <= 1.0 + 2.0 * SLOW
+        marker = f"PID_DIR={agents.pids}".encode()
+        wait_for(lambda: not episode_processes(marker), 2.0 * SLOW, "the shim to exit")
+    finally:
+        parent.kill()
+        parent.wait()
+    remove_dead_parents_leaves()
+
+
 # A shim that reads its handshake and never says hello: it holds its place at the start gate.
 SILENT_SHIM = "import sys, time\nsys.stdin.buffer.readline()\ntime.sleep(300)\n"
 
