@@ -14,14 +14,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import anyio
 import psutil
 import pytest
 
 from isolate._core import tree
+from isolate._core.containment.leaves import Leaves
 from isolate._core.tree import ProcessTree
 
 from .conftest import wait_for
+from .test_stale_leaves import cgroups_here
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 MARK = "ISOLATE_TEST_SWEEP_MARK"
@@ -147,3 +151,57 @@ def test_pid_1_of_a_namespace_below_is_told_apart_from_ours_and_from_no_process(
 
         pid = wait_for(inner, what=f"the sleeper {depth} namespace(s) down")
         assert tree._is_pid_1(pid)
+
+
+# Leaves on SIGTERM, exit status 0, once it said it is ready for it.
+POLITE = [
+    sys.executable,
+    "-c",
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(120)\n",
+]
+
+
+def test_a_teardown_of_its_own_sends_sigterm_first_and_waits_its_grace(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    episode = f"sweep-{secrets.token_hex(4)}"
+    polite = subprocess.Popen(
+        POLITE, env={tree.EPISODE_ENV: episode}, stdout=subprocess.PIPE, start_new_session=True
+    )
+    started.append(polite)
+    assert polite.stdout is not None
+    assert polite.stdout.readline() == b"ready\n"
+    sweep = ProcessTree(None, polite.pid, episode)
+    assert anyio.run(sweep.kill, 30.0) == 1  # no deadline given: SIGTERM, then 30 s of grace
+    assert polite.wait(timeout=10) == 0  # its own exit, on SIGTERM: not SIGKILLed
+    polite.stdout.close()
+
+
+def test_a_process_no_scan_sees_dies_with_the_leaf_that_holds_it(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    leaves = Leaves(cgroups_here(), f"sweep-hidden-{secrets.token_hex(4)}", {})
+    leaves.create()
+    nested = leaves.dirs.get("v2", Path("/nonexistent")) / "nested"
+    try:
+        if "v2" not in leaves.dirs:
+            pytest.skip("no cgroup v2 leaf here: the v1 leaves list every process they hold")
+        # In a cgroup below the leaf: not in the leaf's cgroup.procs, yet it keeps the leaf
+        # populated. No tag, a session of its own, no shim: no scan finds it.
+        nested.mkdir()
+        hidden = _sleeper(started, {}, start_new_session=True)
+        (nested / "cgroup.procs").write_text(str(hidden.pid))
+        assert leaves.members() == []
+        assert leaves.populated()
+        sweep = ProcessTree(None, hidden.pid + 1_000_000, f"sweep-{secrets.token_hex(4)}", leaves)
+        assert sweep.live() == []
+        assert anyio.run(sweep.kill, 5.0) == 0  # nothing was seen to signal
+        assert hidden.wait(timeout=10) == -signal.SIGKILL
+        assert leaves.wait_empty()
+    finally:
+        if nested.is_dir():
+            nested.rmdir()
+        assert leaves.remove() is None
