@@ -168,16 +168,10 @@ def test_a_teardown_of_its_own_sends_sigterm_first_and_waits_its_grace(
     started: list[subprocess.Popen[bytes]],
 ) -> None:
     episode = f"sweep-{secrets.token_hex(4)}"
-    polite = subprocess.Popen(
-        POLITE, env={tree.EPISODE_ENV: episode}, stdout=subprocess.PIPE, start_new_session=True
-    )
-    started.append(polite)
-    assert polite.stdout is not None
-    assert polite.stdout.readline() == b"ready\n"
+    polite = _ready(started, POLITE, episode)
     sweep = ProcessTree(None, polite.pid, episode)
     assert anyio.run(sweep.kill, 30.0) == 1  # no deadline given: SIGTERM, then 30 s of grace
     assert polite.wait(timeout=10) == 0  # its own exit, on SIGTERM: not SIGKILLed
-    polite.stdout.close()
 
 
 def test_a_process_no_scan_sees_dies_with_the_leaf_that_holds_it(
@@ -205,3 +199,50 @@ def test_a_process_no_scan_sees_dies_with_the_leaf_that_holds_it(
         if nested.is_dir():
             nested.rmdir()
         assert leaves.remove() is None
+
+
+# Ignores SIGTERM, once it said so.
+STUBBORN = [
+    sys.executable,
+    "-c",
+    "import signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(120)\n",
+]
+
+
+def _ready(
+    procs: list[subprocess.Popen[bytes]], command: list[str], episode: str
+) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        command, env={tree.EPISODE_ENV: episode}, stdout=subprocess.PIPE, start_new_session=True
+    )
+    procs.append(proc)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == b"ready\n"
+    proc.stdout.close()
+    return proc
+
+
+def test_a_teardown_counts_each_process_once_over_its_sigterm_and_sigkill_rounds(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    episode = f"sweep-{secrets.token_hex(4)}"
+    polite, stubborn = _ready(started, POLITE, episode), _ready(started, STUBBORN, episode)
+    sweep = ProcessTree(None, polite.pid, episode)
+    # Several SIGTERM rounds within the grace (nothing new in the later ones), then SIGKILL.
+    assert anyio.run(sweep.kill, 0.3) == 2
+    assert polite.wait(timeout=10) == 0
+    assert stubborn.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_teardown_with_no_grace_kills_at_once_and_counts_what_it_killed(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    episode = f"sweep-{secrets.token_hex(4)}"
+    polite, stubborn = _ready(started, POLITE, episode), _ready(started, STUBBORN, episode)
+    sweep = ProcessTree(None, polite.pid, episode)  # no leaf: signals only
+    assert anyio.run(sweep.kill, 0.0) == 2
+    assert polite.wait(timeout=10) == -signal.SIGKILL  # no SIGTERM first
+    assert stubborn.wait(timeout=10) == -signal.SIGKILL
