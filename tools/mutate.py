@@ -40,8 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 #: What a copy of the tree holds: the code, the tests and what they read.
 COPIED = ("isolate", "agent_shim", "tests", "examples", "pyproject.toml", "README.md")
+#: A mutant that killed mutmut's own test runner (a sweep that signals what is not the episode's).
+RUNNER_ENDED = "ended the test runner"
 #: Outcomes that count as killed (mutmut's words; the file runner uses the first two).
-KILLED = ("killed", "timeout", "caught by type check", "segfault")
+KILLED = ("killed", "timeout", "caught by type check", "segfault", RUNNER_ENDED)
 
 
 @dataclass
@@ -126,6 +128,43 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MUTANT_UNDER_TEST")}
 
 
+def mutmut_results(copy: Path, env: dict[str, str], wanted: list[str]) -> dict[str, str]:
+    """mutant -> outcome, for the mutants whose names match one of ``wanted`` (regexes)."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    outcomes = {}
+    for line in listed.stdout.splitlines():
+        name, _, outcome = line.strip().rpartition(": ")
+        if any(re.fullmatch(w, name) for w in wanted):
+            outcomes[name] = outcome
+    return outcomes
+
+
+def mutmut_pass(command: list[str], copy: Path, env: dict[str, str]) -> list[str]:
+    """One ``mutmut run``, its output passed through; the mutants it lost (in flight when its
+    test runner died), which ``mutmut run`` would only start again."""
+    with subprocess.Popen(
+        command, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as run:
+        assert run.stdout is not None
+        output = b""
+        fd = run.stdout.fileno()
+        for chunk in iter(lambda: os.read(fd, 65536), b""):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            output = (output + chunk)[-65536:]
+    if run.returncode == 0:
+        return []
+    text = output.decode(errors="replace")
+    return re.findall(r"(?m)^\s+- (\S+__mutmut_\d+)$", text.partition("in-flight mutant")[2])
+
+
 def run_mutmut(
     module: Module, base: dict[str, object], copy: Path, jobs: int, limit: int | None
 ) -> Result:
@@ -139,26 +178,30 @@ def run_mutmut(
             for i in range(1, limit + 1)
         ]
     env = child_env()
-    command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs), *names]
-    if module.pid_namespace:
-        command = as_pid_1(command)
-    print(f"== {module.path}: mutmut in {copy}", flush=True)
-    if subprocess.run(command, cwd=copy, env=env, check=False).returncode != 0:
-        print(f"== {module.path}: mutmut failed (see above); results so far follow", flush=True)
-    listed = subprocess.run(
-        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
-        cwd=copy,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    outcomes = {}
     wanted = [re.escape(n).replace(r"\*", ".*") for n in names or [f"{module.dotted}.*"]]
-    for line in listed.stdout.splitlines():
-        name, _, outcome = line.strip().rpartition(": ")
-        if any(re.fullmatch(w, name) for w in wanted):
-            outcomes[name] = outcome
+    print(f"== {module.path}: mutmut in {copy}", flush=True)
+    ended_runner: set[str] = set()
+    todo = names
+    while True:
+        command = [sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs), *todo]
+        if module.pid_namespace:
+            command = as_pid_1(command)
+        lost = mutmut_pass(command, copy, env)
+        if not lost:
+            break
+        # A mutant of the sweep that killed mutmut's test runner: it signalled a process
+        # that is none of the episode's. Counted as killed, and the run goes on without it.
+        print(f"== {module.path}: {', '.join(lost)} ended mutmut's test runner", flush=True)
+        ended_runner.update(lost)
+        todo = [
+            name
+            for name, outcome in mutmut_results(copy, env, wanted).items()
+            if outcome == "not checked" and name not in ended_runner
+        ]
+        if not todo:
+            break
+    outcomes = mutmut_results(copy, env, wanted)
+    outcomes.update({name: RUNNER_ENDED for name in ended_runner})
     result = Result(module.path, outcomes)
     for name in result.survivors():
         shown = subprocess.run(
