@@ -176,8 +176,13 @@ def test_a_short_key_is_masked_only_whole(key: str, points: list[int]) -> None:
     assert out == f"a {fragment} b {MASK_TEXT} c"
 
 
-def test_a_fragment_one_short_of_the_bound_stays() -> None:
-    key = "k" + "".join(reversed(URLSAFE))[:30]
+#: A random key of two-byte characters whose second bytes are all odd (0xB1 to 0xBF).
+CYRILLIC_KEY = "aпйелйпзйлbлепнеbbabзпaнйгйнbb"
+
+
+@pytest.mark.parametrize("key", ["k" + "".join(reversed(URLSAFE))[:30], CYRILLIC_KEY])
+def test_a_fragment_one_short_of_the_bound_stays(key: str) -> None:
+    # Characters are counted, not bytes: 11 Cyrillic letters are 22 bytes and stay.
     assert Redactor([key]).text(f"<{key[3:14]}>") == f"<{key[3:14]}>"
     assert Redactor([key]).text(f"<{key[3:15]}>") == f"<{MASK_TEXT}>"
     short = key[:23]  # one short of a key masked in fragments
@@ -224,6 +229,15 @@ def test_a_key_that_repeats_itself_is_masked_only_whole() -> None:
     # Twice is still random enough: a real key holds a repeated piece now and then.
     key = "sk-" + "abcd" * 2 + realistic("openai", 1)[8:24]
     assert Redactor([key]).text(f"<{key[:20]}>") == f"<{MASK_TEXT}>"
+    # The third time at the very end counts too.
+    key = "abcdZq8vRt2LmabcdX9pWc4abcd"
+    assert Redactor([key]).text(f"<{key[:20]}> <{key}>") == f"<{key[:20]}> <{MASK_TEXT}>"
+
+
+def test_a_key_of_exactly_24_characters_is_masked_in_fragments() -> None:
+    key = realistic("openai", 4)[8:32]
+    assert len(key) == 24
+    assert Redactor([key]).text(f"<{key[:12]}> <{key[-13:]}>") == f"<{MASK_TEXT}> <{MASK_TEXT}>"
 
 
 def test_frame_values_are_walked_at_any_depth() -> None:
@@ -255,6 +269,52 @@ def test_nothing_to_scrub() -> None:
     assert not Redactor([""])
     assert Redactor(["sk-abc"])
     assert Redactor(["sk-" + "a" * 30])
+
+
+# --- each form of a short secret, in data that only that form matches -------------------------
+
+
+@pytest.mark.parametrize(
+    ("secret", "written"),
+    [
+        ('pä"ss', json.dumps('pä"ss', ensure_ascii=False)[1:-1]),  # JSON that keeps "ä"
+        ("a/b/c", json.dumps("a/b/c")[1:-1].replace("/", "\\/")),  # JSON that escapes "/"
+        ('pa"ss', repr(json.dumps('pa"ss'))[2:-2]),  # JSON in a Python repr: "\\" doubled
+        ('pa"ss', json.dumps(json.dumps('pa"ss')[1:-1])[1:-1]),  # JSON in a JSON string
+        ("a/b c", quote("a/b c", safe="")),  # a query value: "/" encoded too
+        ("a/b c", lower_hex(quote("a/b c", safe=""))),
+        ("a/b c", quote_plus("a/b c")),
+    ],
+)
+def test_each_form_of_a_short_secret_is_masked(secret: str, written: str) -> None:
+    assert written != secret
+    assert Redactor([secret]).text(f"<{written}> {secret}") == f"<{MASK_TEXT}> {MASK_TEXT}"
+
+
+def test_a_short_secret_leaves_the_words_around_it() -> None:
+    # JSON's and Python's words, and pieces of them: what a form made of the wrong value holds.
+    text = 'null None true {"a": null} nu ul on'
+    assert Redactor(["hunter2"]).text(f"{text} hunter2") == f"{text} {MASK_TEXT}"
+
+
+def test_a_secret_with_a_lone_surrogate() -> None:
+    # A key read from bytes that were not UTF-8 ("surrogateescape"), in text with another.
+    key = "tok\udcffen-xyz"
+    redactor = Redactor([key])
+    assert redactor.text(f"a {key} b \udc80") == f"a {MASK_TEXT} b \udc80"
+    assert redactor.text(json.dumps(key)) == f'"{MASK_TEXT}"'
+    raw = key.encode("utf-8", "surrogatepass")
+    assert redactor.scrub(b"<" + raw + b">") == b"<" + MASK + b">"
+    assert redactor.scrub(quote(raw).encode()) == MASK
+
+
+def test_a_stream_starts_afresh_after_flush() -> None:
+    redactor = Redactor(["hunter2"])
+    assert redactor.stream(b"a hun") == b"a "  # "hun" may begin the secret: held back
+    assert redactor.flush() == b"hun"
+    assert redactor.stream(b"ter2 b") == b"ter2 b"  # a new stream: nothing carried over
+    assert redactor.flush() == b""
+    assert redactor.stream(b"hunter2.") == MASK + b"."
 
 
 # --- the matching rules, against a slow reference ---------------------------------------------
@@ -291,19 +351,35 @@ def whole_chars(form: bytes, start: int, end: int) -> bytes:
     return form[start:end]
 
 
+def whole_run(form: bytes, offset: int, data: bytes, at: int) -> int:
+    """The bytes of the longest run of whole characters of ``form`` from ``offset`` that
+    ``data`` holds at ``at``, if it has 12 characters or more; else 0."""
+    if form[offset] & 0xC0 == 0x80:
+        return 0  # inside a character of the form
+    end, limit = offset, min(len(form), offset + len(data) - at)
+    while end < limit and form[end] == data[at + end - offset]:
+        end += 1
+    while end < len(form) and form[end] & 0xC0 == 0x80:
+        end -= 1  # back to the end of a whole character
+    chars = sum(1 for byte in form[offset:end] if byte & 0xC0 != 0x80)
+    return end - offset if chars >= SHORTEST else 0
+
+
 def reference(secrets: list[str], data: bytes) -> bytes:
     """Leftmost, then longest, by brute force: a whole form of a secret masked only whole, or
-    12 bytes or more of a form of one masked in fragments (ASCII: bytes are characters)."""
+    a run of at least 12 whole characters of a form of one masked in fragments."""
     redactor = Redactor(secrets)
     whole = set(redactor._needles)
     parts = {form.data for form in redactor._forms}
     out, pos, at = [], 0, 0
     while at < len(data):
         longest = max((len(n) for n in whole if data.startswith(n, at)), default=0)
-        size = SHORTEST
-        while at + size <= len(data) and any(data[at : at + size] in f for f in parts):
-            longest = max(longest, size)
-            size += 1
+        probe = data[at : at + SHORTEST]  # 12 characters are 12 bytes or more
+        for form in parts if len(probe) == SHORTEST else ():
+            offset = form.find(probe)
+            while offset >= 0:
+                longest = max(longest, whole_run(form, offset, data, at))
+                offset = form.find(probe, offset + 1)
         if longest:
             out += [data[pos:at], MASK]
             at = pos = at + longest
@@ -324,11 +400,18 @@ def test_scrub_is_leftmost_longest(case: tuple[list[str], bytes, list[int]]) -> 
     assert streamed(secrets, data, points) == whole
 
 
-def seeded_stream(rng: random.Random) -> tuple[list[str], bytes, list[int]]:
-    """As ``mixed_streams(ALPHABET)`` draws them, but evenly over sizes: up to 12 pieces,
+#: Alphabets whose forms differ: UTF-8 of 2, 3 and 4 bytes (JSON writes "\\ud83d\\ude00"),
+#: second bytes odd and even, and the characters that escaping doubles.
+WIDE_ALPHABETS = ["a\u00e9\u20ac\U0001f600%", "бгезйлнпab", 'ab"\\/ \u00e9']
+
+
+def seeded_stream(
+    rng: random.Random, alphabet: str = ALPHABET
+) -> tuple[list[str], bytes, list[int]]:
+    """As ``mixed_streams(alphabet)`` draws them, but evenly over sizes: up to 12 pieces,
     most of them pieces of forms, so that stretches meet, overlap and continue one another."""
     secrets = [
-        "".join(rng.choices(ALPHABET, k=rng.randint(24, 40) if rng.random() < 0.7 else 8))
+        "".join(rng.choices(alphabet, k=rng.randint(24, 40) if rng.random() < 0.7 else 8))
         for _ in range(rng.randint(1, 3))
     ]
     every = sorted({form for s in secrets for form in _forms(s)})
@@ -337,9 +420,9 @@ def seeded_stream(rng: random.Random) -> tuple[list[str], bytes, list[int]]:
         if rng.random() < 0.75:
             form = rng.choice(every)
             a, b = sorted((rng.randint(0, len(form)), rng.randint(0, len(form))))
-            pieces.append(form[a:b])
+            pieces.append(form[a:b])  # may cut a character: the data need not be text
         else:
-            pieces.append("".join(rng.choices(ALPHABET + "\n", k=rng.randint(0, 4))).encode())
+            pieces.append("".join(rng.choices(alphabet + "\n", k=rng.randint(0, 4))).encode())
     return secrets, b"".join(pieces), [rng.randint(0, 10_000) for _ in range(rng.randint(0, 12))]
 
 
@@ -350,6 +433,18 @@ def test_scrub_is_leftmost_longest_on_seeded_streams(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(150):
         secrets, data, points = seeded_stream(rng)
+        whole = Redactor(secrets).scrub(data)
+        assert whole == reference(secrets, data), (secrets, data)
+        assert streamed(secrets, data, points) == whole, (secrets, data, points)
+
+
+@pytest.mark.parametrize("alphabet", WIDE_ALPHABETS)
+def test_scrub_is_leftmost_longest_in_whole_characters(alphabet: str) -> None:
+    """As above, for keys whose forms are not ASCII or are full of escapes: a fragment is
+    counted, begun and ended in whole characters of its form, wherever the data cuts it."""
+    rng = random.Random(alphabet)
+    for _ in range(300):
+        secrets, data, points = seeded_stream(rng, alphabet)
         whole = Redactor(secrets).scrub(data)
         assert whole == reference(secrets, data), (secrets, data)
         assert streamed(secrets, data, points) == whole, (secrets, data, points)

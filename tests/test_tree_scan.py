@@ -25,6 +25,7 @@ from isolate._core.containment.leaves import Leaves
 from isolate._core.tree import ProcessTree
 
 from .conftest import wait_for
+from .test_procfs import ZOMBIE_LEADER
 from .test_stale_leaves import cgroups_here
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -246,3 +247,84 @@ def test_a_teardown_with_no_grace_kills_at_once_and_counts_what_it_killed(
     assert anyio.run(sweep.kill, 0.0) == 2
     assert polite.wait(timeout=10) == -signal.SIGKILL  # no SIGTERM first
     assert stubborn.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_process_is_alive_while_any_of_its_threads_runs(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    leader = subprocess.Popen([sys.executable, "-c", ZOMBIE_LEADER])
+    started.append(leader)
+    leader_proc = psutil.Process(leader.pid)
+    wait_for(lambda: leader_proc.status() == psutil.STATUS_ZOMBIE, what="the leader's exit")
+    assert tree.is_alive(leader_proc)  # reads Z, yet its second thread runs
+    done = _sleeper(started, {})
+    done_proc = psutil.Process(done.pid)
+    done.kill()
+    wait_for(lambda: done_proc.status() == psutil.STATUS_ZOMBIE, what="the sleeper's death")
+    assert not tree.is_alive(done_proc)
+    done.wait()
+    assert not tree.is_alive(done_proc)  # reaped: no such process any more
+
+
+# Starts a chain of sleepers of the given length below it, each in a session of its own.
+CHAIN = (
+    "import subprocess, sys, time\n"
+    "if int(sys.argv[1]):\n"
+    "    more = [sys.executable, '-c', sys.orig_argv[2], str(int(sys.argv[1]) - 1)]\n"
+    "    subprocess.Popen(more, start_new_session=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _below(proc: subprocess.Popen[bytes], count: int) -> list[psutil.Process]:
+    """The ``count`` descendants ``proc`` starts, once all are there."""
+
+    def found() -> list[psutil.Process] | None:
+        below = psutil.Process(proc.pid).children(recursive=True)
+        return below if len(below) == count else None
+
+    below = wait_for(found, what=f"{count} processes below {proc.pid}")
+    assert below is not None
+    return below
+
+
+def test_live_finds_the_shims_descendants_in_sessions_of_their_own(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    shim = subprocess.Popen([sys.executable, "-c", CHAIN, "2"], start_new_session=True)
+    started.append(shim)
+    below = _below(shim, 2)  # a child and a grandchild, untagged, neither in the shim's session
+    sweep = ProcessTree(psutil.Process(shim.pid), shim.pid, None)
+    live = [p.pid for p in sweep.live()]
+    assert sorted(live[:-1]) == sorted(p.pid for p in below)
+    assert live[-1] == shim.pid
+
+
+def test_live_finds_the_members_of_the_session(started: list[subprocess.Popen[bytes]]) -> None:
+    # A session leader and its child, with no shim and no tag: the session scan alone.
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])", *SLEEPER],
+        start_new_session=True,
+    )
+    started.append(leader)
+    (child,) = _below(leader, 1)
+    sweep = ProcessTree(None, leader.pid, None)
+    assert sorted(p.pid for p in sweep.live()) == sorted([leader.pid, child.pid])
+
+
+def test_live_puts_the_shim_last_and_its_pid_1_just_before_it(
+    started: list[subprocess.Popen[bytes]],
+) -> None:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    # The shim's stand-in is unshare; PID 1 of the namespace, its child, starts a sleeper.
+    command = [unshare, "--pid", "--fork", "--kill-child", sys.executable, "-c", CHAIN, "1"]
+    shim = subprocess.Popen(command, start_new_session=True)
+    started.append(shim)
+    below = _below(shim, 2)
+    (pid_1,) = [p.pid for p in below if p.ppid() == shim.pid]
+    assert tree._is_pid_1(pid_1)
+    (sleeper,) = [p.pid for p in below if p.pid != pid_1]
+    sweep = ProcessTree(psutil.Process(shim.pid), shim.pid, None)
+    assert [p.pid for p in sweep.live()] == [sleeper, pid_1, shim.pid]
