@@ -57,8 +57,15 @@ def _slow() -> float:
 SLOW = _slow()
 
 # Hypothesis's deadline per example (200 ms unless a test sets its own) is one as well.
-hypothesis.settings.register_profile("isolate", deadline=datetime.timedelta(seconds=0.2 * SLOW))
-hypothesis.settings.load_profile("isolate")
+# On CI the examples are derived from each test's name, not drawn afresh: a red run is red again
+# on a rerun and on a laptop (``--hypothesis-profile=isolate-ci``), and a green one stays green.
+# Elsewhere every run draws new examples, and a failure prints the seed that reproduces it.
+_DEADLINE = datetime.timedelta(seconds=0.2 * SLOW)
+hypothesis.settings.register_profile("isolate", deadline=_DEADLINE)
+hypothesis.settings.register_profile(
+    "isolate-ci", deadline=_DEADLINE, derandomize=True, database=None, print_blob=True
+)
+hypothesis.settings.load_profile("isolate-ci" if on_ci() else "isolate")
 
 
 # --- skips on CI --------------------------------------------------------------------------------

@@ -427,11 +427,11 @@ def stdout_streams(draw: st.DrawFn) -> bytes:
 
 SIGNALS = [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM, signal.SIGABRT]
 # stderr is the agent's own: UTF-8 text (its characters cut anywhere by the writes), or any
-# bytes at all.
+# bytes at all. Text is what UTF-8 can encode: no lone surrogates.
 STDERR = {
-    "text on stderr": st.text(st.sampled_from("a\né€😀") | st.characters(), max_size=200).map(
-        str.encode
-    ),
+    "text on stderr": st.text(
+        st.sampled_from("a\né€😀") | st.characters(codec="utf-8"), max_size=200
+    ).map(str.encode),
     "bytes on stderr": st.binary(min_size=1, max_size=300),
 }
 
