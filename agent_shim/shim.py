@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 0x40000
+CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
 # After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
 # the parent promises its tree is gone within cancel_grace + 2 s of its own death.
 PARENT_GONE_GRACE = 1.0

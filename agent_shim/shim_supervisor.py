@@ -25,13 +25,13 @@ def contain(hs):
     problem = join_cgroups(hs.get("cgroups", ()))
     if problem is not None or "pidns" not in shim.layers_of(hs) or hs.get("forked"):
         return problem
-    problem = unshare_pidns(hs.get("userns", False))
+    problem = unshare_pidns(hs.get("userns", False), cgroupns=True)
     if problem is not None:
         return problem
     pid = os.fork()
     if pid:
         relay(pid)  # exits
-    return become_init()
+    return become_init(cgroupns=True)
 
 
 def join_cgroups(paths):
@@ -49,45 +49,29 @@ def join_cgroups(paths):
     return None
 
 
-def unshare_pidns(userns):
+def unshare_pidns(userns, cgroupns=False):
+    """New PID, mount, IPC and UTS namespaces (and a user one with ``userns``; a cgroup one with
+    ``cgroupns``, rooted at the cgroup this process is in: join the leaf first). A problem or
+    None."""
     uid, gid = os.getuid(), os.getgid()
-    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS | (shim.CLONE_NEWUSER if userns else 0)
+    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
+    flags |= (shim.CLONE_NEWUSER if userns else 0) | (shim.CLONE_NEWCGROUP if cgroupns else 0)
     result, errno = shim.c_call("unshare", flags)
     if result != 0:
-        return "unshare(%s): %s" % (
-            "user+pid+mount" if userns else "pid+mount",
+        return "unshare(%s%s): %s" % (
+            "user+pid+mount+ipc+uts" if userns else "pid+mount+ipc+uts",
+            "+cgroup" if cgroupns else "",
             os.strerror(errno),
         )
     return shim.map_own_ids(uid, gid) if userns else None
 
 
-def become_init():
-    """In PID 1 of the new namespace: die with the relay; mount a /proc that shows only the
-    namespace, or the supervisor's scan of /proc would see the whole machine."""
+def become_init(cgroupns=False):
+    """In PID 1 of the new namespace: die with the relay; build the episode's world (a /proc
+    that shows only the namespace, or the supervisor's scan of /proc would see the whole
+    machine; a /dev of its own; the cgroup view): shim_world.py. A problem or None."""
     shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # C strings as bytes, NULL as None, the flags as an int: what shim.c_call passes without ctypes
-    # itself, whose import would cost every episode in a namespace ~2 ms.
-    for args in (
-        (None, b"/", None, shim.MS_REC | shim.MS_PRIVATE, None),
-        (b"proc", b"/proc", b"proc", shim.MS_NOSUID | shim.MS_NODEV | shim.MS_NOEXEC, None),
-    ):
-        result, errno = shim.c_call("mount", *args)
-        if result != 0:
-            return "cannot mount a private /proc: %s" % os.strerror(errno)
-    return private_shm()
-
-
-def private_shm():
-    """A /dev/shm of the episode's own: the machine's is shared by every process, and what is
-    left there outlives the episode. It goes with the mount namespace; its pages are charged to
-    the cgroup of whoever writes them. A problem or None."""
-    if not os.path.isdir("/dev/shm"):
-        return None
-    flags = shim.MS_NOSUID | shim.MS_NODEV
-    result, errno = shim.c_call("mount", b"tmpfs", b"/dev/shm", b"tmpfs", flags, b"mode=1777")
-    if result != 0:
-        return "cannot mount a private /dev/shm: %s" % os.strerror(errno)
-    return None
+    return shim.load_part("world").build(cgroupns, shim.c_call)
 
 
 def relay(child):

@@ -14,10 +14,13 @@ import sys
 shim = sys.modules["_isolate_shim"]
 signal = shim.signal
 
-# What a root agent keeps, as Docker's default does: file ownership and permissions, setuid and
-# setgid, kill, raw and low-port sockets, chroot, mknod, audit writes, file capabilities. All
-# act inside the episode only; every other capability reaches past it. Bits of capability.h.
-KEPT_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 10, 13, 18, 27, 29, 31)
+# What a root agent keeps: file ownership and permissions, setuid and setgid, kill, low-port
+# sockets, chroot, audit writes. Docker keeps raw sockets, mknod and file capabilities too, in a
+# container with a network and a /dev of its own; here the episode may share the machine's
+# network namespace (a raw socket reads every process's loopback traffic) and its writable
+# paths (a device node made there opens the machine's disk; a file capability outlives the
+# episode), so those go. Every other capability reaches past the episode. Bits of capability.h.
+KEPT_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 10, 18, 29)
 CAP_SETPCAP = 8
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522

@@ -437,24 +437,39 @@ def machine_has(layer: str) -> bool:
 
 
 AUTO_REPORTER = """
-import os
+import os, time
 def run(data):
-    cgroup = open("/proc/self/cgroup").read()
-    return 1.0, {"cgroup": cgroup, "pidns": os.readlink("/proc/self/ns/pid")}
+    open(data["go"] + ".ready", "w").close()
+    while not os.path.exists(data["go"]):  # the test reads our cgroup from outside meanwhile
+        time.sleep(0.01)
+    return 1.0, {"pidns": os.readlink("/proc/self/ns/pid")}
 """
 
 
 async def test_auto_picks_the_strongest_combination_available(agents: Agents) -> None:
     # The expectation comes from the machine itself, not from the probe resolve uses; what the
-    # agent sees from inside says which layers it really got.
+    # agent really got is seen from outside (its cgroup: inside, a cgroup namespace shows its
+    # leaf as "/") and from inside (its PID namespace).
     expected = next(
         c for c in _containment.AUTO if all(machine_has(x) for x in _containment.layers(c))
     )
-    outcome = await isolate.run_episode(agents.spec(AUTO_REPORTER), {})
+    go = agents.tmp / "go"
+    cgroups: list[str] = []
+
+    def look() -> None:
+        wait_for(Path(f"{go}.ready").exists, 10 * SLOW, "the agent")
+        procs = agents.left()
+        assert procs
+        cgroups.extend(Path(f"/proc/{p.pid}/cgroup").read_text() for p in procs)
+        go.touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, look)
+        outcome = await isolate.run_episode(agents.spec(AUTO_REPORTER), {"go": str(go)})
     assert outcome.status == "ok", outcome.summary()
     assert outcome.containment == expected
     seen = set()
-    if "/isolate/" in outcome.info["cgroup"]:
+    if all("/isolate/" in cgroup for cgroup in cgroups):
         seen.add("cgroup")
     if outcome.info["pidns"] != os.readlink("/proc/self/ns/pid"):
         seen.add("pidns")

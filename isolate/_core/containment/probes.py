@@ -240,8 +240,9 @@ def layers(containment: str) -> tuple[str, ...]:
     return () if containment in ("session", "auto") else tuple(containment.split("+"))
 
 
-#: The capabilities a root agent keeps (Docker's default set); every other one is dropped from
-#: all five sets before the agent's code runs, and an unprivileged trainer's agent has none.
+#: The capabilities a root agent keeps (Docker's default set less NET_RAW, MKNOD and SETFCAP,
+#: which act on the machine's loopback, devices and files); every other one is dropped from all
+#: five sets before the agent's code runs, and an unprivileged trainer's agent has none.
 KEPT_CAPABILITIES = (
     "CHOWN",
     "DAC_OVERRIDE",
@@ -251,11 +252,8 @@ KEPT_CAPABILITIES = (
     "SETGID",
     "SETUID",
     "NET_BIND_SERVICE",
-    "NET_RAW",
     "SYS_CHROOT",
-    "MKNOD",
     "AUDIT_WRITE",
-    "SETFCAP",
 )
 
 

@@ -1,0 +1,118 @@
+"""The episode's world, built in PID 1 of its namespaces before anything of the agent runs.
+
+Loaded with ``load_part("world")``; standard library only, Python 3.9+, no side effect at
+import. The namespaces themselves are made by the supervisor's ``unshare_pidns``: PID, mount,
+IPC and UTS, the cgroup one for a fresh episode, a user one for an unprivileged trainer. Here,
+in the new mount namespace, private and so invisible to the machine:
+
+- ``/proc`` of the PID namespace, so that no process outside it can be named;
+- ``/dev`` assembled: a tmpfs with ``null``, ``zero``, ``full``, ``random``, ``urandom`` and
+  ``tty`` bound from the machine's, a devpts instance of its own (``/dev/pts``, ``/dev/ptmx``:
+  no terminal of the machine's can be opened), a ``/dev/shm`` and a ``/dev/mqueue`` of the
+  episode's own, and the ``fd``, ``stdin``, ``stdout``, ``stderr`` links. No disk, no other
+  device of the machine's has a name in it;
+- with a cgroup namespace, ``/sys/fs/cgroup`` mounted anew, read-only, cgroup v2 only: the
+  episode's leaf is its root, and no cgroup above it can be named (the kernel refuses a move
+  out of the namespace's root anyway).
+
+``build(cgroupns, c_call)`` returns a problem in words, or None; ``c_call`` is the shim's call
+into the C library (ints, bytes, None), which spares the import of ctypes.
+"""
+
+import os
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
+O_PATH = getattr(os, "O_PATH", 0o10000000)
+
+#: The device nodes an episode finds in its /dev, bound from the machine's.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+#: Links in /dev, as a system's udev makes them.
+LINKS = (
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+    ("ptmx", "pts/ptmx"),
+)
+QUIET = MS_NOSUID | MS_NODEV | MS_NOEXEC
+
+
+def build(cgroupns, c_call):
+    """Mount the episode's /proc, /dev and cgroup view; a problem or None."""
+
+    def mount(source, target, fstype, flags, data=None):
+        result, errno = c_call("mount", source, target, fstype, flags, data)
+        return None if result == 0 else "%s: %s" % (target.decode(), os.strerror(errno))
+
+    problem = mount(None, b"/", None, MS_REC | MS_PRIVATE)
+    problem = problem or mount(b"proc", b"/proc", b"proc", QUIET)
+    if problem is not None:
+        return "cannot mount a private /proc: " + problem
+    problem = private_dev(mount)
+    if problem is not None:
+        return "cannot assemble a private /dev: " + problem
+    problem = cgroup_view(mount) if cgroupns else None
+    if problem is not None:
+        return "cannot mount a read-only view of the episode's cgroup: " + problem
+    return None
+
+
+def private_dev(mount):
+    """A tmpfs over /dev with the few nodes an agent needs; a problem or None."""
+    if not os.path.isdir("/dev"):
+        return None
+    nodes = {}
+    try:
+        for name in DEVICES:
+            try:
+                nodes[name] = os.open("/dev/" + name, O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass  # a machine without it: neither has the episode
+        problem = mount(b"tmpfs", b"/dev", b"tmpfs", MS_NOSUID | MS_NOEXEC, b"mode=755,size=64k")
+        if problem is not None:
+            return problem
+        for name, fd in nodes.items():
+            target = b"/dev/" + name.encode()
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
+            # The machine's node, by the fd opened before /dev was covered.
+            problem = mount(b"/proc/self/fd/%d" % fd, target, None, MS_BIND)
+            if problem is not None:
+                return problem
+    finally:
+        for fd in nodes.values():
+            os.close(fd)
+    for name, options in (
+        ("pts", b"newinstance,ptmxmode=0666,mode=620"),
+        ("shm", b"mode=1777"),
+        ("mqueue", None),
+    ):
+        os.mkdir("/dev/" + name, 0o755)
+        fstype = {"pts": b"devpts", "shm": b"tmpfs", "mqueue": b"mqueue"}[name]
+        flags = MS_NOSUID | MS_NOEXEC if name == "pts" else QUIET
+        problem = mount(fstype, b"/dev/" + name.encode(), fstype, flags, options)
+        if problem is not None and name != "mqueue":
+            return problem  # a kernel without POSIX message queues has no such file system
+    for name, target in LINKS:
+        os.symlink(target, "/dev/" + name)
+    return None
+
+
+def cgroup_view(mount):
+    """Over /sys/fs/cgroup, read-only: cgroup v2 where the machine has it (there, or at
+    ``unified`` on a hybrid host, in an empty tmpfs that hides the v1 trees). A problem or
+    None."""
+    top = "/sys/fs/cgroup"
+    if not os.path.isdir(top):
+        return None
+    with open("/proc/self/mounts") as f:
+        points = [fields[1] for fields in map(str.split, f) if fields[2] == "cgroup2"]
+    points = [p for p in points if p == top or p.startswith(top + "/")]
+    view = b"cgroup2", b"cgroup2", QUIET | MS_RDONLY
+    if top in points:
+        return mount(view[0], top.encode(), view[1], view[2])
+    problem = mount(b"tmpfs", top.encode(), b"tmpfs", QUIET, b"mode=755,size=4k")
+    for point in points if problem is None else ():
+        os.makedirs(point, 0o555, exist_ok=True)
+        problem = problem or mount(view[0], point.encode(), view[1], view[2])
+    return problem or mount(None, top.encode(), None, MS_BIND | MS_REMOUNT | QUIET | MS_RDONLY)

@@ -1,0 +1,377 @@
+"""The episode's world, built for it: attacks on each kernel object an episode with a PID
+namespace could share with the trainer (System V IPC, POSIX message queues, terminals, device
+nodes, raw sockets on loopback, the cgroup tree, the host name), from inside an episode, against
+a stand-in trainer with a unique marker that holds a credential in each; with a control that
+runs the same attack from a plain process and reaches it. As root at each combination with a
+PID namespace, and as an unprivileged trainer (``nobody``, in a user namespace).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import isolate
+
+from .conftest import SLOW, episode_processes
+from .test_containment import COMBINATIONS, needs
+from .test_hostile_wall import NOBODY, as_nobody, unprivileged_python
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="namespaces are Linux's"),
+]
+
+#: The stand-in trainer: a System V segment, semaphore set and message queue holding (or named
+#: by) its credential, and a terminal of its own; says where they are, holds them until EOF.
+STANDIN = r"""
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT = 0o1000
+credential = sys.argv[1].encode()
+shmid = libc.shmget(0, 4096, IPC_CREAT | 0o666)  # IPC_PRIVATE: found by id, not by key
+address = libc.shmat(shmid, None, 0)
+ctypes.memmove(address, credential, len(credential))
+semid = libc.semget(0, 1, IPC_CREAT | 0o666)
+msqid = libc.msgget(0, IPC_CREAT | 0o666)
+master, slave = os.openpty()
+os.fchmod(slave, 0o666)
+print(json.dumps({"shmid": shmid, "semid": semid, "msqid": msqid, "pty": os.ttyname(slave)}),
+      flush=True)
+sys.stdin.read()
+for remove in (lambda: libc.shmctl(shmid, 0, None), lambda: libc.semctl(semid, 0, 0),
+               lambda: libc.msgctl(msqid, 0, None)):
+    remove()  # IPC_RMID
+"""
+
+#: The attack, as a module: run in an episode, and in a plain process for the control.
+ATTACK = r"""
+import ctypes, errno, json, os, socket, sys
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT = 0o1000
+
+
+def err(call):
+    try:
+        call()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def c_err(result):
+    return "done" if result not in (-1, None, ctypes.c_void_p(-1).value) else errno.errorcode[
+        ctypes.get_errno()]
+
+
+def ids(path):
+    with open(path) as f:
+        return [line.split()[1] for line in f.readlines()[1:]]
+
+
+def attack(data):
+    out = {}
+    # System V: the trainer's segment listed, attached, read; its semaphores and queue.
+    out["shm listed"] = str(data["shmid"]) in ids("/proc/sysvipc/shm")
+    address = libc.shmat(data["shmid"], None, 0)
+    out["shm attached"] = c_err(address)
+    if out["shm attached"] == "done":
+        out["shm read"] = ctypes.string_at(address, len(data["credential"])).decode()
+    out["sem listed"] = str(data["semid"]) in ids("/proc/sysvipc/sem")
+    out["sem reached"] = c_err(libc.semctl(data["semid"], 0, 12))  # GETVAL
+    out["msg listed"] = str(data["msqid"]) in ids("/proc/sysvipc/msg")
+    out["msg reached"] = c_err(libc.msgctl(data["msqid"], 2, ctypes.create_string_buffer(256)))
+    # What the episode leaves for the next one: a segment, semaphores, a queue by key.
+    key = data["leave_key"]
+    out["leave shm"] = c_err(libc.shmget(key, 4096, IPC_CREAT | 0o600))
+    out["leave sem"] = c_err(libc.semget(key, 1, IPC_CREAT | 0o600))
+    out["leave msg"] = c_err(libc.msgget(key, IPC_CREAT | 0o600))
+    # The trainer's terminal.
+    out["pty"] = err(lambda: os.close(os.open(data["pty"], os.O_RDWR | os.O_NOCTTY)))
+    # Devices: the machine's disk by name, one made anew, the names /dev holds.
+    out["disk"] = err(lambda: os.close(os.open(data["disk"], os.O_RDONLY)))
+    node = os.path.join(data["scratch"], "node-%d" % os.getpid())
+    out["mknod"] = err(lambda: os.mknod(node, 0o600 | 0o60000, os.makedev(7, 0)))
+    if out["mknod"] == "done":
+        os.unlink(node)
+    out["dev"] = sorted(os.listdir("/dev"))
+    # Raw sockets: every process's loopback traffic.
+    out["raw socket"] = err(lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0).close())
+    # The cgroup tree above the episode, named by the trainer's path to it.
+    out["cgroup line"] = open("/proc/self/cgroup").read().splitlines()[-1]
+    out["cgroup move"] = err(lambda: open(data["cgroup_procs"], "w").write(str(os.getpid())))
+    out["cgroup mkdir"] = err(lambda: os.mkdir(data["cgroup_dir"] + "/made-by-agent"))
+    # Namespaces.
+    for kind in ("ipc", "uts", "cgroup", "pid", "mnt"):
+        out["ns " + kind] = os.readlink("/proc/self/ns/" + kind) != data["ns"][kind]
+    out["hostname"] = err(lambda: socket.sethostname("episode-renamed"))
+    return out
+
+
+def run(data):
+    return 1.0, attack(data)
+
+
+if __name__ == "__main__":
+    print(json.dumps(attack(json.loads(sys.argv[1]))))
+"""
+
+#: What a world built for the episode holds in /dev.
+EPISODE_DEV = sorted(
+    ["fd", "full", "mqueue", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin"]
+    + ["stdout", "tty", "urandom", "zero"]
+)
+
+
+def own_cgroup() -> Path:
+    """The trainer's cgroup v2 directory, where the machine has cgroup v2."""
+    line = Path("/proc/self/cgroup").read_text().splitlines()[-1]
+    path = line.split(":", 2)[2]
+    mounts = [m.split() for m in Path("/proc/self/mounts").read_text().splitlines()]
+    point = next(m[1] for m in mounts if m[2] == "cgroup2")
+    return Path(point + path.rstrip("/"))
+
+
+def a_disk() -> str:
+    """A block device of the machine, by its path under /dev."""
+    for name in sorted(os.listdir("/dev")):
+        if stat.S_ISBLK(os.stat(f"/dev/{name}", follow_symlinks=False).st_mode):
+            return f"/dev/{name}"
+    raise AssertionError("this machine has no block device in /dev")
+
+
+class Standin:
+    """A stand-in trainer process with a unique marker in its environment."""
+
+    def __init__(self, argv_prefix: list[str], python: str, env: dict[str, str]) -> None:
+        self.marker = f"isolate-standin-{uuid.uuid4().hex}"
+        self.credential = f"sk-standin-{uuid.uuid4().hex}"
+        self.proc = subprocess.Popen(
+            [*argv_prefix, python, "-c", STANDIN, self.credential],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**env, "STANDIN_MARKER": self.marker},
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.held: dict[str, Any] = json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10 * SLOW)
+        self.proc.stdout.close()
+        assert episode_processes(f"STANDIN_MARKER={self.marker}".encode()) == []
+
+
+def attack_data(standin: Standin, scratch: Path, leave_key: int) -> dict[str, Any]:
+    cgroup = own_cgroup()
+    return {
+        **standin.held,
+        "credential": standin.credential,
+        "leave_key": leave_key,
+        "disk": a_disk(),
+        "scratch": str(scratch),
+        "cgroup_procs": str(cgroup / "cgroup.procs"),
+        "cgroup_dir": str(cgroup),
+        "ns": {
+            k: os.readlink(f"/proc/self/ns/{k}") for k in ("ipc", "uts", "cgroup", "pid", "mnt")
+        },
+    }
+
+
+NAMESPACES = ("ipc", "uts", "cgroup", "pid", "mnt")
+
+
+def host_ipc_keys() -> set[int]:
+    keys = set()
+    for kind in ("shm", "sem", "msg"):
+        for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+            keys.add(int(line.split()[0]))
+    return keys
+
+
+def remove_ipc(key: int) -> None:
+    """Remove the System V objects of this key from the machine, where there are any."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for get, control, args in (
+        (libc.shmget, libc.shmctl, (0, 0)),
+        (libc.semget, libc.semctl, (0, 0)),
+        (libc.msgget, libc.msgctl, (0,)),
+    ):
+        found = get(key, *args)
+        if found >= 0:
+            control(found, 0, None)  # IPC_RMID
+
+
+#: What the attack finds from inside an episode with a PID namespace, at every combination.
+REFUSED: dict[str, Any] = {
+    "shm listed": False,
+    "shm attached": "EINVAL",
+    "sem listed": False,
+    "sem reached": "EINVAL",
+    "msg listed": False,
+    "msg reached": "EINVAL",
+    "leave shm": "done",  # made, in the episode's own IPC namespace: gone with it
+    "leave sem": "done",
+    "leave msg": "done",
+    "pty": "ENOENT",
+    "disk": "ENOENT",
+    "mknod": "EPERM",
+    "dev": EPISODE_DEV,
+    "raw socket": "EPERM",
+    "ns ipc": True,
+    "ns uts": True,
+    "ns pid": True,
+    "ns mnt": True,
+    "hostname": "EPERM",
+}
+
+
+def refused(found: dict[str, Any], *, cgroupns: bool) -> dict[str, Any]:
+    """The findings to compare with REFUSED, and the cgroup's, judged apart."""
+    seen = {k: found[k] for k in REFUSED}
+    assert found["ns cgroup"] is cgroupns, found
+    if cgroupns:
+        assert found["cgroup line"] == "0::/", found  # the leaf is the namespace's root
+        assert found["cgroup move"] in ("ENOENT", "EROFS"), found
+        assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
+    return seen
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="isolate-world-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_same_attack_from_a_plain_process_reaches_everything(scratch: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the control's raw socket and mknod need root")
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    try:
+        (scratch / "attack.py").write_text(ATTACK)
+        key = 0x150_0000 + os.getpid() % 0xFFFF
+        data = attack_data(standin, scratch, key)
+        done = subprocess.run(
+            [sys.executable, str(scratch / "attack.py"), json.dumps(data)],
+            capture_output=True,
+            text=True,
+            timeout=30 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout)
+        assert found["shm listed"]
+        assert found["shm read"] == standin.credential
+        assert (found["sem listed"], found["sem reached"]) == (True, "done")
+        assert (found["msg listed"], found["msg reached"]) == (True, "done")
+        assert (found["pty"], found["disk"], found["mknod"]) == ("done", "done", "done")
+        assert found["raw socket"] == "done"
+        assert set(EPISODE_DEV) - {"mqueue"} < set(found["dev"])
+        assert not any(found["ns " + k] for k in ("ipc", "uts", "cgroup", "pid", "mnt"))
+        assert found["cgroup mkdir"] == "done"
+        assert key in host_ipc_keys()  # the control's leftovers are the machine's
+    finally:
+        made = own_cgroup() / "made-by-agent"
+        if made.exists():
+            made.rmdir()
+        remove_ipc(key)
+        standin.close()
+
+
+@pytest.mark.parametrize("containment", [c for c in COMBINATIONS if "pidns" in c])
+async def test_an_episode_reaches_none_of_the_trainers_objects(
+    agents: Any, scratch: Path, containment: str
+) -> None:
+    needs(containment)
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    key = 0x151_0000 + os.getpid() % 0xFFFF
+    try:
+        spec = agents.spec(ATTACK, containment=containment, cwd=scratch)
+        outcome = await isolate.run_episode(spec, attack_data(standin, scratch, key))
+        assert outcome.status == "ok", outcome.summary()
+        assert outcome.containment == containment
+        found = outcome.info
+        assert "shm read" not in found
+        assert refused(found, cgroupns=True) == REFUSED
+        assert key not in host_ipc_keys()  # what the episode made went with its namespace
+        assert agents.left() == []
+    finally:
+        remove_ipc(key)  # should the episode have made them on the machine
+        standin.close()
+
+
+UNPRIVILEGED_PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work, data = sys.argv[1], json.loads(sys.argv[2])
+
+async def main():
+    spec = isolate.EpisodeSpec(
+        agent_root=os.path.join(work, "agent_root"), entrypoint="attack:run",
+        containment="pidns", timeout=60.0, kill_grace=1.0, cwd=data["scratch"],
+        env={"PID_DIR": os.path.join(work, "pids")},
+    )
+    outcome = await isolate.run_episode(spec, data)
+    print(json.dumps(json.loads(outcome.model_dump_json())))
+
+anyio.run(main)
+"""
+
+
+def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(scratch: Path) -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    repo = Path(isolate.__file__).resolve().parent.parent
+    found_python = unprivileged_python(repo)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    work = scratch / "work"
+    for sub in ("agent_root", "pids"):
+        (work / sub).mkdir(parents=True)
+    (work / "agent_root" / "attack.py").write_text(ATTACK)
+    (work / "parent.py").write_text(UNPRIVILEGED_PARENT)
+    for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+        path.chmod(0o777)
+    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    standin = Standin(prefix, python, {"PATH": os.environ["PATH"], **env})
+    key = 0x152_0000 + os.getpid() % 0xFFFF
+    try:
+        data = attack_data(standin, scratch, key)
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work), json.dumps(data)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcome = json.loads(done.stdout.splitlines()[-1])
+        assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+        found = outcome["info"]
+        assert "shm read" not in found
+        assert refused(found, cgroupns=True) == REFUSED
+        assert key not in host_ipc_keys()
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
+    finally:
+        remove_ipc(key)
+        standin.close()
