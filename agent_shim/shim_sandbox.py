@@ -5,11 +5,13 @@ The parent computed the plan (``isolate/_core/sandbox.py``): Landlock rules as `
 pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
 
 1. a mount namespace of our own, if the episode has none (``unshare_mounts``), private, so
-   nothing mounted here reaches the machine, with a /dev/shm of its own (a PID namespace's
-   supervisor mounts one too);
-2. the mounts: ``pin`` binds a directory onto itself (a mount point cannot be renamed or
-   removed), ``ro`` binds a path read-only onto itself, ``hide-dir`` puts an empty read-only
-   tmpfs over a directory, ``hide-file`` binds ``/dev/null`` read-only over a file;
+   nothing mounted here reaches the machine, with a /dev of its own (``shim_world.py``; a PID
+   namespace's PID 1 has built one already);
+2. the mounts: ``view`` makes every mount below a path read-only and nosuid (``/``: the
+   episode's view of the machine), ``rw`` binds a writable path onto itself, writable and
+   nodev, ``pin`` binds a directory onto itself (a mount point cannot be renamed or removed),
+   ``ro`` binds a path read-only onto itself, ``hide-dir`` puts an empty read-only tmpfs over a
+   directory, ``hide-file`` binds ``/dev/null`` read-only over a file;
 3. no_new_privs, and one Landlock domain: every file-system right this kernel knows is handled
    (so denied unless a rule allows it), and TCP connect when there are ports. A domain also
    refuses the agent mount and umount, so it cannot take the mounts away.
@@ -17,8 +19,8 @@ pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
 Every call into the C library goes through the shim's ``c_call`` (ints, bytes, None), the
 Landlock part's too: importing ctypes would cost every episode ~1.7 ms.
 
-``enter(plan, landlock, c_call)`` returns what could not be done, one line each; the caller decides
-whether that ends the episode (``best_effort``).
+``enter(plan, landlock, world, c_call)`` returns what could not be done, one line each; the caller
+decides whether that ends the episode (``best_effort``).
 """
 
 import os
@@ -27,15 +29,19 @@ CLONE_NEWNS = 0x20000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# mount_setattr(2), Linux 5.12: the same number on x86_64 and aarch64.
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
 # statvfs flags with the same meaning as mount flags. A remount must repeat those the mount
 # has (in a user namespace they are locked: leaving one out is EPERM).
 _KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
 _KEPT += ((1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
 
 
-def enter(plan, landlock, c_call):
-    """``c_call``: the shim's call into the C library (ints, bytes, None), which spares the
-    import of ctypes; the Landlock part makes its calls through it too."""
+def enter(plan, landlock, world, c_call):
+    """``landlock``, ``world``: the shim's parts of those names; ``c_call``: the shim's call
+    into the C library (ints, bytes, None), which spares the import of ctypes; the Landlock part
+    makes its calls through it too."""
     landlock.use(c_call)
     problems = []
 
@@ -53,23 +59,35 @@ def enter(plan, landlock, c_call):
         if problem is not None:
             problems.append("mounts: no mount namespace of our own: %s" % problem)
             mount = None
-        elif os.path.isdir("/dev/shm"):
-            # The machine's /dev/shm is shared, and outlives the episode: one of its own.
-            problem = mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777")
+        else:
+            # The machine's /dev is shared (its terminals, its disks; /dev/shm outlives the
+            # episode): one of the episode's own, as PID 1 of a namespace builds it.
+            problem = world.private_dev(mount)
             if problem is not None:
-                problems.append("mounts: no private /dev/shm: %s" % problem)
+                problems.append("mounts: no private /dev: %s" % problem)
     if mount is not None:
         for op, path in plan.get("mounts", ()):
-            problem = _mount_one(mount, op, path)
+            problem = _mount_one(mount, op, path, c_call)
             if problem is not None:
                 problems.append("mount %s %s: %s" % (op, path, problem))
+        try:
+            # The working directory, entered before the mounts, is the mount below them still.
+            os.chdir(os.getcwd())
+        except OSError as exc:
+            problems.append("mounts: cannot enter the working directory again: %s" % exc)
     problems.extend(_landlock(plan, landlock))
     return problems
 
 
-def _mount_one(mount, op, path):
+def _mount_one(mount, op, path, c_call):
     if not os.path.lexists(path):
         return None  # gone since the parent looked: nothing left to protect or hide
+    if op == "view":
+        return _read_only_view(path, c_call)
+    if op == "rw":
+        # A writable path in the read-only view: a bind of its own, writable, no devices.
+        problem = mount(path, path, None, MS_BIND | MS_REC)
+        return problem or _setattr(c_call, path, 0, MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY)
     if op == "pin":
         return mount(path, path, None, MS_BIND | MS_REC)
     if op == "ro":
@@ -89,6 +107,28 @@ def _mount_one(mount, op, path):
         if kept & bit:
             flags |= flag
     return mount(None, path, None, flags)
+
+
+def _read_only_view(top, c_call):
+    """Every mount at and below ``top`` read-only and nosuid, so that what the agent may not
+    write it cannot chmod, chown, touch or set an attribute on either (EROFS), whatever its
+    capabilities; the episode's own /dev/shm, /dev/pts and /dev/mqueue stay writable. A problem
+    or None."""
+    problem = _setattr(c_call, top, AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+    for path in ("/dev/shm", "/dev/pts", "/dev/mqueue"):
+        if problem is None and os.path.ismount(path):
+            problem = _setattr(c_call, path, 0, 0, MOUNT_ATTR_RDONLY)
+    return problem
+
+
+def _setattr(c_call, path, flags, attr_set, attr_clr):
+    """mount_setattr(2) on ``path``: set and clear MOUNT_ATTR_* flags; a problem or None."""
+    attr = b"".join(x.to_bytes(8, "little") for x in (attr_set, attr_clr, 0, 0))
+    nr = SYS_MOUNT_SETATTR
+    result, errno = c_call("syscall", nr, AT_FDCWD, os.fsencode(path), flags, attr, len(attr))
+    if result != 0:
+        return "mount_setattr: " + os.strerror(errno)
+    return None
 
 
 def _landlock(plan, ll):

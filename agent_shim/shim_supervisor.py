@@ -21,9 +21,13 @@ signal = shim.signal
 def contain(hs):
     """Join the episode's cgroups; with pidns, fork PID 1 of a new PID namespace, and turn this
     process into a relay. Returns a problem, or None in the process that carries on. A
-    template's fork (``forked``) lives in its template's PID namespace already."""
+    template's fork (``forked``) lives in its template's namespaces already, and the parent
+    moved it into its leaf before the handshake (the template's cgroup view does not show the
+    machine's tree)."""
+    if hs.get("forked"):
+        return None
     problem = join_cgroups(hs.get("cgroups", ()))
-    if problem is not None or "pidns" not in shim.layers_of(hs) or hs.get("forked"):
+    if problem is not None or "pidns" not in shim.layers_of(hs):
         return problem
     problem = unshare_pidns(hs.get("userns", False), cgroupns=True)
     if problem is not None:

@@ -261,10 +261,14 @@ def enter_wall(wall, control, life):
     # A subreaper, so that a process the import started stays its child, found and killed.
     shim.set_subreaper()
     problem = supervisor.join_cgroups(wall.get("cgroups", ()))
+    if problem is None and pidns:
+        # Rooted at the importer's leaf: the forks, moved into leaves beside it, cannot leave
+        # theirs. PID 1 stays out of it, so that closing the template spares its forks.
+        problem = shim.load_part("world").cgroup_namespace(shim.c_call)
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
-    for part in ("cancel", "seccomp", "sandbox", "landlock"):
+    for part in ("cancel", "seccomp", "sandbox", "landlock", "world"):
         shim.load_part(part)
     import resource  # noqa: F401 - the worker sets the episode's rlimits with it
 
@@ -275,7 +279,8 @@ def enter_wall(wall, control, life):
     sandbox = wall.get("sandbox")
     if sandbox is not None:
         part = shim.load_part("sandbox")
-        missing = part.enter(sandbox, shim.load_part("landlock"), shim.c_call)
+        parts = shim.load_part("landlock"), shim.load_part("world")
+        missing = part.enter(sandbox, *parts, shim.c_call)
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):

@@ -186,7 +186,8 @@ def enter_sandbox(sandbox, channel):
             missing.append("network isolation: " + problem)
     # Last before the agent's import: the shim's own parts are loaded by now.
     landlock = shim.load_part("landlock")
-    missing += shim.load_part("sandbox").enter(sandbox, landlock, shim.c_call)
+    world = shim.load_part("world")
+    missing += shim.load_part("sandbox").enter(sandbox, landlock, world, shim.c_call)
     if missing and not sandbox.get("best_effort"):
         message = "sandbox: cannot enforce " + "; ".join(missing)
         channel.send("error", kind="setup", type="SandboxError", message=message)

@@ -24,6 +24,7 @@ import os
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
 O_PATH = getattr(os, "O_PATH", 0o10000000)
+CLONE_NEWCGROUP = 0x02000000
 
 #: The device nodes an episode finds in its /dev, bound from the machine's.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -40,11 +41,7 @@ QUIET = MS_NOSUID | MS_NODEV | MS_NOEXEC
 
 def build(cgroupns, c_call):
     """Mount the episode's /proc, /dev and cgroup view; a problem or None."""
-
-    def mount(source, target, fstype, flags, data=None):
-        result, errno = c_call("mount", source, target, fstype, flags, data)
-        return None if result == 0 else "%s: %s" % (target.decode(), os.strerror(errno))
-
+    mount = mounter(c_call)
     problem = mount(None, b"/", None, MS_REC | MS_PRIVATE)
     problem = problem or mount(b"proc", b"/proc", b"proc", QUIET)
     if problem is not None:
@@ -55,6 +52,29 @@ def build(cgroupns, c_call):
     problem = cgroup_view(mount) if cgroupns else None
     if problem is not None:
         return "cannot mount a read-only view of the episode's cgroup: " + problem
+    return None
+
+
+def mounter(c_call):
+    """mount(2) through ``c_call``, with bytes arguments: a problem in words, or None."""
+
+    def mount(source, target, fstype, flags, data=None):
+        result, errno = c_call("mount", source, target, fstype, flags, data)
+        return None if result == 0 else "%s: %s" % (target.decode(), os.strerror(errno))
+
+    return mount
+
+
+def cgroup_namespace(c_call):
+    """A cgroup namespace rooted at this process's cgroup, and its read-only view over
+    /sys/fs/cgroup (in the mount namespace this process shares with its PID 1): a template's
+    importer, once in its leaf. A problem or None."""
+    result, errno = c_call("unshare", CLONE_NEWCGROUP)
+    if result != 0:
+        return "unshare(cgroup): " + os.strerror(errno)
+    problem = cgroup_view(mounter(c_call))
+    if problem is not None:
+        return "cannot mount a read-only view of the template's cgroup: " + problem
     return None
 
 

@@ -366,15 +366,22 @@ async def test_rename_a_file_out_of_the_working_directory(world: World) -> None:
                                    capture_output=True).returncode
         out["home"] = try_(os.rename, os.path.join(cwd, "module.py"),
                            os.path.join(home, "module.py"))
-        # Legitimate: renames within the working directory and into TMPDIR.
+        # Legitimate: renames within the working directory, and a move into TMPDIR: another
+        # writable mount of the view, where rename(2) is EXDEV and a move copies.
         os.mkdir(os.path.join(cwd, "pkg"))
         os.rename(os.path.join(cwd, "module.py"), os.path.join(cwd, "pkg", "module.py"))
         os.rename(os.path.join(cwd, "pkg"), os.path.join(cwd, "pkg2"))
         write(os.path.join(cwd, "scratch"), "s")
-        os.rename(os.path.join(cwd, "scratch"), os.path.join(tempfile.gettempdir(), "scratch"))
+        scratch = os.path.join(tempfile.gettempdir(), "scratch")
+        out["to tmp"] = try_(os.rename, os.path.join(cwd, "scratch"), scratch)
+        import shutil
+        shutil.move(os.path.join(cwd, "scratch"), scratch)
+        out["tmp"] = open(scratch).read()
         out["moved"] = sorted(os.listdir(os.path.join(cwd, "pkg2")))
         """
     )
+    assert found["to tmp"].startswith("denied: [Errno 18] "), found  # EXDEV
+    assert found["tmp"] == "s"
     assert _denied(found["rename"]), found
     assert _denied(found["home"]), found
     assert found["mv"] != 0

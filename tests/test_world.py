@@ -25,7 +25,7 @@ import pytest
 
 import isolate
 
-from .conftest import SLOW, episode_processes
+from .conftest import SLOW, both_starts, episode_processes
 from .test_containment import COMBINATIONS, needs
 from .test_hostile_wall import NOBODY, as_nobody, unprivileged_python
 
@@ -244,14 +244,16 @@ REFUSED: dict[str, Any] = {
 }
 
 
-def refused(found: dict[str, Any], *, cgroupns: bool) -> dict[str, Any]:
-    """The findings to compare with REFUSED, and the cgroup's, judged apart."""
+def refused(found: dict[str, Any], *, forked: bool = False) -> dict[str, Any]:
+    """The findings to compare with REFUSED, with the cgroup's judged apart: a fresh episode's
+    cgroup is its cgroup namespace's root; a template's fork in a leaf (``forked``) sits beside
+    its template's, outside the namespace's root, where it cannot move from."""
     seen = {k: found[k] for k in REFUSED}
-    assert found["ns cgroup"] is cgroupns, found
-    if cgroupns:
-        assert found["cgroup line"] == "0::/", found  # the leaf is the namespace's root
-        assert found["cgroup move"] in ("ENOENT", "EROFS"), found
-        assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
+    assert found["ns cgroup"], found
+    line = found["cgroup line"]
+    assert line.startswith("0::/../") if forked else line == "0::/", found
+    assert found["cgroup move"] in ("ENOENT", "EROFS"), found
+    assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
     return seen
 
 
@@ -297,6 +299,7 @@ def test_the_same_attack_from_a_plain_process_reaches_everything(scratch: Path) 
         standin.close()
 
 
+@both_starts
 @pytest.mark.parametrize("containment", [c for c in COMBINATIONS if "pidns" in c])
 async def test_an_episode_reaches_none_of_the_trainers_objects(
     agents: Any, scratch: Path, containment: str
@@ -311,7 +314,8 @@ async def test_an_episode_reaches_none_of_the_trainers_objects(
         assert outcome.containment == containment
         found = outcome.info
         assert "shm read" not in found
-        assert refused(found, cgroupns=True) == REFUSED
+        forked = agents.preload and "cgroup" in containment
+        assert refused(found, forked=forked) == REFUSED
         assert key not in host_ipc_keys()  # what the episode made went with its namespace
         assert agents.left() == []
     finally:
@@ -369,9 +373,202 @@ def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(scratch: P
         assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
         found = outcome["info"]
         assert "shm read" not in found
-        assert refused(found, cgroupns=True) == REFUSED
+        assert refused(found) == REFUSED
         assert key not in host_ipc_keys()
         assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
     finally:
         remove_ipc(key)
+        standin.close()
+
+
+# --- under Sandbox(): a view, not a veto ---------------------------------------------------------
+
+#: What an agent under Sandbox() tries on a trainer file it may read but not write, and on the
+#: trainer's terminal; and what it must still do in its working directory.
+VIEW_ATTACK = r"""
+import errno, os, subprocess, tempfile
+
+
+def err(call):
+    try:
+        call()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def attack(data):
+    target, folder = data["target"], os.path.dirname(data["target"])
+    out = {
+        "chmod": err(lambda: os.chmod(target, 0o4777)),
+        "chmod folder": err(lambda: os.chmod(folder, 0o777)),
+        "chown": err(lambda: os.chown(target, 65534, 65534)),
+        "utime": err(lambda: os.utime(target, (0, 0))),
+        "setxattr": err(lambda: os.setxattr(target, "user.isolate", b"1")),
+        "pty": err(lambda: os.close(os.open(data["pty"], os.O_RDWR | os.O_NOCTTY))),
+        "mknod": err(lambda: os.mknod("node", 0o600 | 0o20000, os.makedev(1, 3))),
+    }
+    # An agent's work: files, modes and a repository in its working directory, a temporary file.
+    out["work"] = [
+        err(lambda: open("made.txt", "w").write("x")),
+        err(lambda: os.chmod("made.txt", 0o600)),
+        err(lambda: os.utime("made.txt", (0, 0))),
+        err(lambda: tempfile.NamedTemporaryFile().close()),
+        subprocess.run(["git", "init", "-q", "repo"], capture_output=True).returncode,
+    ]
+    return out
+
+
+def run(data):
+    return 1.0, attack(data)
+
+
+if __name__ == "__main__":
+    import json, sys
+
+    print(json.dumps(attack(json.loads(sys.argv[1]))))
+"""
+
+#: What the view leaves the agent: EROFS on what it may not write, its own work done.
+VIEW_REFUSED = {
+    "chmod": "EROFS",
+    "chmod folder": "EROFS",
+    "chown": "EROFS",
+    "utime": "EROFS",
+    "setxattr": "EROFS",
+    "pty": "ENOENT",
+    "mknod": "EPERM",
+    "work": ["done", "done", "done", "done", 0],
+}
+
+
+@pytest.fixture
+def trainer_file(scratch: Path) -> Path:
+    """A file of the trainer's, outside every writable path, that the agent may read."""
+    folder = scratch / "trainer"
+    folder.mkdir()
+    folder.chmod(0o755)
+    target = folder / "config.yaml"
+    target.write_text("model: x\n")
+    target.chmod(0o644)
+    return target
+
+
+def metadata(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns
+
+
+def test_a_plain_process_changes_the_trainers_metadata(scratch: Path, trainer_file: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the control's chown needs root")
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    work = scratch / "work"
+    work.mkdir()
+    try:
+        (scratch / "view_attack.py").write_text(VIEW_ATTACK)
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        done = subprocess.run(
+            [sys.executable, str(scratch / "view_attack.py"), json.dumps(data)],
+            capture_output=True,
+            text=True,
+            cwd=work,
+            timeout=30 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout)
+        for name in ("chmod", "chmod folder", "chown", "utime", "pty", "mknod"):
+            assert found[name] == "done", (name, found)
+        assert found["setxattr"] in ("done", "ENOTSUP")  # tmpfs without user xattrs
+        assert found["work"] == VIEW_REFUSED["work"]
+        changed = os.stat(trainer_file)  # the chown after the chmod cleared its set-uid bit
+        assert (stat.S_IMODE(changed.st_mode), changed.st_uid) == (0o777, NOBODY)
+    finally:
+        standin.close()
+
+
+@both_starts
+@pytest.mark.parametrize("containment", COMBINATIONS)
+async def test_under_the_sandbox_the_trainers_files_are_a_read_only_view(
+    agents: Any, scratch: Path, trainer_file: Path, containment: str
+) -> None:
+    needs(containment)
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    work = scratch / "work"
+    work.mkdir()
+    before = metadata(trainer_file), metadata(trainer_file.parent)
+    try:
+        spec = agents.spec(
+            VIEW_ATTACK, containment=containment, cwd=work, sandbox=isolate.Sandbox()
+        )
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        outcome = await isolate.run_episode(spec, data)
+        assert outcome.status == "ok", outcome.summary()
+        assert outcome.info == VIEW_REFUSED
+        assert (metadata(trainer_file), metadata(trainer_file.parent)) == before
+        assert (work / "made.txt").read_text() == "x"
+        assert agents.left() == []
+    finally:
+        standin.close()
+
+
+VIEW_PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work, data = sys.argv[1], json.loads(sys.argv[2])
+
+async def main():
+    spec = isolate.EpisodeSpec(
+        agent_root=os.path.join(work, "agent_root"), entrypoint="view_attack:run",
+        containment="auto", timeout=60.0, kill_grace=1.0, cwd=os.path.join(work, "cwd"),
+        env={"PID_DIR": os.path.join(work, "pids")}, sandbox=isolate.Sandbox(),
+    )
+    outcome = await isolate.run_episode(spec, data)
+    print(json.dumps(json.loads(outcome.model_dump_json())))
+
+anyio.run(main)
+"""
+
+
+def test_an_unprivileged_trainers_sandbox_is_a_read_only_view(
+    scratch: Path, trainer_file: Path
+) -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    found_python = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    # The trainer's own file and folder: nobody may chmod them, as their owner.
+    os.chown(trainer_file, NOBODY, NOBODY)
+    os.chown(trainer_file.parent, NOBODY, NOBODY)
+    work = scratch / "work"
+    for sub in ("agent_root", "pids", "cwd"):
+        (work / sub).mkdir(parents=True)
+    (work / "agent_root" / "view_attack.py").write_text(VIEW_ATTACK)
+    (work / "parent.py").write_text(VIEW_PARENT)
+    for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+        path.chmod(0o777)
+    os.chown(work / "cwd", NOBODY, NOBODY)
+    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    standin = Standin(prefix, python, {"PATH": os.environ["PATH"], **env})
+    before = metadata(trainer_file), metadata(trainer_file.parent)
+    try:
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work), json.dumps(data)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcome = json.loads(done.stdout.splitlines()[-1])
+        assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+        # chown to another user is EPERM before the mount is looked at, for an unprivileged one.
+        assert outcome["info"] == {**VIEW_REFUSED, "chown": outcome["info"]["chown"]}
+        assert outcome["info"]["chown"] in ("EROFS", "EPERM")
+        assert (metadata(trainer_file), metadata(trainer_file.parent)) == before
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
+    finally:
         standin.close()

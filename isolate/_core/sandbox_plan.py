@@ -167,6 +167,12 @@ def _inside_writable(
                 "hidden " + ", ".join(inside) + " inside a writable path: needs a mount namespace"
             )
         return
+    # A view, not a veto: everything read-only, then each writable path writable again.
+    out.mounts.append(["view", "/"])
+    out.mounts.extend(["rw", w] for w in writable)
+    out.enforced.append(
+        "read-only view: no mode, owner, time or attribute changes outside " + ", ".join(writable)
+    )
     for w in writable:
         git = os.path.join(w, ".git")
         if os.path.isdir(git) and not os.path.islink(git):
