@@ -280,5 +280,5 @@ async def test_a_line_flood_on_the_channel_does_not_stall_the_event_loop(
     if form not in FRAME_FLOODS:
         counted = re.search(r"\[isolate\] (\d+) more stdout lines ignored", log)
         assert counted is not None, log[-2000:]
-        assert int(counted[1]) > 100_000  # a flood indeed
+        assert int(counted[1]) > 10_000  # a flood indeed
     assert agents.left() == []
