@@ -3,6 +3,8 @@ nor grow the parent; pipes held by grandchildren do not delay the result."""
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 import anyio
@@ -12,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import isolate
+from isolate._core.frames import MAX_NOTED
 from isolate._core.tail import Tail
 
 from .conftest import SLOW, Agents, both_starts, record_pid_sh, wait_until
@@ -202,3 +205,80 @@ async def test_the_log_shows_what_came_while_the_episode_runs(agents: Agents) ->
         tg.start_soon(read_then_release)
         outcome = await isolate.run_episode(spec, {}, episode_id="live")
     assert outcome.status == "ok", outcome.summary()
+
+
+#: Lines an agent floods the protocol channel with, ``@NONCE@`` standing for the episode's
+#: nonce and ``@WRONG@`` for one a character off: each costs the parent a parse, or would.
+CHANNEL_FLOODS = {
+    "empty object": "{}",
+    "junk": "x",
+    "wrong nonce": '{"nonce":"@WRONG@"}',
+    "result of the wrong nonce": '{"t":"result","nonce":"@WRONG@","reward":0.0}',
+    "escaped string": '"\\u0041"',
+    "bare nonce": "@NONCE@",
+    "progress frames": '{"t":"progress","nonce":"@NONCE@"}',
+}
+#: The floods that are frames of the episode: kept, not noted.
+FRAME_FLOODS = ("progress frames",)
+
+
+#: A key of the length API keys have: the redactor looks for its fragments in every line.
+KEY = "sk-proj-" + "Q7w9Zt2Lx4Vb8Nc1Md5Kf3Hg6Js0Pa2Ry"
+
+
+@pytest.mark.parametrize("form", sorted(CHANNEL_FLOODS))
+async def test_a_line_flood_on_the_channel_does_not_stall_the_event_loop(
+    agents: Agents, form: str
+) -> None:
+    """The agent finds the shim's private frame channel and floods it with tiny lines for a
+    second, then returns: the episode ends ``ok`` with its reward, the event loop never lags
+    long, and the log holds a bounded number of notes about the ignored lines."""
+    spec = agents.spec(
+        f"""
+        import os, sys, time
+        def run(data, api_key):
+            caller = sys._getframe(1)  # the shim's worker, which holds the channel
+            while "channel" not in caller.f_locals:
+                caller = caller.f_back
+            chan = caller.f_locals["channel"]
+            wrong = chan.nonce[:-1] + ("1" if chan.nonce[-1] == "0" else "0")
+            line = {CHANNEL_FLOODS[form]!r}.replace("@WRONG@", wrong)
+            line = line.replace("@NONCE@", chan.nonce).encode() + b"\\n"
+            block = line * (65536 // len(line))
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                view = memoryview(block)
+                while view:
+                    view = view[os.write(chan.fd, view) :]
+            with open(os.path.join(os.environ["PID_DIR"], "flooded"), "w") as f:
+                f.write(str(os.getpid()))
+            return 0.25
+        """,
+        inherit_env=NO_UNBUFFERED,
+        timeout=60.0,
+    )
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            start = time.perf_counter()
+            await anyio.sleep(0.001)
+            lags.append(time.perf_counter() - start - 0.001)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        outcome = await isolate.run_episode(spec, {}, secrets={"api_key": KEY})
+        tg.cancel_scope.cancel()
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.reward == 0.25
+    assert "flooded" in agents.pid_files()  # the control: the agent did flood
+    worst = max(lags)
+    assert worst < 0.25 * SLOW, f"the event loop lagged {1000 * worst:.0f} ms"
+    assert outcome.log_path is not None
+    log = outcome.log_path.read_text()
+    assert log.count("[isolate] ignored stdout line") <= MAX_NOTED
+    if form not in FRAME_FLOODS:
+        counted = re.search(r"\[isolate\] (\d+) more stdout lines ignored", log)
+        assert counted is not None, log[-2000:]
+        assert int(counted[1]) > 10_000  # a flood indeed
+    assert agents.left() == []

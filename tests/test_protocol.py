@@ -1131,9 +1131,11 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
     where: list[tuple[int, bool]] = []  # (bytes, parsed on the event loop's thread)
     parse = _frames.proto.parse_line
 
-    def recording_parse(line: bytes, nonce: str, redact: Redactor, max_info: int) -> Any:
+    def recording_parse(
+        line: bytes, nonce: str, redact: Redactor, max_info: int, **options: Any
+    ) -> Any:
         where.append((len(line), threading.current_thread() is threading.main_thread()))
-        return parse(line, nonce, redact, max_info)
+        return parse(line, nonce, redact, max_info, **options)
 
     monkeypatch.setattr(_frames.proto, "parse_line", recording_parse)
     big = 300 * 1024
@@ -1293,3 +1295,123 @@ def test_a_frame_that_cannot_be_digested_is_a_violation_naming_the_error() -> No
     line = json.dumps({"t": "progress", "nonce": NONCE}).encode()
     item = parse_line(line, NONCE, _BrokenRedactor(["k"]))
     assert item == Violation(f"cannot read a frame of {len(line)} bytes: LookupError")
+
+
+# --- a flood of lines -------------------------------------------------------------------------
+
+FLOOD_KEY = "sk-proj-" + "Q7w9Zt2Lx4Vb8Nc1Md5Kf3Hg6Js0Pa2Ry"
+WRONG = NONCE[:-1] + "0"
+#: Lines that are not frames of the episode, each cheap to write and, one by one, dear to read.
+FLOOD_LINES = (
+    b"{}",
+    b"x",
+    b'{"nonce":"' + WRONG.encode() + b'"}',
+    b'{"t":"result","nonce":"' + WRONG.encode() + b'","reward":0.0}',
+    b'"\\u0041"',
+    NONCE.encode(),
+    b"the key " + FLOOD_KEY.encode(),
+)
+
+
+def flood_frames(notes: list[str]) -> _frames.Frames:
+    return _frames.Frames(
+        nonce=NONCE,
+        redact=Redactor([FLOOD_KEY]),
+        max_frame_bytes=1 << 20,
+        max_info_bytes=1 << 16,
+        containment="session",
+        note=notes.append,
+        on_hello=lambda: None,
+        on_net=lambda: None,
+    )
+
+
+def frame_line(t: str, **fields: Any) -> bytes:
+    return json.dumps({"t": t, "nonce": NONCE, **fields}).encode() + b"\n"
+
+
+HELLO_LINE = frame_line("hello", protocol=V, pid=1, python="3", subreaper=True)
+DONE_LINE = frame_line("done", why="exited", killed=0, exit_code=0, signal=None)
+
+
+async def feed_in_reads(frames: _frames.Frames, data: bytes) -> None:
+    """``data`` as the pump reads it: 64 KiB at a time."""
+    for start in range(0, len(data), 64 * 1024):
+        await frames.feed(data[start : start + 64 * 1024])
+    await frames.at_eof()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("line", FLOOD_LINES)
+async def test_a_flood_of_lines_costs_a_bounded_number_of_notes(line: bytes) -> None:
+    """200,000 lines that are not frames around the episode's own: every frame is seen, in
+    order; MAX_NOTED lines are noted, scrubbed, and the rest counted in one note at EOF."""
+    notes: list[str] = []
+    frames = flood_frames(notes)
+    flood = (line + b"\n") * 100_000
+    data = HELLO_LINE + flood + frame_line("result", reward=0.5) + flood + DONE_LINE
+    await feed_in_reads(frames, data)
+    assert frames.hello is not None
+    assert frames.final == Result(t="result", nonce=NONCE, reward=0.5)
+    assert frames.done is not None
+    assert frames.violations == []
+    shown = [n for n in notes if n.startswith("ignored stdout line")]
+    assert len(shown) == _frames.MAX_NOTED
+    assert (
+        notes[-1]
+        == f"{200_000 - _frames.MAX_NOTED} more stdout lines ignored (not frames of this episode)"
+    )
+    assert len(notes) == _frames.MAX_NOTED + 2  # and the one that says the rest are counted
+    assert FLOOD_KEY[:12] not in "".join(notes)
+    if FLOOD_KEY.encode() in line:
+        assert MASK.decode() in shown[0]
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_violations_costs_a_bounded_number_of_notes() -> None:
+    """Frames of the episode that break the protocol, 100,000 of them: the first MAX_NOTED
+    are kept and noted, the rest counted; the verdict judges by the first."""
+    notes: list[str] = []
+    frames = flood_frames(notes)
+    bad = frame_line("result", reward="not a number")
+    await feed_in_reads(frames, HELLO_LINE + bad * 100_000 + DONE_LINE)
+    assert len(frames.violations) == _frames.MAX_NOTED
+    assert frames.violations[0].startswith("malformed 'result' frame")
+    assert notes[-1] == f"{100_000 - _frames.MAX_NOTED} more protocol violations"
+    assert len(notes) == _frames.MAX_NOTED + 1
+    assert frames.done is not None
+
+
+@pytest.mark.anyio
+async def test_reading_a_flood_yields_to_the_event_loop() -> None:
+    """Reads of 64 KiB of tiny lines give other tasks turns while they are read."""
+    frames = flood_frames([])
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            await anyio.lowlevel.checkpoint()
+            turns += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await anyio.lowlevel.checkpoint()
+        before = turns
+        for _ in range(16):
+            await frames.feed(b"{}\n" * (64 * 1024 // 3))
+        assert turns > before + 16  # more than one per read: turns within them
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_read_is_read_whole_under_cancellation() -> None:
+    """A chunk read from the child is read to its end even when the reader is cancelled
+    meanwhile: the frame after a flood in the same read is not lost."""
+    frames = flood_frames([])
+    chunk = HELLO_LINE + b"x\n" * 30_000 + frame_line("result", reward=1.0)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await frames.feed(chunk)
+    assert frames.final is not None
+    assert frames.final.t == "result"

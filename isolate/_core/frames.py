@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -11,6 +12,11 @@ from . import protocol as proto
 from .outcome import Cleanup
 from .redact import Redactor
 
+#: Lines that are not frames, and protocol violations, noted in the log one by one (each);
+#: the rest are counted, and the count noted once at the end.
+MAX_NOTED = 100
+#: Work on the event loop between two yields while a chunk is read as lines (seconds).
+_TURN_S = 0.002
 #: Frames larger than this are parsed in a worker thread, not on the event loop (bytes).
 _BIG_FRAME = 256 * 1024
 
@@ -22,6 +28,10 @@ class Frames:
     frame is built from the scrubbed object. Anything out of order (a frame before hello, a
     second final frame, a shim that set up other containment than asked) is a violation: kept,
     noted in the log, and the verdict's to judge.
+
+    A flood costs what a byte flood does: the first :data:`MAX_NOTED` lines that are not frames
+    (and violations) are noted one by one, the rest only counted; past that bound a line that
+    cannot hold the nonce is not parsed at all; and a chunk is read in turns of ``_TURN_S``.
     """
 
     def __init__(
@@ -50,11 +60,24 @@ class Frames:
         self.cleanup: Cleanup | None = None
         self.cleanup_seen = anyio.Event()
         self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
-        self.violations: list[str] = []
+        self.violations: list[str] = []  # the first MAX_NOTED
+        self._nonce_bytes = nonce.encode()
+        self._noted = 0  # lines that were not frames, noted
+        self._ignored = 0  # more of them, counted and not yet noted
+        self._unnoted_violations = 0  # violations past MAX_NOTED, not yet noted
 
     async def feed(self, chunk: bytes) -> None:
+        """Read the lines of ``chunk``, yielding to the event loop after every ``_TURN_S`` of
+        work: 64 KiB can hold 32,768 lines."""
+        turn_ends = time.monotonic() + _TURN_S
         for line in self._splitter.feed(chunk):
-            await self._line(line)
+            if not self._counted(line):
+                await self._line(line)
+            if time.monotonic() >= turn_ends:
+                # Shielded: a chunk once read is read whole, so no frame in it is lost to a
+                # cancellation; the pump's own checkpoint between chunks is the one that acts.
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+                turn_ends = time.monotonic() + _TURN_S
 
     async def at_eof(self) -> None:
         """stdout ended: a last line without its newline is a frame if it is whole, and a
@@ -64,30 +87,69 @@ class Frames:
             self.violate(f"an incomplete frame at EOF: {rest} bytes, {self._over_cap()}")
         elif rest is not None:
             await self._line(rest, last=True)
+        self.note_counts()
+
+    def note_counts(self) -> None:
+        """Note how many lines and violations were counted without a note of their own, if
+        any, since the last time."""
+        if self._ignored:
+            self._note(f"{self._ignored} more stdout lines ignored (not frames of this episode)")
+            self._ignored = 0
+        if self._unnoted_violations:
+            self._note(f"{self._unnoted_violations} more protocol violations")
+            self._unnoted_violations = 0
 
     def violate(self, message: str) -> None:
+        if len(self.violations) >= MAX_NOTED:
+            self._unnoted_violations += 1
+            return
         message = proto.one_line(message)
         self.violations.append(message)
         self._note(f"protocol violation: {message}")
+
+    def _counted(self, line: bytes | int) -> bool:
+        """Past :data:`MAX_NOTED` noted lines, count a line that cannot be a frame of this
+        episode (nor a violation: neither the nonce in it nor an escape that could spell it),
+        without parsing it; True if counted."""
+        if (
+            self._noted < MAX_NOTED
+            or isinstance(line, int)
+            or self._nonce_bytes in line
+            or b"\\" in line
+        ):
+            return False
+        self._ignored += 1
+        return True
 
     async def _line(self, line: bytes | int, *, last: bool = False) -> None:
         if isinstance(line, int):
             self.violate(f"frame of {line} bytes, {self._over_cap()}")
             return
+        previews = self._noted < MAX_NOTED
+        parse = functools.partial(proto.parse_line, previews=previews)
         args = (line, self._nonce, self._redact, self._max_info_bytes)
         if len(line) > _BIG_FRAME:
-            item = await anyio.to_thread.run_sync(proto.parse_line, *args)
+            item = await anyio.to_thread.run_sync(parse, *args)
         else:
-            item = proto.parse_line(*args)
+            item = parse(*args)
         if last and isinstance(item, proto.Noise) and item.reason == "not JSON":
             self.violate(f"an incomplete frame at EOF: {len(line)} bytes without a newline")
         elif isinstance(item, proto.Noise):
-            shown = item.preview.decode("utf-8", "backslashreplace")
-            self._note(f"ignored stdout line ({item.reason}): {shown!r}")
+            self._noise(item)
         elif isinstance(item, proto.Violation):
             self.violate(item.message)
         else:
             self._frame(item)
+
+    def _noise(self, item: proto.Noise) -> None:
+        if self._noted >= MAX_NOTED:
+            self._ignored += 1
+            return
+        shown = item.preview.decode("utf-8", "backslashreplace")
+        self._note(f"ignored stdout line ({item.reason}): {shown!r}")
+        self._noted += 1
+        if self._noted == MAX_NOTED:
+            self._note("the next stdout lines that are not frames are counted, not shown")
 
     def _over_cap(self) -> str:
         if self.cap == self._max_frame_bytes:

@@ -301,6 +301,7 @@ class _Run:
             await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, self.prep.sandbox.tmpdir)
 
     def _close(self) -> None:
+        self.frames.note_counts()  # when stdout never reached its EOF
         if self.channel is not None:
             os.close(self.channel)
             self.channel = None

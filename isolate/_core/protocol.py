@@ -213,9 +213,15 @@ def shape(line: bytes, limit: int | None = None) -> tuple[int, int | None] | Non
 
 
 def parse_line(
-    line: bytes, nonce: str, redact: Redactor, max_info_bytes: int = 1 << 20
+    line: bytes,
+    nonce: str,
+    redact: Redactor,
+    max_info_bytes: int = 1 << 20,
+    *,
+    previews: bool = True,
 ) -> Frame | Noise | Violation:
-    """Classify one stdout line (without its newline); never raises.
+    """Classify one stdout line (without its newline); never raises. ``previews=False``: a
+    noise line comes with an empty preview, and is not scrubbed.
 
     Everything the child sends is hostile input: a line is measured before it is parsed
     (:func:`shape`), a frame's ``info`` must fit ``max_info_bytes`` (the shim's own cap), and
@@ -226,22 +232,24 @@ def parse_line(
     not exist yet), and a noise preview or a violation's text only ever quotes scrubbed data.
     """
     try:
-        return _parse_line(line, nonce, redact, max_info_bytes)
+        return _parse_line(line, nonce, redact, max_info_bytes, previews)
     except Exception as exc:  # MemoryError included: one frame must not end the caller
         return Violation(f"cannot read a frame of {len(line)} bytes: {type(exc).__name__}")
 
 
 def _parse_line(
-    line: bytes, nonce: str, redact: Redactor, max_info_bytes: int
+    line: bytes, nonce: str, redact: Redactor, max_info_bytes: int, previews: bool
 ) -> Frame | Noise | Violation:
     limit = max_values(max_info_bytes)
     measured = shape(line, limit)
     if measured is None:
-        return Noise("not JSON", _preview(line, redact))
+        return Noise("not JSON", _preview(line, redact, previews))
     values, depth = measured
     if depth is None or depth > MAX_DEPTH:
         if nonce.encode() not in line:
-            return Noise("not a frame of this episode, too large to read", _preview(line, redact))
+            return Noise(
+                "not a frame of this episode, too large to read", _preview(line, redact, previews)
+            )
         if depth is not None:
             return Violation(f"a frame nested deeper than {MAX_DEPTH} levels")
         return Violation(
@@ -260,15 +268,15 @@ def _parse_line(
             text = line.decode("utf-8", "surrogatepass")  # as json.loads decodes bytes
         obj = json.loads(text)
     except (ValueError, RecursionError):
-        return Noise("not JSON", _preview(line, redact))
+        return Noise("not JSON", _preview(line, redact, previews))
     del text
     if not isinstance(obj, dict):
-        return Noise("not a JSON object", _preview(line, redact))
+        return Noise("not a JSON object", _preview(line, redact, previews))
     their = obj.get("nonce")
     if not isinstance(their, str) or not hmac.compare_digest(
         their.encode("utf-8", "surrogatepass"), nonce.encode()
     ):
-        return Noise("no nonce of this episode", _preview(line, redact))
+        return Noise("no nonce of this episode", _preview(line, redact, previews))
     if obj.get("info") is not None:
         # Measured as the shim measures it: the length of json.dumps' text.
         size = len(json.dumps(obj["info"]))
@@ -367,9 +375,10 @@ def _valid(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _preview(line: bytes, redact: Redactor) -> bytes:
-    """The start of a line for the log, scrubbed whole first (a cut could halve a secret)."""
-    return redact.scrub(line)[:200]
+def _preview(line: bytes, redact: Redactor, wanted: bool) -> bytes:
+    """The start of a line for the log, scrubbed whole first (a cut could halve a secret);
+    empty when not ``wanted``."""
+    return redact.scrub(line)[:200] if wanted else b""
 
 
 class LineSplitter:
@@ -381,34 +390,46 @@ class LineSplitter:
         self._oversize = 0  # bytes of the current over-long line seen so far; 0 when none
 
     def feed(self, chunk: bytes) -> list[bytes | int]:
-        """Return complete lines, and for each over-long line its size in bytes (an int)."""
+        """Return complete lines, and for each over-long line its size in bytes (an int).
+
+        One ``bytes.split`` per chunk: a chunk of 64 KiB can hold 32,768 lines, and a loop of
+        Python per line would cost the event loop ~20 ms."""
+        *complete, last = chunk.split(b"\n")
         out: list[bytes | int] = []
-        start = 0
-        while True:
-            newline = chunk.find(b"\n", start)
-            piece = chunk[start:] if newline < 0 else chunk[start:newline]
-            if self._oversize:
-                self._oversize += len(piece)
-            elif len(self._buf) + len(piece) > self._max:
-                self._oversize = len(self._buf) + len(piece)
-                self._buf.clear()
+        if complete:
+            out.append(self._end(complete[0]))
+            if len(chunk) <= self._max:  # no line inside the chunk can be over
+                out += complete[1:]
             else:
-                self._buf += piece
-            if newline < 0:
-                return out
-            if self._oversize:
-                out.append(self._oversize)
-                self._oversize = 0
-            else:
-                out.append(bytes(self._buf))
-                self._buf.clear()
-            start = newline + 1
+                out += [line if len(line) <= self._max else len(line) for line in complete[1:]]
+        self._add(last)
+        return out
 
     def rest(self) -> bytes | int | None:
         """What is left after EOF: an unterminated line, its size if over-long, or None."""
         if self._oversize:
             return self._oversize
         return bytes(self._buf) if self._buf else None
+
+    def _add(self, piece: bytes) -> None:
+        """``piece`` continues the current line."""
+        if self._oversize:
+            self._oversize += len(piece)
+        elif len(self._buf) + len(piece) > self._max:
+            self._oversize = len(self._buf) + len(piece)
+            self._buf.clear()
+        else:
+            self._buf += piece
+
+    def _end(self, piece: bytes) -> bytes | int:
+        """``piece`` ends the current line: the line, or its size if over-long."""
+        self._add(piece)
+        if self._oversize:
+            size, self._oversize = self._oversize, 0
+            return size
+        line = bytes(self._buf)
+        self._buf.clear()
+        return line
 
 
 def encode_handshake(
