@@ -166,15 +166,18 @@ async def test_agent_type_and_config(
     assert kwargs["agent_config"] == agent_config
 
 
-async def test_empty_agent_type_is_a_value_error(agents: Agents, clean_env: Path) -> None:
-    # At construction, before any episode; and a record's own econfig, before its episode.
+async def test_empty_agent_type_is_a_value_error_in_run(agents: Agents, clean_env: Path) -> None:
+    # As the seed: checked in run, on the econfig merged with the record's own.
+    wf = SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))  # no raise here
     with pytest.raises(ValueError, match="agent_type must not be empty"):
-        SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))
-    wf = SWEAgentWorkflow(econfig=econfig(agents))
+        await wf.run(record(), base_url=URL)
+    valid = SWEAgentWorkflow(econfig=econfig(agents))
     with pytest.raises(ValueError, match="agent_type must not be empty"):
-        await wf.run({**record(), "econfig": {"agent_type": " "}}, base_url=URL)
+        await valid.run({**record(), "econfig": {"agent_type": " "}}, base_url=URL)
     assert not (clean_env / "isolate").exists()  # no episode started, so no episode log
-    await wf.run(record(), base_url=URL)  # the control: an episode writes its log there
+    # A record's econfig may set the type itself.
+    assert await wf.run({**record(report=True), "econfig": {"agent_type": " OH"}}, base_url=URL)
+    assert report(clean_env)["kwargs"]["agent_type"] == "oh"
     assert list((clean_env / "isolate").glob("*.log"))
 
 

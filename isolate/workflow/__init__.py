@@ -88,9 +88,12 @@ def resolve_agent_root(econfig: Econfig) -> Path:
 
 def episode_kwargs(econfig: Econfig, base_url: str) -> dict[str, Any]:
     """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret): the
-    seed's, plus upstream's newer keys where econfig has them."""
+    seed's, plus upstream's newer keys where econfig has them. ValueError for a blank
+    ``agent_type``."""
     cfg = EConfig.of(econfig)
     agent_type = cfg.agent_type
+    if not agent_type:
+        raise ValueError("econfig.agent_type must not be empty")  # the seed's check, in run
     agent_config = (
         cfg.agent_config
         or cfg.get(f"{agent_type}_agent_config")
