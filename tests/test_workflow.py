@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from isolate.workflow import (
     sandbox_of,
 )
 
-from .conftest import SLOW, Agents
+from .conftest import SLOW, Agents, record_pid_sh
 
 pytestmark = pytest.mark.anyio
 
@@ -166,15 +167,18 @@ async def test_agent_type_and_config(
     assert kwargs["agent_config"] == agent_config
 
 
-async def test_empty_agent_type_is_a_value_error(agents: Agents, clean_env: Path) -> None:
-    # At construction, before any episode; and a record's own econfig, before its episode.
+async def test_empty_agent_type_is_a_value_error_in_run(agents: Agents, clean_env: Path) -> None:
+    # As the seed: checked in run, on the econfig merged with the record's own.
+    wf = SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))  # no raise here
     with pytest.raises(ValueError, match="agent_type must not be empty"):
-        SWEAgentWorkflow(econfig=econfig(agents, agent_type="   "))
-    wf = SWEAgentWorkflow(econfig=econfig(agents))
+        await wf.run(record(), base_url=URL)
+    valid = SWEAgentWorkflow(econfig=econfig(agents))
     with pytest.raises(ValueError, match="agent_type must not be empty"):
-        await wf.run({**record(), "econfig": {"agent_type": " "}}, base_url=URL)
+        await valid.run({**record(), "econfig": {"agent_type": " "}}, base_url=URL)
     assert not (clean_env / "isolate").exists()  # no episode started, so no episode log
-    await wf.run(record(), base_url=URL)  # the control: an episode writes its log there
+    # A record's econfig may set the type itself.
+    assert await wf.run({**record(report=True), "econfig": {"agent_type": " OH"}}, base_url=URL)
+    assert report(clean_env)["kwargs"]["agent_type"] == "oh"
     assert list((clean_env / "isolate").glob("*.log"))
 
 
@@ -305,6 +309,61 @@ async def test_timeout_kills_the_tree_and_raises_timeout_error(
     assert json.loads(lines[0].removeprefix("episode "))["cleanup"] == "finished"
 
 
+#: How late past its timeout ``run`` may answer (seconds; docs/cancellation.md).
+LATE_BOUND_S = 2.0
+
+#: An agent that starts a grandchild and hangs; cancelled, it cleans up for ``cleanup_s``
+#: (awaiting, as a remote sandbox's clean-up does), then writes ``marker``.
+HANGING_AGENT = f"""
+import asyncio, os, subprocess
+
+async def run_agent_with_reward(data, **kwargs):
+    try:
+        subprocess.Popen(["sh", "-c", {record_pid_sh("grandchild") + "; exec sleep 300"!r}])
+        while not os.path.exists(os.path.join(os.environ["PID_DIR"], "grandchild")):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(3600)
+    finally:
+        await asyncio.sleep(data["cleanup_s"])
+        with open(data["marker"], "w") as f:
+            f.write("cleaned")
+    return 1.0, {{}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("limit", "cancel_grace", "cleanup_s", "cleanup"),
+    [(4.0, 30.0, 3600.0, "cut short"), (6.0, 2.0, 0.2, "finished")],
+    ids=["clean-up hangs, grace past the timeout", "clean-up fits"],
+)
+async def test_timeout_raises_within_the_timeout_whatever_cancel_grace(
+    agents: Agents,
+    tmp_path: Path,
+    limit: float,
+    cancel_grace: float,
+    cleanup_s: float,
+    cleanup: str,
+) -> None:
+    root = tmp_path / "hanging"
+    (root / "aweagent").mkdir(parents=True)
+    (root / "aweagent" / "__init__.py").write_text("")
+    (root / "aweagent" / "lifecycle.py").write_text(HANGING_AGENT)
+    marker = tmp_path / "cleaned"
+    settings = econfig(agents, agent_root=str(root), timeout=limit, cancel_grace=cancel_grace)
+    wf = SWEAgentWorkflow(econfig=settings)
+    data = dict(record("hang-1"), cleanup_s=cleanup_s, marker=str(marker))
+    called = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        await wf.run(data, base_url=URL)
+    late = time.monotonic() - called - limit
+    assert late < LATE_BOUND_S * SLOW, f"raised {late:.1f} s after the timeout"
+    assert isinstance(info.value, isolate.EpisodeTimeout)
+    assert list(agents.pid_files()) == ["grandchild"]  # the control: the tree had started
+    assert agents.left() == []
+    assert info.value.outcome.cleanup == cleanup
+    assert marker.exists() == (cleanup == "finished")
+
+
 async def test_econfig_cancel_grace_reaches_the_episode(agents: Agents) -> None:
     """cancel_grace=0 from econfig: the old teardown, no clean-up, SIGTERM at the deadline."""
     wf = SWEAgentWorkflow(econfig=econfig(agents, timeout=1.0, cancel_grace=0, exit_grace=2.5))
@@ -313,8 +372,24 @@ async def test_econfig_cancel_grace_reaches_the_episode(agents: Agents) -> None:
     assert isinstance(info.value, isolate.EpisodeTimeout)
     assert info.value.outcome.cleanup is None
     assert info.value.outcome.signal == "SIGTERM"
-    spec = episode_spec(econfig(agents, cancel_grace=7, exit_grace=2.5), SCRIPTED, 10.0, None)
+    spec = episode_spec(econfig(agents, cancel_grace=7, exit_grace=2.5), SCRIPTED, 100.0, None)
     assert (spec.cancel_grace, spec.exit_grace) == (7.0, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "graces", "expected"),
+    [
+        (100.0, (7.0, 0.5), (92.5, 7.0, 0.5)),  # the teardown fits: the agent gets the rest
+        (10.0, (7.0, 1.0), (5.0, 4.375, 0.625)),  # half the timeout at most, in proportion
+        (10.0, (0.0, 0.0), (10.0, 0.0, 0.0)),
+    ],
+)
+def test_the_teardown_fits_in_the_timeout(
+    timeout: float, graces: tuple[float, float], expected: tuple[float, float, float]
+) -> None:
+    settings = {"cancel_grace": graces[0], "kill_grace": graces[1]}
+    spec = episode_spec(settings, SCRIPTED, timeout, None)
+    assert (spec.timeout, spec.cancel_grace, spec.kill_grace) == pytest.approx(expected)
 
 
 async def test_agent_error_is_zero_with_the_traceback_logged(

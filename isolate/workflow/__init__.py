@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 from pydantic import SecretStr
 
 from .._core.allowlist import rule_for_url
@@ -88,9 +89,12 @@ def resolve_agent_root(econfig: Econfig) -> Path:
 
 def episode_kwargs(econfig: Econfig, base_url: str) -> dict[str, Any]:
     """The keyword arguments of ``run_agent_with_reward`` except the api key (a secret): the
-    seed's, plus upstream's newer keys where econfig has them."""
+    seed's, plus upstream's newer keys where econfig has them. ValueError for a blank
+    ``agent_type``."""
     cfg = EConfig.of(econfig)
     agent_type = cfg.agent_type
+    if not agent_type:
+        raise ValueError("econfig.agent_type must not be empty")  # the seed's check, in run
     agent_config = (
         cfg.agent_config
         or cfg.get(f"{agent_type}_agent_config")
@@ -166,6 +170,27 @@ def sandbox_of(
     return Sandbox.model_validate({**box.model_dump(), **update}) if update else box
 
 
+#: The largest part of an episode's timeout its teardown (``cancel_grace`` + ``kill_grace``)
+#: may take; larger graces are scaled down to fit it.
+TEARDOWN_SHARE = 0.5
+
+
+def within_timeout(spec: EpisodeSpec) -> EpisodeSpec:
+    """``spec`` with its teardown inside its ``timeout``: the agent is cancelled
+    ``cancel_grace + kill_grace`` seconds before the end, both graces scaled down in proportion
+    when together they exceed :data:`TEARDOWN_SHARE` of ``timeout``
+    (docs/cancellation.md, "The deadline of an econfig episode")."""
+    graces = spec.cancel_grace + spec.kill_grace
+    scale = min(1.0, TEARDOWN_SHARE * spec.timeout / graces) if graces > 0 else 1.0
+    cancel_grace, kill_grace = spec.cancel_grace * scale, spec.kill_grace * scale
+    update = {
+        "timeout": spec.timeout - cancel_grace - kill_grace,
+        "cancel_grace": cancel_grace,
+        "kill_grace": kill_grace,
+    }
+    return EpisodeSpec.model_validate({**spec.model_dump(), **update})
+
+
 def episode_spec(
     econfig: Econfig,
     agent_root: Path,
@@ -173,9 +198,10 @@ def episode_spec(
     log_dir: Path | None,
     sandbox: Sandbox | None = None,
 ) -> EpisodeSpec:
-    """The spec for one episode from the isolation keys of ``econfig``."""
+    """The spec for one episode from the isolation keys of ``econfig``, its teardown inside
+    ``timeout`` (seconds; see :func:`within_timeout`)."""
     cfg = EConfig.of(econfig)
-    return EpisodeSpec(
+    spec = EpisodeSpec(
         agent_root=agent_root,
         entrypoint=ENTRYPOINT,
         python=cfg.python or sys.executable,
@@ -191,6 +217,7 @@ def episode_spec(
         sandbox=sandbox if sandbox is not None else sandbox_of(cfg),
         preload=cfg.preload,
     )
+    return within_timeout(spec)
 
 
 class SWEAgentWorkflow:
@@ -255,7 +282,12 @@ class SWEAgentWorkflow:
         Raises ValueError without ``base_url``, :class:`~isolate.EpisodeTimeout` (a
         TimeoutError) on timeout, :class:`~isolate.SetupError` / ``ProtocolError`` when the
         agent checkout is broken, and ``EpisodeCrashed`` when ``on_crash="raise"``.
+
+        **Timeout:** returns or raises within the timeout (seconds, from this call) plus
+        about 2 s, whatever ``cancel_grace`` is: the agent is cancelled early enough that its
+        clean-up and the tree's teardown end by then (docs/cancellation.md).
         """
+        called = anyio.current_time()
         base_url = extra_kwargs.get("base_url")
         if base_url is None:
             raise ValueError("base_url is required for SWEAgentWorkflow")
@@ -280,15 +312,23 @@ class SWEAgentWorkflow:
             instance_id,
             kwargs["agent_config"],
         )
-        outcome = await run_episode(
-            spec,
-            data,
-            kwargs=kwargs,
-            secrets={"override_api_key": api_key},
-            secret_env=episode_secret_env(cfg),
-        )
+        ended: list[EpisodeOutcome] = []
+        # The agent's time counts from this call, as under the seed's wait_for: a wait for a
+        # start slot or a template is part of it. Cancelled, the episode ends as at its own
+        # deadline, its teardown inside the timeout (see within_timeout).
+        with anyio.CancelScope(deadline=called + spec.timeout):
+            await run_episode(
+                spec,
+                data,
+                kwargs=kwargs,
+                secrets={"override_api_key": api_key},
+                secret_env=episode_secret_env(cfg),
+                on_end=ended.append,
+            )
+        outcome = ended[0]  # on_end runs however the episode ended
         self._log_outcome(instance_id, outcome)
-        return self._reward(instance_id, outcome, cfg.on_crash, spec.timeout)
+        elapsed = anyio.current_time() - called
+        return self._reward(instance_id, outcome, cfg.on_crash, timeout, elapsed)
 
     def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
         # One structured line per episode, for grepping a night's run.
@@ -315,7 +355,12 @@ class SWEAgentWorkflow:
             )
 
     def _reward(
-        self, instance_id: str, outcome: EpisodeOutcome, on_crash: str, timeout: float
+        self,
+        instance_id: str,
+        outcome: EpisodeOutcome,
+        on_crash: str,
+        timeout: float,
+        elapsed: float,
     ) -> dict[str, float] | float:
         if outcome.status == "ok":
             assert outcome.reward is not None
@@ -323,7 +368,7 @@ class SWEAgentWorkflow:
                 "Finished episode: instance_id=%s, reward=%s, elapsed=%.1fs",
                 instance_id,
                 outcome.reward,
-                outcome.duration_s,
+                elapsed,
             )
             return outcome.reward if isinstance(outcome.reward, dict) else float(outcome.reward)
         if outcome.status == "timeout":
@@ -331,7 +376,7 @@ class SWEAgentWorkflow:
                 "TIMEOUT: Instance %s exceeded %ss (elapsed: %.1fs). Discarding trajectory.",
                 instance_id,
                 timeout,
-                outcome.duration_s,
+                elapsed,
             )
         elif outcome.status == "agent_error" or (
             outcome.status == "crashed" and on_crash == "zero"

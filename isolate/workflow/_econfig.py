@@ -72,6 +72,7 @@ class EConfig(BaseModel):
     agent_root: Path | None = None
     """The agent's checkout: the first of ``agent_root``, ``aweagent_root``, ``swe_agent_root``."""
     agent_type: str = "swe"
+    """Stripped and lower-cased; blank is a ValueError when an episode's kwargs are built."""
     agent_config: str | None = None
     llm_model: str | None = None
     opencode_provider: str | None = None
@@ -138,10 +139,8 @@ class EConfig(BaseModel):
     @field_validator("agent_type", mode="before")
     @classmethod
     def _agent_type(cls, value: Any) -> str:
-        agent_type = str(value or "swe").strip().lower()
-        if not agent_type:
-            raise ValueError("econfig.agent_type must not be empty")
-        return agent_type
+        # Blank stays blank: a record's own econfig may still set it; episode_kwargs checks.
+        return str(value or "swe").strip().lower()
 
     @field_validator("sandbox_backend", mode="before")
     @classmethod
