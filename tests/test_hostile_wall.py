@@ -801,8 +801,9 @@ def tiny_package(root: Path) -> Path:
     return package
 
 
+@pytest.mark.parametrize("sandbox", [None, isolate.Sandbox()], ids=["default", "sandbox"])
 async def test_the_agent_can_still_do_its_work(
-    agents: Agents, combination: str, tmp_path: Path
+    agents: Agents, combination: str, tmp_path: Path, sandbox: isolate.Sandbox | None
 ) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -811,7 +812,7 @@ async def test_the_agent_can_still_do_its_work(
         "strace": shutil.which("strace") is not None,
         "apt": shutil.which("apt-get") is not None and os.geteuid() == 0,
     }
-    spec = agents.spec(WORKER, containment=combination, cwd=work, timeout=120.0)
+    spec = agents.spec(WORKER, containment=combination, cwd=work, timeout=120.0, sandbox=sandbox)
     outcome = await isolate.run_episode(spec, {"package": str(tiny_package(tmp_path)), **tools})
     assert outcome.status == "ok", outcome.summary()
     expected = {"git": "ok", "venv + pip": "ok", "pytest": "ok"}
