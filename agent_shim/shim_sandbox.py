@@ -29,9 +29,6 @@ CLONE_NEWNS = 0x20000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
-# mount_setattr(2), Linux 5.12: the same number on x86_64 and aarch64.
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
 # statvfs flags with the same meaning as mount flags. A remount must repeat those the mount
 # has (in a user namespace they are locked: leaving one out is EPERM).
 _KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
@@ -67,7 +64,7 @@ def enter(plan, landlock, world, c_call):
                 problems.append("mounts: no private /dev: %s" % problem)
     if mount is not None:
         for op, path in plan.get("mounts", ()):
-            problem = _mount_one(mount, op, path, c_call)
+            problem = _mount_one(mount, op, path, world, c_call)
             if problem is not None:
                 problems.append("mount %s %s: %s" % (op, path, problem))
         try:
@@ -79,15 +76,16 @@ def enter(plan, landlock, world, c_call):
     return problems
 
 
-def _mount_one(mount, op, path, c_call):
+def _mount_one(mount, op, path, world, c_call):
     if not os.path.lexists(path):
         return None  # gone since the parent looked: nothing left to protect or hide
     if op == "view":
-        return _read_only_view(path, c_call)
+        return _read_only_view(path, world, c_call)
     if op == "rw":
         # A writable path in the read-only view: a bind of its own, writable, no devices.
         problem = mount(path, path, None, MS_BIND | MS_REC)
-        return problem or _setattr(c_call, path, 0, MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY)
+        attrs = world.MOUNT_ATTR_NODEV, world.MOUNT_ATTR_RDONLY
+        return problem or world.mount_setattr(c_call, path, 0, *attrs)
     if op == "pin":
         return mount(path, path, None, MS_BIND | MS_REC)
     if op == "ro":
@@ -109,26 +107,17 @@ def _mount_one(mount, op, path, c_call):
     return mount(None, path, None, flags)
 
 
-def _read_only_view(top, c_call):
+def _read_only_view(top, world, c_call):
     """Every mount at and below ``top`` read-only and nosuid, so that what the agent may not
     write it cannot chmod, chown, touch or set an attribute on either (EROFS), whatever its
     capabilities; the episode's own /dev/shm, /dev/pts and /dev/mqueue stay writable. A problem
     or None."""
-    problem = _setattr(c_call, top, AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+    read_only = world.MOUNT_ATTR_RDONLY | world.MOUNT_ATTR_NOSUID
+    problem = world.mount_setattr(c_call, top, world.AT_RECURSIVE, read_only, 0)
     for path in ("/dev/shm", "/dev/pts", "/dev/mqueue"):
         if problem is None and os.path.ismount(path):
-            problem = _setattr(c_call, path, 0, 0, MOUNT_ATTR_RDONLY)
+            problem = world.mount_setattr(c_call, path, 0, 0, world.MOUNT_ATTR_RDONLY)
     return problem
-
-
-def _setattr(c_call, path, flags, attr_set, attr_clr):
-    """mount_setattr(2) on ``path``: set and clear MOUNT_ATTR_* flags; a problem or None."""
-    attr = b"".join(x.to_bytes(8, "little") for x in (attr_set, attr_clr, 0, 0))
-    nr = SYS_MOUNT_SETATTR
-    result, errno = c_call("syscall", nr, AT_FDCWD, os.fsencode(path), flags, attr, len(attr))
-    if result != 0:
-        return "mount_setattr: " + os.strerror(errno)
-    return None
 
 
 def _landlock(plan, ll):

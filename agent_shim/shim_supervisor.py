@@ -70,12 +70,13 @@ def unshare_pidns(userns, cgroupns=False):
     return shim.map_own_ids(uid, gid) if userns else None
 
 
-def become_init(cgroupns=False):
+def become_init(cgroupns=False, guard=True):
     """In PID 1 of the new namespace: die with the relay; build the episode's world (a /proc
     that shows only the namespace, or the supervisor's scan of /proc would see the whole
-    machine; a /dev of its own; the cgroup view): shim_world.py. A problem or None."""
+    machine; a /dev of its own; the cgroup view; with ``guard``, the kernel's files read-only):
+    shim_world.py. A problem or None."""
     shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    return shim.load_part("world").build(cgroupns, shim.c_call)
+    return shim.load_part("world").build(cgroupns, shim.c_call, guard)
 
 
 def relay(child):

@@ -244,7 +244,8 @@ def enter_wall(wall, control, life):
         leaves = () if pidns else wall.get("cgroups", ())
         watch(child, life, leaves, below=not pidns)
     if pidns:
-        problem = supervisor.become_init()  # dies with the outer process
+        # Dies with the outer process. /sys stays writable until the importer is in its leaf.
+        problem = supervisor.become_init(guard=False)
         if problem is not None:
             return problem
         child = os.fork()

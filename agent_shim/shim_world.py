@@ -13,7 +13,11 @@ in the new mount namespace, private and so invisible to the machine:
   device of the machine's has a name in it;
 - with a cgroup namespace, ``/sys/fs/cgroup`` mounted anew, read-only, cgroup v2 only: the
   episode's leaf is its root, and no cgroup above it can be named (the kernel refuses a move
-  out of the namespace's root anyway).
+  out of the namespace's root anyway);
+- the kernel's files that act on the whole machine out of reach, as in Docker: ``/sys``
+  read-only, ``/proc/sys``, ``/proc/sysrq-trigger``, ``/proc/irq``, ``/proc/bus`` and
+  ``/proc/fs`` read-only, ``/proc/kcore``, ``/proc/keys``, the timer lists and the firmware
+  tables masked.
 
 ``build(cgroupns, c_call)`` returns a problem in words, or None; ``c_call`` is the shim's call
 into the C library (ints, bytes, None), which spares the import of ctypes.
@@ -37,10 +41,29 @@ LINKS = (
     ("ptmx", "pts/ptmx"),
 )
 QUIET = MS_NOSUID | MS_NODEV | MS_NOEXEC
+# mount_setattr(2), Linux 5.12: the same number on x86_64 and aarch64.
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, ENOSYS = 442, -100, 0x8000, 38
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
+#: Files of /proc that act on the whole machine: read-only, as Docker and bubblewrap keep them.
+READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+#: What Docker masks: the kernel's memory, keys and timers, firmware tables.
+MASKED = (
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/latency_stats",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/scsi",
+    "/sys/firmware",
+)
 
 
-def build(cgroupns, c_call):
-    """Mount the episode's /proc, /dev and cgroup view; a problem or None."""
+def build(cgroupns, c_call, guard=True):
+    """Mount the episode's /proc, /dev and cgroup view, and (``guard``) make the kernel's
+    files read-only; a problem or None."""
     mount = mounter(c_call)
     problem = mount(None, b"/", None, MS_REC | MS_PRIVATE)
     problem = problem or mount(b"proc", b"/proc", b"proc", QUIET)
@@ -52,6 +75,46 @@ def build(cgroupns, c_call):
     problem = cgroup_view(mount) if cgroupns else None
     if problem is not None:
         return "cannot mount a read-only view of the episode's cgroup: " + problem
+    problem = guard_kernel_files(mount, c_call) if guard else None
+    if problem is not None:
+        return "cannot make the kernel's files read-only: " + problem
+    return None
+
+
+def guard_kernel_files(mount, c_call):
+    """/sys read-only, /proc's files of the machine read-only or masked; a problem or None."""
+    for path in READ_ONLY_PROC:
+        if os.path.lexists(path):
+            target = path.encode()
+            problem = mount(target, target, None, MS_BIND)
+            problem = problem or mount(None, target, None, MS_BIND | MS_REMOUNT | QUIET | MS_RDONLY)
+            if problem is not None:
+                return problem
+    for path in MASKED:
+        if os.path.isdir(path) and not os.path.islink(path):
+            problem = mount(b"tmpfs", path.encode(), b"tmpfs", QUIET | MS_RDONLY, b"size=0")
+        elif os.path.lexists(path):
+            problem = mount(b"/dev/null", path.encode(), None, MS_BIND)
+        else:
+            continue
+        if problem is not None:
+            return problem
+    if not os.path.isdir("/sys"):
+        return None
+    problem = mount_setattr(c_call, "/sys", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
+    if problem is not None and problem.endswith(os.strerror(ENOSYS)):
+        # Before Linux 5.12: /sys itself; its submounts stay as they are.
+        return mount(None, b"/sys", None, MS_BIND | MS_REMOUNT | QUIET | MS_RDONLY)
+    return problem
+
+
+def mount_setattr(c_call, path, flags, attr_set, attr_clr):
+    """mount_setattr(2) on ``path``: set and clear MOUNT_ATTR_* flags; a problem or None."""
+    attr = b"".join(x.to_bytes(8, "little") for x in (attr_set, attr_clr, 0, 0))
+    nr = SYS_MOUNT_SETATTR
+    result, errno = c_call("syscall", nr, AT_FDCWD, os.fsencode(path), flags, attr, len(attr))
+    if result != 0:
+        return "mount_setattr %s: %s" % (path, os.strerror(errno))
     return None
 
 
@@ -66,15 +129,19 @@ def mounter(c_call):
 
 
 def cgroup_namespace(c_call):
-    """A cgroup namespace rooted at this process's cgroup, and its read-only view over
-    /sys/fs/cgroup (in the mount namespace this process shares with its PID 1): a template's
-    importer, once in its leaf. A problem or None."""
+    """A cgroup namespace rooted at this process's cgroup, its read-only view over
+    /sys/fs/cgroup and the kernel's files read-only (in the mount namespace this process shares
+    with its PID 1): a template's importer, once in its leaf. A problem or None."""
     result, errno = c_call("unshare", CLONE_NEWCGROUP)
     if result != 0:
         return "unshare(cgroup): " + os.strerror(errno)
-    problem = cgroup_view(mounter(c_call))
+    mount = mounter(c_call)
+    problem = cgroup_view(mount)
     if problem is not None:
         return "cannot mount a read-only view of the template's cgroup: " + problem
+    problem = guard_kernel_files(mount, c_call)
+    if problem is not None:
+        return "cannot make the kernel's files read-only: " + problem
     return None
 
 

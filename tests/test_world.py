@@ -26,6 +26,7 @@ import pytest
 import isolate
 
 from .conftest import SLOW, both_starts, episode_processes
+from .test_cli import SCRIPTED, isolate_cli
 from .test_containment import COMBINATIONS, needs
 from .test_hostile_wall import NOBODY, as_nobody, unprivileged_python
 
@@ -120,6 +121,13 @@ def attack(data):
     for kind in ("ipc", "uts", "cgroup", "pid", "mnt"):
         out["ns " + kind] = os.readlink("/proc/self/ns/" + kind) != data["ns"][kind]
     out["hostname"] = err(lambda: socket.sethostname("episode-renamed"))
+    # The kernel's files that act on the machine, opened for writing (nothing written), and
+    # one it masks.
+    out["kernel files"] = {
+        path: err(lambda path=path: os.close(os.open(path, os.O_WRONLY)))
+        for path in data["kernel_files"]
+    }
+    out["timer list"] = len(open("/proc/timer_list", "rb").read())
     return out
 
 
@@ -190,13 +198,19 @@ def attack_data(standin: Standin, scratch: Path, leave_key: int) -> dict[str, An
         "scratch": str(scratch),
         "cgroup_procs": str(cgroup / "cgroup.procs"),
         "cgroup_dir": str(cgroup),
-        "ns": {
-            k: os.readlink(f"/proc/self/ns/{k}") for k in ("ipc", "uts", "cgroup", "pid", "mnt")
-        },
+        "ns": {k: os.readlink(f"/proc/self/ns/{k}") for k in NAMESPACES},
+        "kernel_files": [p for p in KERNEL_FILES if os.path.exists(p)],
     }
 
 
 NAMESPACES = ("ipc", "uts", "cgroup", "pid", "mnt")
+#: Files of the kernel a root process could change the machine with: a sysctl, the magic
+#: SysRq key, a setting in /sys.
+KERNEL_FILES = (
+    "/proc/sys/kernel/printk_ratelimit",
+    "/proc/sysrq-trigger",
+    "/sys/kernel/mm/transparent_hugepage/enabled",
+)
 
 
 def host_ipc_keys() -> set[int]:
@@ -244,7 +258,7 @@ REFUSED: dict[str, Any] = {
 }
 
 
-def refused(found: dict[str, Any], *, forked: bool = False) -> dict[str, Any]:
+def refused(found: dict[str, Any], *, forked: bool = False, root: bool = True) -> dict[str, Any]:
     """The findings to compare with REFUSED, with the cgroup's judged apart: a fresh episode's
     cgroup is its cgroup namespace's root; a template's fork in a leaf (``forked``) sits beside
     its template's, outside the namespace's root, where it cannot move from."""
@@ -254,6 +268,10 @@ def refused(found: dict[str, Any], *, forked: bool = False) -> dict[str, Any]:
     assert line.startswith("0::/../") if forked else line == "0::/", found
     assert found["cgroup move"] in ("ENOENT", "EROFS"), found
     assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
+    # The mount's read-only flag answers root; an unprivileged agent meets the file's mode first.
+    assert found["kernel files"], found
+    assert set(found["kernel files"].values()) == ({"EROFS"} if root else {"EACCES"}), found
+    assert found["timer list"] == 0, found  # masked
     return seen
 
 
@@ -288,8 +306,10 @@ def test_the_same_attack_from_a_plain_process_reaches_everything(scratch: Path) 
         assert (found["pty"], found["disk"], found["mknod"]) == ("done", "done", "done")
         assert found["raw socket"] == "done"
         assert set(EPISODE_DEV) - {"mqueue"} < set(found["dev"])
-        assert not any(found["ns " + k] for k in ("ipc", "uts", "cgroup", "pid", "mnt"))
+        assert not any(found["ns " + k] for k in NAMESPACES)
         assert found["cgroup mkdir"] == "done"
+        assert set(found["kernel files"].values()) == {"done"}, found
+        assert found["timer list"] > 0
         assert key in host_ipc_keys()  # the control's leftovers are the machine's
     finally:
         made = own_cgroup() / "made-by-agent"
@@ -373,7 +393,7 @@ def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(scratch: P
         assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
         found = outcome["info"]
         assert "shm read" not in found
-        assert refused(found) == REFUSED
+        assert refused(found, root=False) == REFUSED
         assert key not in host_ipc_keys()
         assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
     finally:
@@ -572,3 +592,15 @@ def test_an_unprivileged_trainers_sandbox_is_a_read_only_view(
         assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
     finally:
         standin.close()
+
+
+@pytest.mark.parametrize("containment", ["cgroup+pidns", "pidns", "cgroup", "landlock"])
+def test_doctor_says_what_the_combination_builds(containment: str) -> None:
+    needs(containment)
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--containment", containment)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    world = f"ok    at {containment} the episode's world is built for it: PID, mount, IPC, UTS"
+    assert (world in proc.stdout) is ("pidns" in containment), proc.stdout
+    if os.geteuid() == 0:
+        sysrq = "reboot the machine through /proc/sysrq-trigger"
+        assert (sysrq in proc.stdout) is ("pidns" not in containment), proc.stdout

@@ -187,7 +187,9 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         report.line("FAIL", str(exc))
         return None
     report.line("ok", f"containment {requested}" + (f": {used}" if used != requested else ""))
-    caveat = root_caveat()
+    if "pidns" in _containment.layers(used):
+        report.line("ok", f"at {used} the episode's world is built for it: {WORLD}")
+    caveat = root_caveat(used)
     if caveat is not None:
         report.line("warn", caveat)
     if os.geteuid() == 0:
@@ -402,10 +404,25 @@ def exposure(containment: str) -> list[str]:
     return left
 
 
-def root_caveat() -> str | None:
-    """What no layer walls off when the trainer, and so the agent, runs as root; else None."""
+#: What PID 1 of an episode's namespaces builds (docs/containment.md, "The episode's world").
+WORLD = (
+    "PID, mount, IPC, UTS and cgroup namespaces; its own /proc and /dev (six devices, a devpts "
+    "and /dev/shm of its own); /sys, /proc/sys and /proc/sysrq-trigger read-only; a read-only "
+    "view of its own cgroup only"
+)
+
+
+def root_caveat(used: str) -> str | None:
+    """What no layer walls off when the trainer, and so the agent, runs as root at
+    combination ``used``; else None."""
     if os.geteuid() != 0:
         return None
+    if "pidns" in _containment.layers(used):
+        return (
+            "the trainer runs as root, and so does the agent: it can still read and write every "
+            "file of the machine that root can (Sandbox() makes the rest a read-only view); for "
+            "untrusted agents run the trainer as an unprivileged user"
+        )
     return (
         "the trainer runs as root, and so does the agent: no layer walls off root's file "
         "access, so it can still write 1 into the trainer's cgroup.kill under /sys/fs/cgroup or "
