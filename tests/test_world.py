@@ -263,11 +263,11 @@ def refused(found: dict[str, Any], *, forked: bool = False, root: bool = True) -
     cgroup is its cgroup namespace's root; a template's fork in a leaf (``forked``) sits beside
     its template's, outside the namespace's root, where it cannot move from."""
     seen = {k: found[k] for k in REFUSED}
+    assert found["cgroup move"] in ("ENOENT", "EROFS"), found
+    assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
     assert found["ns cgroup"], found
     line = found["cgroup line"]
     assert line.startswith("0::/../") if forked else line == "0::/", found
-    assert found["cgroup move"] in ("ENOENT", "EROFS"), found
-    assert found["cgroup mkdir"] in ("ENOENT", "EROFS"), found
     # The mount's read-only flag answers root; an unprivileged agent meets the file's mode first.
     assert found["kernel files"], found
     assert set(found["kernel files"].values()) == ({"EROFS"} if root else {"EACCES"}), found
@@ -352,7 +352,8 @@ work, data = sys.argv[1], json.loads(sys.argv[2])
 async def main():
     spec = isolate.EpisodeSpec(
         agent_root=os.path.join(work, "agent_root"), entrypoint="attack:run",
-        containment="pidns", timeout=60.0, kill_grace=1.0, cwd=data["scratch"],
+        containment=data.get("containment", "pidns"), timeout=60.0, kill_grace=1.0,
+        cwd=data["scratch"],
         env={"PID_DIR": os.path.join(work, "pids")},
     )
     outcome = await isolate.run_episode(spec, data)
@@ -399,6 +400,88 @@ def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(scratch: P
     finally:
         remove_ipc(key)
         standin.close()
+
+
+def test_an_episode_cannot_leave_for_its_unprivileged_trainers_delegated_cgroup(
+    scratch: Path,
+) -> None:
+    # The trainer runs as nobody in a cgroup delegated to it (its cgroup.procs is nobody's):
+    # without a cgroup namespace, any process of nobody's below it may move itself up there,
+    # out of its episode's leaf and its limits, and outlive the episode.
+    needs("cgroup")
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    found_python = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    delegated = own_cgroup() / f"isolate-test-delegated-{uuid.uuid4().hex[:12]}"
+    delegated.mkdir()
+    work = scratch / "work"
+    try:
+        for path in (delegated, *(delegated / n for n in DELEGATED_FILES)):
+            os.chown(path, NOBODY, NOBODY)
+        # The control: a process of nobody's in a cgroup below moves itself up.
+        prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        control = subprocess.run(
+            ["sh", "-c", ENTER, str(delegated), *prefix, "sh", "-c", CONTROL_MOVE, "-"],
+            capture_output=True,
+            text=True,
+            timeout=30 * SLOW,
+        )
+        assert control.stdout.split() == ["moved"], control.stderr
+        for sub in ("agent_root", "pids"):
+            (work / sub).mkdir(parents=True)
+        (work / "agent_root" / "attack.py").write_text(ATTACK)
+        (work / "parent.py").write_text(UNPRIVILEGED_PARENT)
+        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+            path.chmod(0o777)
+        standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+        key = 0x153_0000 + os.getpid() % 0xFFFF
+        try:
+            data = {
+                **attack_data(standin, scratch, key),
+                "containment": "cgroup+pidns",
+                "cgroup_procs": str(delegated / "cgroup.procs"),
+                "cgroup_dir": str(delegated),
+            }
+            # Into the delegated cgroup as root, then the trainer as nobody from there.
+            command = [python, str(work / "parent.py"), str(work), json.dumps(data)]
+            done = subprocess.run(
+                ["sh", "-c", ENTER, str(delegated), *prefix, *command],
+                capture_output=True,
+                text=True,
+                cwd=work,
+                env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+                timeout=120 * SLOW,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            outcome = json.loads(done.stdout.splitlines()[-1])
+            assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+            assert outcome["containment"] == "cgroup+pidns"
+            found = outcome["info"]
+            assert refused(found, root=False) == REFUSED
+            assert (delegated / "cgroup.procs").read_text() == ""  # nothing moved up
+            assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
+        finally:
+            remove_ipc(key)
+            standin.close()
+    finally:
+        below = [p for p in delegated.rglob("*") if p.is_dir()]
+        for leaf in sorted(below, key=lambda p: -len(p.parts)):
+            leaf.rmdir()
+        delegated.rmdir()
+
+
+#: The files of a cgroup that delegating it hands over (cgroup v2's delegation).
+DELEGATED_FILES = ("cgroup.procs", "cgroup.threads", "cgroup.subtree_control")
+#: As root: move into the cgroup named by $0, then exec the rest (which drops to nobody).
+ENTER = 'echo $$ > "$0/cgroup.procs" && export DELEGATED="$0" && exec "$@"'
+#: As nobody, in the delegated cgroup: make a cgroup below, move in, then move back up.
+CONTROL_MOVE = """
+mkdir "$DELEGATED/below" && echo $$ > "$DELEGATED/below/cgroup.procs" &&
+echo $$ > "$DELEGATED/cgroup.procs" && echo moved
+"""
 
 
 # --- under Sandbox(): a view, not a veto ---------------------------------------------------------
