@@ -150,7 +150,9 @@ def test_the_report_of_a_real_batch(
     assert found["nodes"] == {host: found["counts"]}
     assert found["containment"] == {auto[0]: found["counts"]}
     assert found["duration_s"]["max"] == max(e["duration_s"] for e in by_id.values())
-    assert found["duration_s"]["max"] >= 1.0  # the timeout
+    # The timeout's episode: the agent's share of its 1 s, its teardown in the rest
+    # (docs/cancellation.md, "The deadline of an econfig episode").
+    assert found["duration_s"]["max"] >= 0.5
     assert found["finished"]["first"] <= found["finished"]["last"]
 
     png = agents.tmp / "plots" / "results.png"
