@@ -9,6 +9,7 @@ PID namespace, and as an unprivileged trainer (``nobody``, in a user namespace).
 from __future__ import annotations
 
 import ctypes
+import http.server
 import json
 import os
 import shutil
@@ -16,16 +17,18 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import isolate
 
-from .conftest import SLOW, both_starts, episode_processes
+from .conftest import SLOW, both_starts, episode_processes, wait_for
 from .test_cli import SCRIPTED, isolate_cli
 from .test_containment import COMBINATIONS, needs
 from .test_hostile_wall import NOBODY, as_nobody, unprivileged_python
@@ -687,3 +690,94 @@ def test_doctor_says_what_the_combination_builds(containment: str) -> None:
     if os.geteuid() == 0:
         sysrq = "reboot the machine through /proc/sysrq-trigger"
         assert (sysrq in proc.stdout) is ("pidns" not in containment), proc.stdout
+
+
+# --- a sibling's traffic on loopback -------------------------------------------------------------
+
+#: Calls the server with its key until told to stop.
+CALLER = """
+import os, time, urllib.request
+def run(data):
+    calls = 0
+    while not os.path.exists(data["stop"]):
+        headers = {"Authorization": "Bearer " + data["key"]}
+        urllib.request.urlopen(urllib.request.Request(data["url"], headers=headers)).read()
+        calls += 1
+        time.sleep(0.01)
+    return 1.0, calls
+"""
+
+#: Listens on loopback for a while, by every raw means, for the sibling's key.
+SNIFFER = r"""
+import errno, os, socket, time
+def run(data):
+    found = {}
+    for name, family, kind, proto in (
+        ("packet", socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3)),  # ETH_P_ALL
+        ("raw tcp", socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP),
+    ):
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            found[name] = errno.errorcode[exc.errno]
+            continue
+        sock.settimeout(0.1)
+        seen, end = b"", time.monotonic() + 2
+        while time.monotonic() < end and data["key"].encode() not in seen:
+            try:
+                seen += sock.recv(65536)
+            except socket.timeout:
+                pass
+        found[name] = "read the key" if data["key"].encode() in seen else "nothing"
+        sock.close()
+    open(data["stop"], "w").close()
+    return 1.0, found
+"""
+
+
+@pytest.mark.parametrize("containment", ["auto", "landlock"])
+async def test_a_sibling_episode_cannot_read_anothers_key_on_loopback(
+    agents: Any, scratch: Path, containment: str
+) -> None:
+    if containment != "auto":
+        needs(containment)
+    key = f"sk-sibling-{uuid.uuid4().hex}"
+    heard: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            heard.append(self.headers.get("Authorization", ""))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    stop = scratch / "stop"
+    data = {"key": key, "url": f"http://127.0.0.1:{server.server_port}/", "stop": str(stop)}
+    outcomes: dict[str, isolate.EpisodeOutcome] = {}
+    try:
+        caller = agents.spec(CALLER, containment=containment)
+        sniffer = agents.spec(SNIFFER, containment=containment)
+
+        async def one(name: str, spec: isolate.EpisodeSpec) -> None:
+            outcomes[name] = await isolate.run_episode(spec, data)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "caller", caller)
+            await anyio.to_thread.run_sync(wait_for, lambda: heard, 20.0 * SLOW, "a call")
+            tg.start_soon(one, "sniffer", sniffer)
+    finally:
+        stop.touch()
+        server.shutdown()
+        server.server_close()
+    assert outcomes["caller"].status == "ok", outcomes["caller"].summary()
+    assert heard[0] == f"Bearer {key}"  # the key was on loopback the while
+    assert outcomes["sniffer"].status == "ok", outcomes["sniffer"].summary()
+    assert outcomes["sniffer"].info == {"packet": "EPERM", "raw tcp": "EPERM"}
+    assert agents.left() == []
