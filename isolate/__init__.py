@@ -23,7 +23,7 @@ from ._core.errors import (
 )
 from ._core.launcher import run_episode
 from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
-from ._core.sandbox import Sandbox, SandboxReport
+from ._core.sandbox_config import Sandbox, SandboxReport
 from ._core.shim import shim_path
 from ._core.templates import close_templates
 

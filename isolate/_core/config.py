@@ -12,7 +12,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from agent_shim.shim_wire import EPISODE_ENV, LAYERS, canonical_containment
 
-from .sandbox import Sandbox
+from .sandbox_config import Sandbox
 
 #: Environment names a child inherits from the parent by default. Patterns use fnmatch syntax.
 DEFAULT_INHERIT_ENV: tuple[str, ...] = (

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import errors as _errors
-from .sandbox import SandboxReport
+from .sandbox_config import SandboxReport
 
 Cleanup = Literal["finished", "cut short"]
 

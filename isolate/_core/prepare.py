@@ -26,6 +26,7 @@ from .env import describe_withheld, split_env
 from .errors import ArgumentError, SetupProblem
 from .netserve import EpisodeNetwork
 from .redact import Redactor
+from .sandbox_config import Sandbox, SandboxReport
 
 #: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
 #: for a parent that is stopped or hung, never the normal path.
@@ -120,7 +121,7 @@ class Prepared:
             if summary is not None:
                 note(summary)
 
-    def report(self, missing: list[str] | None, redact: Redactor) -> _sandbox.SandboxReport | None:
+    def report(self, missing: list[str] | None, redact: Redactor) -> SandboxReport | None:
         """What the sandbox enforced, for the outcome; ``missing`` from the worker's frame."""
         if self.sandbox is None:
             return None
@@ -169,7 +170,7 @@ def _contain(req: Request, prep: Prepared) -> None:
 
 
 def _sandbox_for(
-    req: Request, containment: str, sandbox: _sandbox.Sandbox, under: str | None = None
+    req: Request, containment: str, sandbox: Sandbox, under: str | None = None
 ) -> _sandbox.PreparedSandbox:
     """The private TMPDIR and the rules the worker enforces; raises SetupProblem. Under a
     template (``under``: its TMPDIR) the fork's mounts are the template's."""

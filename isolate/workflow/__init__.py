@@ -40,7 +40,8 @@ from .._core.config import EpisodeSpec
 from .._core.env import PASSTHROUGH_ENV
 from .._core.launcher import run_episode
 from .._core.outcome import EpisodeOutcome
-from .._core.sandbox import Sandbox, ports_of_url
+from .._core.sandbox import ports_of_url
+from .._core.sandbox_config import Sandbox
 from .._core.templates import remedy
 from ._econfig import UPSTREAM_OVERRIDES, EConfig, plain
 
