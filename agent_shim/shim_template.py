@@ -52,7 +52,6 @@ import _isolate_shim_wire as wire
 shim = sys.modules["_isolate_shim"]
 
 EPISODE_ENV = wire.EPISODE_ENV
-PR_SET_PDEATHSIG = 1
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
@@ -160,11 +159,7 @@ def serve():
 def leave(code):
     """Flush stdout and stderr, then end this process at once, without the interpreter's
     shutdown: the template's and a fork's own, not the agent's."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    shim.flush_std_streams()
     os._exit(code)
 
 
@@ -254,7 +249,7 @@ def enter_wall(wall, control, life):
             init(child, life)
     else:
         # The outer process is single-threaded: its death is the parent-death signal's.
-        shim.c_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != outer:
             os._exit(1)  # it died before the signal was armed
     if life is not None:

@@ -24,7 +24,6 @@ KEPT_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 10, 18, 29)
 CAP_SETPCAP = 8
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
-PR_SET_PDEATHSIG = 1
 
 
 def run(hs, channel, supervisor_pid, supervisor):
@@ -35,7 +34,7 @@ def run(hs, channel, supervisor_pid, supervisor):
         if sys.platform.startswith("linux"):
             # Should the supervisor be SIGKILLed (say by a cluster agent killing the parent's
             # children), the worker dies with it instead of running on under init.
-            shim.c_call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != supervisor_pid:
                 os._exit(1)
         exit_w = supervisor.as_worker()
