@@ -755,7 +755,7 @@ def run(data, **kwargs):
             f.write(forged + "\\n")
 
     def rewrite():
-        for spec in glob.glob(os.path.join(b["logs"], "*", "spec.json")):
+        for spec in glob.glob(os.path.join(b["logs"], "**", "spec.json"), recursive=True):
             with open(spec, "w") as f:
                 f.write(json.dumps({"python": "/tmp/evil", "sandbox": None}))
 
@@ -818,7 +818,7 @@ def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agent
         assert spec["sandbox"] is not None
         assert "evil" not in spec["python"]
     assert not (agents.tmp / "planted").exists()
-    assert not list(agents.logs.glob("*.forged"))
+    assert not list(agents.logs.rglob("*.forged"))
     assert re.search(r"^resolved +0/3 ", proc.stdout, re.M), proc.stdout
     # A rerun finds no lost attempt to record, and nothing to do.
     again = isolate_cli(*args, env=env())

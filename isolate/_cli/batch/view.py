@@ -19,6 +19,7 @@ from ..._core import admission
 from ..._core.outcome import STATUSES
 from ..options import preload_warning
 from .io import Unit
+from .runmeta import meta_path
 from .selection import pass_at_ks, pass_lines
 
 if TYPE_CHECKING:
@@ -225,6 +226,7 @@ def summary(
     samples: int | None,
     results: Path,
     log_dir: Path,
+    run: str | None = None,
 ) -> None:
     """The end-of-run report over every unit (instance, sample) the run covers, resumed ones
     included. ``final`` maps a unit to its final result line; ``setup_errors`` the units whose
@@ -263,7 +265,10 @@ def summary(
         facts.append(
             ("infra", ", ".join(parts) + "; a Ray worker, node or the driver lost, not the agent")
         )
-    where = [
+    where = (
+        [("run", f"{run} ({meta_path(results)})")] if run and meta_path(results).exists() else []
+    )
+    where += [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
         ("report", report_hint(results)),
@@ -308,11 +313,16 @@ def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, 
     """(name, text) rows over the final results: reward, resolved, durations, containment,
     how the episodes started, the slowest."""
     mean = sum(mean_reward(e["reward"]) for e in entries) / len(entries)
+    failed = Counter(e["status"] for e in entries if e["status"] != "ok")
+    failed = Counter({s: failed[s] for s in STATUSES if failed[s]})
     done = sum(resolved(e) for e in entries)
     durations = sorted(float(e["duration_s"]) for e in entries)
     p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
     facts = [
-        ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
+        (
+            "mean reward",
+            f"{mean:.3f} over {counted(len(entries), 'result')}, {zero_rewards(failed)}",
+        ),
         ("resolved", f"{done}/{len(units)} ({100.0 * done / len(units):.1f}%)"),
         ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
     ]
@@ -333,6 +343,15 @@ def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, 
         text = f"{unit_label(e)}  {float(e['duration_s']):.2f} s  {e['status']}"
         facts.append(("slowest" if n == 0 else "", text))
     return facts
+
+
+def zero_rewards(failed: dict[str, int]) -> str:
+    """How the mean counts the results that ended without a reward: ``counting the 6 failed
+    results (timeout 6) as 0``; ``failed``: their count per status."""
+    if not sum(failed.values()):
+        return "none of them failed"
+    parts = ", ".join(f"{status} {n}" for status, n in failed.items())
+    return f"counting the {counted(sum(failed.values()), 'failed result')} ({parts}) as 0"
 
 
 def _cause(entry: dict[str, Any]) -> str:
