@@ -202,7 +202,11 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
             ["run", "{bad_grace}", "--base-url", URL, "--kill-grace", "1"],
             "error: econfig.kill_grace: Input should be greater than or equal to 0",
         ),
-        (["run", "{record}", "--base-url", URL, "--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+        (
+            ["run", "{record}", "--base-url", URL, "--agent-root", str(SCRIPTED)]
+            + ["--api-key-env", "NOT_SET_ANYWHERE"],
+            "not set",
+        ),
         (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
         (["run", "--replay", "{tmp}"], "not a replay bundle"),
     ],
@@ -217,6 +221,19 @@ def test_usage_errors(agents: Agents, args: list[str], message: str) -> None:
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not agents.logs.exists()  # refused before anything started
+
+
+def test_the_dummy_key_is_not_announced_before_an_unrelated_error(agents: Agents) -> None:
+    """No key option and no terminal: the agent root that does not exist is the one line."""
+    record = write_record(agents)
+    missing = agents.tmp / "no-such-root"
+    args = ["run", str(record), "--base-url", URL, "--agent-root", str(missing)]
+    proc = isolate_cli(*args, "--log-dir", str(agents.logs))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"isolate: error: agent root {missing} does not exist: give the agent's checkout with "
+        "--agent-root (or AWEAGENT_ROOT in the environment)\n"
+    )
 
 
 def test_invalid_json_record(agents: Agents) -> None:
@@ -429,7 +446,11 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_kills_at_once(agents: Ag
     assert proc.returncode == 130, err
     assert b"killing the episode's processes now" in err
     assert out == b""
-    assert json.loads(_outcome_file(err).read_text())["cleanup"] == "cut short"
+    outcome = json.loads(_outcome_file(err).read_text())
+    assert outcome["cleanup"] == "cut short"
+    # The agent's worker and its two sleepers, killed by the second Ctrl-C, are counted.
+    assert outcome["killed"] >= 3, outcome
+    assert f"{outcome['killed']} killed" in err.decode()
     wait_for(lambda: not agents.left(), 2.0 * SLOW, "the episode's processes gone")
 
 
