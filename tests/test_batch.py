@@ -400,6 +400,11 @@ def test_ctrl_c_tears_down_exits_130_and_the_next_run_resumes(agents: Agents) ->
             "the driver was interrupted while this attempt ran (cancelled after "
         )
         assert Path(entry["outcome_path"]).is_file()
+    # The summary says they were cut short, not retried, and by what.
+    summary = (agents.tmp / "driver.out").read_text()
+    assert ", 0 retried, 4 cut short\n" in summary, summary
+    infra = "infra        4 (cut short by the interrupt: the next run runs them again); "
+    assert f"\n{infra}the driver stopped, not the agent\n" in summary, summary
 
     hold.unlink()
     proc = isolate_cli(*args, env=env())

@@ -18,7 +18,7 @@ import anyio
 from ..._core import admission
 from ..._core.outcome import STATUSES
 from ..options import preload_warning
-from .io import Unit
+from .io import Unit, unit_of
 from .runmeta import meta_path
 from .selection import pass_at_ks, pass_lines
 
@@ -48,10 +48,18 @@ class View:
         self.finished = 0
         """Instances finished in this run."""
         self.retried = 0
-        """Attempts of this run that got another attempt."""
+        """Attempts of this run that got another attempt, counted when that one starts."""
         self.infra_retried = 0
         """Of them, infrastructure failures (``infra``: a Ray worker or node lost, the driver
         stopped mid-attempt)."""
+        self.cut = 0
+        """Attempts this run's interrupt cut short (``DriverStopped``): the next run runs
+        them again."""
+        self.infra_kinds: Counter[str] = Counter()
+        """The error types of this run's infrastructure failures."""
+        self._awaiting: dict[Unit, bool] = {}
+        """Units whose latest line is not final (another attempt is due): whether it was an
+        infrastructure failure."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -94,10 +102,20 @@ class View:
             self.finished += 1
         elif entry["status"] == "setup_error":
             self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
+        elif _kind(entry) == "DriverStopped":
+            self.cut += 1  # no attempt follows in this run: the next run's
         else:
-            self.retried += 1
-            self.infra_retried += bool(entry.get("infra"))
+            self._awaiting[unit_of(entry)] = bool(entry.get("infra"))
+        if entry.get("infra"):
+            self.infra_kinds[_kind(entry) or "unknown"] += 1
         self._refresh()
+
+    def started(self, unit: Unit) -> None:
+        """An attempt at ``unit`` starts: a retry when its latest line asked for another."""
+        self.running += 1
+        if unit in self._awaiting:
+            self.retried += 1
+            self.infra_retried += self._awaiting.pop(unit)
 
     def note(self, text: str) -> None:
         if self._bar is not None:
@@ -241,7 +259,8 @@ def summary(
         what += f" x {counted(samples, 'sample')}"
     lines = [
         f"isolate batch: {what}, {view.finished} run now in {elapsed:.1f} s "
-        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
+        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried"
+        + (f", {view.cut} cut short" if view.cut else ""),
         "",
     ]
     lines += _status_table(units, entries, final, setup_errors)
@@ -254,17 +273,18 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
-    infra_final = sum(bool(e.get("infra")) for e in entries)
-    if view.infra_retried or infra_final:
-        # Infrastructure failures (a Ray worker, node or the driver lost): --retries-infra.
-        parts = [
-            f"{n} ({what})"
-            for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
-            if n
-        ]
-        facts.append(
-            ("infra", ", ".join(parts) + "; a Ray worker, node or the driver lost, not the agent")
+    infra_final = [e for e in entries if e.get("infra")]
+    if view.infra_retried or view.cut or infra_final:
+        # Infrastructure failures (a Ray worker or node lost, the driver stopped): their
+        # attempts run again under --retries-infra.
+        counts = (
+            (view.infra_retried, "retried"),
+            (view.cut, "cut short by the interrupt: the next run runs them again"),
+            (len(infra_final), "final"),
         )
+        parts = [f"{n} ({what})" for n, what in counts if n]
+        kinds = set(view.infra_kinds) | {_kind(e) or "unknown" for e in infra_final}
+        facts.append(("infra", ", ".join(parts) + "; " + _infra_cause(kinds)))
     where = (
         [("run", f"{run} ({meta_path(results)})")] if run and meta_path(results).exists() else []
     )
@@ -352,6 +372,21 @@ def zero_rewards(failed: dict[str, int]) -> str:
         return "none of them failed"
     parts = ", ".join(f"{status} {n}" for status, n in failed.items())
     return f"counting the {counted(sum(failed.values()), 'failed result')} ({parts}) as 0"
+
+
+def _kind(entry: dict[str, Any]) -> str | None:
+    error = entry.get("error")
+    return str(error.get("type")) if isinstance(error, dict) and error.get("type") else None
+
+
+def _infra_cause(kinds: set[str]) -> str:
+    """What the infrastructure failures of these error types were, in words."""
+    causes = []
+    if kinds - {"DriverStopped"}:
+        causes.append("a Ray worker or node lost")
+    if "DriverStopped" in kinds:
+        causes.append("the driver stopped")
+    return " or ".join(causes) + ", not the agent"
 
 
 def _cause(entry: dict[str, Any]) -> str:
