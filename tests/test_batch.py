@@ -456,7 +456,8 @@ def test_ray_that_does_not_import_is_one_line_and_leaves_no_results_file(agents:
     proc = isolate_cli(*batch_args(agents, records, out), "--backend", "ray", env=environ)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
-        "isolate: error: --backend ray needs Ray: pip install 'episode-isolate[ray]' (no ray here)"
+        f"isolate: error: --backend ray needs Ray: {sys.executable} -m pip install 'ray>=2.9' "
+        "(no ray here)"
     )
     assert not out.exists()
 

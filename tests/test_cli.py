@@ -777,3 +777,51 @@ def test_replay_refuses_a_bundle_changed_after_it_ran(
     assert errors == [f"isolate: error: {bundle} is not replayed: {said} (digest.json)"]
     assert "Traceback" not in replay.stderr
     assert len(bundles(agents)) == 1  # nothing ran
+
+
+def test_install_lines_name_what_the_extras_install() -> None:
+    """The lines printed for an optional part install the extra's own requirements (the
+    distribution is not published under its name): the same as pyproject.toml's extras."""
+    import tomllib
+
+    from isolate._cli.install import EXTRAS, install_line
+
+    project = tomllib.loads((SCRIPTED.parents[1] / "pyproject.toml").read_text())["project"]
+    extras = {k: tuple(v) for k, v in project["optional-dependencies"].items()}
+    assert {k: extras[k] for k in EXTRAS} == EXTRAS
+    assert install_line("report") == f"{sys.executable} -m pip install 'matplotlib>=3.7'"
+    for command in (["batch", "--help"], ["report", "--help"], ["demo", "--help"]):
+        proc = isolate_cli(*command)
+        assert "episode-isolate[" not in proc.stdout
+    text = " ".join(isolate_cli("batch", "--help").stdout.split())
+    assert "pip install 'ray>=2.9'" in text
+
+
+def test_help_points_at_pages_that_exist() -> None:
+    """The pointers of the help texts name files of docs/, not a README section."""
+    root = SCRIPTED.parents[1]
+    for command in ("run", "batch", "doctor"):
+        text = " ".join(isolate_cli(command, "--help").stdout.split())
+        assert "README" not in text
+        for page in re.findall(r"docs/[a-z_]+\.md", text):
+            assert (root / page).is_file(), page
+    assert "'none': its own loopback only, the LLM endpoint unreachable too" in " ".join(
+        isolate_cli("run", "--help").stdout.split()
+    )
+
+
+def test_a_bare_doctor_says_what_to_pass_for_the_agent_root() -> None:
+    """Without --agent-root or AWEAGENT_ROOT, the default (a sibling checkout of a clone) is
+    not there: the failure says what to pass, not only a path."""
+    from isolate.workflow import default_agent_root
+
+    if default_agent_root().is_dir():
+        pytest.skip("a sibling checkout of AReaL-SWEAgent is here")
+    env = {k: v for k, v in cli_env().items() if not k.endswith("AGENT_ROOT")}
+    proc = isolate_cli("doctor", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        "\n  FAIL  no agent root given: pass --agent-root DIR, the agent's checkout (or set "
+        f"AWEAGENT_ROOT)\n        the default, {default_agent_root()}, is a checkout of "
+        "AReaL-SWEAgent beside a clone of isolate; there is none\n"
+    ) in proc.stdout

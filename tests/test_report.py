@@ -366,7 +366,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr == (
-        "isolate: error: --plot needs matplotlib: pip install 'episode-isolate[report]'\n"
+        f"isolate: error: --plot needs matplotlib: {sys.executable} -m pip install "
+        "'matplotlib>=3.7'\n"
     )
     assert proc.stdout == ""
     assert not png.exists()

@@ -18,6 +18,7 @@ import anyio
 
 from .._core.errors import ArgumentError
 from .batch import add_batch_parser, add_report_parser
+from .install import install_hint
 from .options import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -111,8 +112,8 @@ def _add_demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--agent",
         choices=("demo", "mini-swe-agent"),
         default="demo",
-        help="the packaged demo agent (default), or mini-swe-agent (needs the extra: "
-        "pip install 'episode-isolate[mini-swe-agent]')",
+        help="the packaged demo agent (default), or mini-swe-agent (needs it installed: "
+        f"{install_hint('mini-swe-agent')})",
     )
     llm = sub.add_parser(
         "scripted-llm",

@@ -25,6 +25,7 @@ from .._core.outcome import EpisodeOutcome
 from .._core.prepare import default_episode_id
 from .._core.templates import close_templates
 from ..workflow import default_log_dir
+from .batch.job import write_bundle
 from .options import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
@@ -143,14 +144,10 @@ async def run_command(args: argparse.Namespace, key: SecretStr | None = None) ->
     episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    from .batch.job import write_bundle
-
     check_log_dir(prep.log_dir)
-    if key is None:
-        key = read_api_key(args, sys.stdin)
+    key = key or read_api_key(args, sys.stdin)
     write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
-
     outcome: EpisodeOutcome | None = None
     interrupted = False
     status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
@@ -199,14 +196,14 @@ async def run_command(args: argparse.Namespace, key: SecretStr | None = None) ->
 
     if outcome is None:
         return EXIT_INTERRUPTED  # interrupted before the episode could begin
-    if status.killed > outcome.killed:
-        # A second Ctrl-C killed the tree before the teardown could count it.
-        outcome = outcome.model_copy(update={"killed": status.killed})
-    return _finish(outcome, interrupted, bundle)
+    return _finish(outcome, interrupted, bundle, status.killed)
 
 
-def _finish(outcome: EpisodeOutcome, interrupted: bool, bundle: Path) -> int:
-    """Write the bundle's outcome.json, say how the episode ended; the exit status."""
+def _finish(outcome: EpisodeOutcome, interrupted: bool, bundle: Path, killed: int) -> int:
+    """Write the bundle's outcome.json, say how the episode ended; the exit status.
+    ``killed``: the processes a second Ctrl-C killed before the teardown could count them."""
+    if killed > outcome.killed:
+        outcome = outcome.model_copy(update={"killed": killed})
     _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
     if interrupted:
         print(f"isolate: interrupted: {outcome.summary()}", file=sys.stderr)

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..install import install_hint, install_line
 from ..options import (
     EXIT_INTERRUPTED,
     UsageError,
@@ -70,7 +71,7 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     agent_options(batch)
     key_options(batch)
-    ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
+    ray = batch.add_argument_group(f"ray (needs Ray: {install_hint('ray')})")
     ray.add_argument("--backend", choices=("local", "ray"), default="local")
     ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
     ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
@@ -157,7 +158,7 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=Path,
         metavar="FILE.png",
         help="also draw the results over time and their durations, as a PNG "
-        "(pip install 'episode-isolate[report]')",
+        f"(needs matplotlib: {install_hint('report')})",
     )
 
 
@@ -227,9 +228,7 @@ def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
     try:
         from .ray_backend import RayBackend
     except ImportError as exc:
-        raise UsageError(
-            f"--backend ray needs Ray: pip install 'episode-isolate[ray]' ({exc})"
-        ) from None
+        raise UsageError(f"--backend ray needs Ray: {install_line('ray')} ({exc})") from None
     backend = RayBackend(
         key,
         address=args.ray_address,
@@ -257,7 +256,7 @@ def batch_command(args: argparse.Namespace) -> int:
         chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)
         check_log_dir(plan.log_dir)
         if args.backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise UsageError("--backend ray needs Ray: pip install 'episode-isolate[ray]'")
+            raise UsageError(f"--backend ray needs Ray: {install_line('ray')}")
     except UsageError:
         records.close()
         raise

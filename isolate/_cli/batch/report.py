@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._core.outcome import STATUSES
+from ..install import install_line
 from ..options import UsageError
 from .io import BatchError, ResultLines, is_final, read_results, unit_of
 from .runmeta import meta_path, read_meta
@@ -46,7 +47,6 @@ COLORS = {
     "protocol_error": "#8c564b",
     "setup_error": "#7f7f7f",
 }
-_INSTALL = "pip install 'episode-isolate[report]'"
 
 
 def report_command(args: argparse.Namespace) -> int:
@@ -59,7 +59,7 @@ def report_command(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401 - only whether it is there, before any work
         except ImportError:
-            raise UsageError(f"--plot needs matplotlib: {_INSTALL}") from None
+            raise UsageError(f"--plot needs matplotlib: {install_line('report')}") from None
     lines = _read(args.results)
     found = build(args.results, lines)
     if args.json:

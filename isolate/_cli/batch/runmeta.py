@@ -152,21 +152,26 @@ def session(
             "chosen": records,
             "units": units,
         },
-        "options": {
-            "samples": args.samples,
-            "limit": args.limit,
-            "instance_ids": args.instance_ids,
-            "shard": str(args.shard) if args.shard else None,
-            "retries": args.retries,
-            "retries_infra": args.retries_infra,
-            "retry_timeouts": args.retry_timeouts,
-            "concurrency": concurrency,
-            "backend": args.backend,
-        },
+        "options": _options(args, concurrency),
         "log_dir": str(log_dir),
         "spec": spec,
         "kwargs": kwargs,
         "secret_env": sorted(args.secret_env or ()),
+    }
+
+
+def _options(args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
+    """The options of ``isolate batch`` that choose the records and shape the run."""
+    return {
+        "samples": args.samples,
+        "limit": args.limit,
+        "instance_ids": args.instance_ids,
+        "shard": str(args.shard) if args.shard else None,
+        "retries": args.retries,
+        "retries_infra": args.retries_infra,
+        "retry_timeouts": args.retry_timeouts,
+        "concurrency": concurrency,
+        "backend": args.backend,
     }
 
 

@@ -273,18 +273,7 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
-    infra_final = [e for e in entries if e.get("infra")]
-    if view.infra_retried or view.cut or infra_final:
-        # Infrastructure failures (a Ray worker or node lost, the driver stopped): their
-        # attempts run again under --retries-infra.
-        counts = (
-            (view.infra_retried, "retried"),
-            (view.cut, "cut short by the interrupt: the next run runs them again"),
-            (len(infra_final), "final"),
-        )
-        parts = [f"{n} ({what})" for n, what in counts if n]
-        kinds = set(view.infra_kinds) | {_kind(e) or "unknown" for e in infra_final}
-        facts.append(("infra", ", ".join(parts) + "; " + _infra_cause(kinds)))
+    facts += _infra_fact(view, entries)
     where = (
         [("run", f"{run} ({meta_path(results)})")] if run and meta_path(results).exists() else []
     )
@@ -372,6 +361,22 @@ def zero_rewards(failed: dict[str, int]) -> str:
         return "none of them failed"
     parts = ", ".join(f"{status} {n}" for status, n in failed.items())
     return f"counting the {counted(sum(failed.values()), 'failed result')} ({parts}) as 0"
+
+
+def _infra_fact(view: View, entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The ``infra`` row: infrastructure failures (a Ray worker or node lost, the driver
+    stopped), whose attempts run again under --retries-infra; none when there were none."""
+    infra_final = [e for e in entries if e.get("infra")]
+    counts = (
+        (view.infra_retried, "retried"),
+        (view.cut, "cut short by the interrupt: the next run runs them again"),
+        (len(infra_final), "final"),
+    )
+    parts = [f"{n} ({what})" for n, what in counts if n]
+    if not parts:
+        return []
+    kinds = set(view.infra_kinds) | {_kind(e) or "unknown" for e in infra_final}
+    return [("infra", ", ".join(parts) + "; " + _infra_cause(kinds))]
 
 
 def _kind(entry: dict[str, Any]) -> str | None:
