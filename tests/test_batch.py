@@ -400,6 +400,11 @@ def test_ctrl_c_tears_down_exits_130_and_the_next_run_resumes(agents: Agents) ->
             "the driver was interrupted while this attempt ran (cancelled after "
         )
         assert Path(entry["outcome_path"]).is_file()
+    # The summary says they were cut short, not retried, and by what.
+    summary = (agents.tmp / "driver.out").read_text()
+    assert ", 0 retried, 4 cut short\n" in summary, summary
+    infra = "infra        4 (cut short by the interrupt: the next run runs them again); "
+    assert f"\n{infra}the driver stopped, not the agent\n" in summary, summary
 
     hold.unlink()
     proc = isolate_cli(*args, env=env())
@@ -451,7 +456,8 @@ def test_ray_that_does_not_import_is_one_line_and_leaves_no_results_file(agents:
     proc = isolate_cli(*batch_args(agents, records, out), "--backend", "ray", env=environ)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1] == (
-        "isolate: error: --backend ray needs Ray: pip install 'episode-isolate[ray]' (no ray here)"
+        f"isolate: error: --backend ray needs Ray: {sys.executable} -m pip install 'ray>=2.9' "
+        "(no ray here)"
     )
     assert not out.exists()
 
@@ -755,7 +761,7 @@ def run(data, **kwargs):
             f.write(forged + "\\n")
 
     def rewrite():
-        for spec in glob.glob(os.path.join(b["logs"], "*", "spec.json")):
+        for spec in glob.glob(os.path.join(b["logs"], "**", "spec.json"), recursive=True):
             with open(spec, "w") as f:
                 f.write(json.dumps({"python": "/tmp/evil", "sandbox": None}))
 
@@ -819,7 +825,7 @@ def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agent
         assert spec["sandbox"] is not None
         assert "evil" not in spec["python"]
     assert not (agents.tmp / "planted").exists()
-    assert not list(agents.logs.glob("*.forged"))
+    assert not list(agents.logs.rglob("*.forged"))
     assert re.search(r"^resolved +0/3 ", proc.stdout, re.M), proc.stdout
     # A rerun finds no lost attempt to record, and nothing to do.
     again = isolate_cli(*args, env=env())

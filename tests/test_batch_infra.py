@@ -4,6 +4,7 @@ summary."""
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import socket
@@ -84,7 +85,10 @@ def _check_lost(lost: dict[str, Any], agents: Agents) -> None:
     assert lost["duration_s"] > 0.1  # measured by the driver, from submission to the loss
     assert lost["episode_id"].startswith("w-0.")
     log = Path(lost["log_path"])
-    assert log == agents.logs.absolute() / lost["episode_id"] / f"{lost['episode_id']}.log"
+    # In the bundle of its attempt, under the run's id.
+    run_id = json.loads((agents.tmp / "results.run.json").read_text())["run_id"]
+    bundle = agents.logs.absolute() / run_id / lost["episode_id"]
+    assert log == bundle / f"{lost['episode_id']}.log"
     assert log.is_file()  # the attempt had started writing it
     assert lost["containment"] is None  # the attempt never reported one
     assert lost["containment_asked"] == "auto"

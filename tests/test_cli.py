@@ -202,7 +202,11 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
             ["run", "{bad_grace}", "--base-url", URL, "--kill-grace", "1"],
             "error: econfig.kill_grace: Input should be greater than or equal to 0",
         ),
-        (["run", "{record}", "--base-url", URL, "--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+        (
+            ["run", "{record}", "--base-url", URL, "--agent-root", str(SCRIPTED)]
+            + ["--api-key-env", "NOT_SET_ANYWHERE"],
+            "not set",
+        ),
         (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
         (["run", "--replay", "{tmp}"], "not a replay bundle"),
     ],
@@ -217,6 +221,19 @@ def test_usage_errors(agents: Agents, args: list[str], message: str) -> None:
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not agents.logs.exists()  # refused before anything started
+
+
+def test_the_dummy_key_is_not_announced_before_an_unrelated_error(agents: Agents) -> None:
+    """No key option and no terminal: the agent root that does not exist is the one line."""
+    record = write_record(agents)
+    missing = agents.tmp / "no-such-root"
+    args = ["run", str(record), "--base-url", URL, "--agent-root", str(missing)]
+    proc = isolate_cli(*args, "--log-dir", str(agents.logs))
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        f"isolate: error: agent root {missing} does not exist: give the agent's checkout with "
+        "--agent-root (or AWEAGENT_ROOT in the environment)\n"
+    )
 
 
 def test_invalid_json_record(agents: Agents) -> None:
@@ -429,7 +446,11 @@ def test_ctrl_c_says_what_it_waits_for_and_a_second_one_kills_at_once(agents: Ag
     assert proc.returncode == 130, err
     assert b"killing the episode's processes now" in err
     assert out == b""
-    assert json.loads(_outcome_file(err).read_text())["cleanup"] == "cut short"
+    outcome = json.loads(_outcome_file(err).read_text())
+    assert outcome["cleanup"] == "cut short"
+    # The agent's worker and its two sleepers, killed by the second Ctrl-C, are counted.
+    assert outcome["killed"] >= 3, outcome
+    assert f"{outcome['killed']} killed" in err.decode()
     wait_for(lambda: not agents.left(), 2.0 * SLOW, "the episode's processes gone")
 
 
@@ -756,3 +777,51 @@ def test_replay_refuses_a_bundle_changed_after_it_ran(
     assert errors == [f"isolate: error: {bundle} is not replayed: {said} (digest.json)"]
     assert "Traceback" not in replay.stderr
     assert len(bundles(agents)) == 1  # nothing ran
+
+
+def test_install_lines_name_what_the_extras_install() -> None:
+    """The lines printed for an optional part install the extra's own requirements (the
+    distribution is not published under its name): the same as pyproject.toml's extras."""
+    import tomllib
+
+    from isolate._cli.install import EXTRAS, install_line
+
+    project = tomllib.loads((SCRIPTED.parents[1] / "pyproject.toml").read_text())["project"]
+    extras = {k: tuple(v) for k, v in project["optional-dependencies"].items()}
+    assert {k: extras[k] for k in EXTRAS} == EXTRAS
+    assert install_line("report") == f"{sys.executable} -m pip install 'matplotlib>=3.7'"
+    for command in (["batch", "--help"], ["report", "--help"], ["demo", "--help"]):
+        proc = isolate_cli(*command)
+        assert "episode-isolate[" not in proc.stdout
+    text = " ".join(isolate_cli("batch", "--help").stdout.split())
+    assert "pip install 'ray>=2.9'" in text
+
+
+def test_help_points_at_pages_that_exist() -> None:
+    """The pointers of the help texts name files of docs/, not a README section."""
+    root = SCRIPTED.parents[1]
+    for command in ("run", "batch", "doctor"):
+        text = " ".join(isolate_cli(command, "--help").stdout.split())
+        assert "README" not in text
+        for page in re.findall(r"docs/[a-z_]+\.md", text):
+            assert (root / page).is_file(), page
+    assert "'none': its own loopback only, the LLM endpoint unreachable too" in " ".join(
+        isolate_cli("run", "--help").stdout.split()
+    )
+
+
+def test_a_bare_doctor_says_what_to_pass_for_the_agent_root() -> None:
+    """Without --agent-root or AWEAGENT_ROOT, the default (a sibling checkout of a clone) is
+    not there: the failure says what to pass, not only a path."""
+    from isolate.workflow import default_agent_root
+
+    if default_agent_root().is_dir():
+        pytest.skip("a sibling checkout of AReaL-SWEAgent is here")
+    env = {k: v for k, v in cli_env().items() if not k.endswith("AGENT_ROOT")}
+    proc = isolate_cli("doctor", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        "\n  FAIL  no agent root given: pass --agent-root DIR, the agent's checkout (or set "
+        f"AWEAGENT_ROOT)\n        the default, {default_agent_root()}, is a checkout of "
+        "AReaL-SWEAgent beside a clone of isolate; there is none\n"
+    ) in proc.stdout

@@ -12,11 +12,13 @@ from .test_batch import batch_args, record, write_records
 from .test_cli import bundles, cli_env, isolate_cli, run_args, write_record
 
 
-def agent_report(agents: Agents, instance_id: str = "cli-1") -> dict[str, str]:
-    """The scripted agent's os.environ, from the report it writes into result_dir."""
-    environ: dict[str, str] = json.loads((agents.logs / f"{instance_id}.json").read_text())[
-        "environ"
-    ]
+def agent_report(
+    agents: Agents, instance_id: str = "cli-1", result_dir: Path | None = None
+) -> dict[str, str]:
+    """The scripted agent's os.environ, from the report it writes into result_dir (by
+    default the log directory, as ``isolate run`` makes it)."""
+    path = (result_dir or agents.logs) / f"{instance_id}.json"
+    environ: dict[str, str] = json.loads(path.read_text())["environ"]
     return environ
 
 
@@ -74,7 +76,10 @@ def test_batch_hands_secret_env_to_every_episode(agents: Agents, tmp_path: Path)
     args = batch_args(agents, records, out, "--secret-env", "E2B_API_KEY")
     proc = isolate_cli(*args, env=cli_env(BATCH_KEY="k", E2B_API_KEY=value))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [agent_report(agents, f"b-{i}")["E2B_API_KEY"] for i in range(2)] == [value] * 2
+    # A batch's result_dir is its run's directory, beside the run's bundles.
+    run_dir = agents.logs / json.loads((tmp_path / "out.run.json").read_text())["run_id"]
+    reports = [agent_report(agents, f"b-{i}", run_dir)["E2B_API_KEY"] for i in range(2)]
+    assert reports == [value] * 2
     assert value not in out.read_text()
 
 

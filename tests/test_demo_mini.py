@@ -156,5 +156,5 @@ def test_the_mini_swe_agent_demo_without_the_extra_says_what_to_install(tmp_path
     assert proc.stdout == ""
     assert proc.stderr == (
         f"isolate demo: error: mini-swe-agent is not installed for {sys.executable}: "
-        "pip install 'episode-isolate[mini-swe-agent]'\n"
+        f"{sys.executable} -m pip install 'mini-swe-agent>=2.4,<3'\n"
     )

@@ -91,13 +91,16 @@ def test_the_report_of_a_real_batch(
 ) -> None:
     out, batch = batch_results
     # The batch's summary ends with where everything is, and the command to report on it.
-    tail = batch.stdout.splitlines()[-3:]
+    tail = batch.stdout.splitlines()[-4:]
+    meta = json.loads((agents.tmp / "results.run.json").read_text())
+    run_id = meta["run_id"]
     assert tail == [
+        f"run          {run_id} ({agents.tmp / 'results.run.json'})",
         f"results      {out}",
-        f"logs         {agents.logs} (a replay bundle per attempt)",
+        f"logs         {agents.logs.absolute() / run_id} (a replay bundle per attempt)",
         f"report       isolate report {shlex.quote(str(out))}",
     ]
-    command = shlex.split(tail[2].split(None, 1)[1])
+    command = shlex.split(tail[3].split(None, 1)[1])
     assert command[:2] == ["isolate", "report"]
     proc = report(*command[2:])
     assert proc.returncode == 0, proc.stderr
@@ -107,7 +110,16 @@ def test_the_report_of_a_real_batch(
     for status, count in [("ok", 2), ("agent_error", 1), ("crashed", 1), ("timeout", 1)]:
         assert f"\n {status:<11}  {count:>5}   {100 * count / 5:.1f}%\n" in text, text
     assert "\nresolved     1/5 (20.0%)\n" in text
-    assert "mean reward  0.300 over 5 final results" in text
+    assert (
+        "mean reward  0.300 over 5 final results, counting the 3 failed results "
+        "(agent_error 1, crashed 1, timeout 1) as 0\n" in text
+    )
+    assert (
+        f"\nrun          {run_id}: started {meta['started_at']} on {socket.gethostname()}\n" in text
+    )
+    assert "\nresolved (1)     r-ok\n" in text
+    assert "\nunresolved (1)   r-half\n" in text
+    assert "\nerror (3)        r-exit, r-raise, r-timeout\n" in text
     assert "pass@" not in text  # one sample each
     assert "failures: 3 results in 3 groups" in text
     by_id = {e["instance_id"]: e for e in results(out)}
@@ -134,6 +146,10 @@ def test_the_report_of_a_real_batch(
     assert found["resolved"] == 1
     assert found["mean_reward"] == pytest.approx(0.3)
     assert found["pass_at_k"] is None
+    assert found["resolved_ids"] == ["r-ok"]
+    assert found["unresolved_ids"] == ["r-half"]
+    assert found["error_ids"] == ["r-exit", "r-raise", "r-timeout"]
+    assert found["run"] == meta
     assert found["samples"] is None
     groups = {(g["status"], g["error_type"]): g for g in found["failures"]}
     assert set(groups) == {
@@ -352,7 +368,8 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr == (
-        "isolate: error: --plot needs matplotlib: pip install 'episode-isolate[report]'\n"
+        f"isolate: error: --plot needs matplotlib: {sys.executable} -m pip install "
+        "'matplotlib>=3.7'\n"
     )
     assert proc.stdout == ""
     assert not png.exists()

@@ -22,7 +22,7 @@ from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.errors import SetupProblem
 from .._core.launcher import run_episode
 from .._core.shim import shim_path
-from ..workflow import ENTRYPOINT, resolve_agent_root
+from ..workflow import ENTRYPOINT, default_agent_root, resolve_agent_root
 
 #: The keyword arguments SWEAgentWorkflow passes; the entrypoint must accept them.
 WORKFLOW_KWARGS = (
@@ -262,6 +262,13 @@ def doctor(
 
     if root.is_dir():
         report.line("ok", f"agent root {root} exists")
+    elif agent_root is None and root == default_agent_root():
+        report.line(
+            "FAIL",
+            "no agent root given: pass --agent-root DIR, the agent's checkout (or set "
+            f"AWEAGENT_ROOT)\nthe default, {root}, is a checkout of AReaL-SWEAgent beside a "
+            "clone of isolate; there is none",
+        )
     else:
         what = "is not a directory" if root.exists() else "does not exist"
         report.line("FAIL", f"agent root {root} {what} (--agent-root, AWEAGENT_ROOT)")

@@ -18,6 +18,7 @@ import anyio
 
 from .._core.errors import ArgumentError
 from .batch import add_batch_parser, add_report_parser
+from .install import install_hint
 from .options import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
@@ -27,7 +28,6 @@ from .options import (
     key_options,
     port_number,
     positive_seconds,
-    read_api_key,
 )
 from .run import PLAIN_TICK_S, TTY_TICK_S, run_command
 
@@ -112,8 +112,8 @@ def _add_demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--agent",
         choices=("demo", "mini-swe-agent"),
         default="demo",
-        help="the packaged demo agent (default), or mini-swe-agent (needs the extra: "
-        "pip install 'episode-isolate[mini-swe-agent]')",
+        help="the packaged demo agent (default), or mini-swe-agent (needs it installed: "
+        f"{install_hint('mini-swe-agent')})",
     )
     llm = sub.add_parser(
         "scripted-llm",
@@ -146,8 +146,7 @@ def _containment(value: str) -> str:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "run":
-        key = read_api_key(args, sys.stdin)
-        return anyio.run(run_command, args, key)
+        return anyio.run(run_command, args)  # the key is read once the options are valid
     if args.command == "batch":
         from .batch import batch_command
 

@@ -144,7 +144,8 @@ def agent_options(parser: argparse.ArgumentParser) -> None:
         metavar="HOST[:PORT]",
         help="let the sandboxed agent reach only HOST (a '*.' prefix for subdomains; any port "
         "unless given) and the LLM endpoint, through an egress proxy, in a network of its own "
-        "(repeatable; 'none': no network at all; implies --sandbox; README: Network)",
+        "(repeatable; 'none': its own loopback only, the LLM endpoint unreachable too; "
+        "implies --sandbox; docs/sandbox.md: Network)",
     )
     group.add_argument(
         "--preload",

@@ -25,12 +25,14 @@ from .._core.outcome import EpisodeOutcome
 from .._core.prepare import default_episode_id
 from .._core.templates import close_templates
 from ..workflow import default_log_dir
+from .batch.job import write_bundle
 from .options import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
     UsageError,
     check_log_dir,
     preload_warning,
+    read_api_key,
     read_secret_env,
 )
 
@@ -58,6 +60,8 @@ class PreparedRun:
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
     log_dir = args.log_dir or Path(default_log_dir())
     if args.replay is not None:
+        # The replay's bundle goes beside the bundle it replays: under its batch run's id.
+        log_dir = args.log_dir or args.replay.absolute().parent
         given = [f for f in _AGENT_FLAGS if getattr(args, f) is not None]
         if args.record is not None or given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given) or "RECORD"
@@ -134,17 +138,16 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
 
-async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
+async def run_command(args: argparse.Namespace, key: SecretStr | None = None) -> int:
+    """Run the episode; without ``key``, read it once the options have been found valid."""
     prep = prepare_run(args)
     episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    from .batch.job import write_bundle
-
     check_log_dir(prep.log_dir)
+    key = key or read_api_key(args, sys.stdin)
     write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
-
     outcome: EpisodeOutcome | None = None
     interrupted = False
     status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
@@ -193,11 +196,14 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
 
     if outcome is None:
         return EXIT_INTERRUPTED  # interrupted before the episode could begin
-    return _finish(outcome, interrupted, bundle)
+    return _finish(outcome, interrupted, bundle, status.killed)
 
 
-def _finish(outcome: EpisodeOutcome, interrupted: bool, bundle: Path) -> int:
-    """Write the bundle's outcome.json, say how the episode ended; the exit status."""
+def _finish(outcome: EpisodeOutcome, interrupted: bool, bundle: Path, killed: int) -> int:
+    """Write the bundle's outcome.json, say how the episode ended; the exit status.
+    ``killed``: the processes a second Ctrl-C killed before the teardown could count them."""
+    if killed > outcome.killed:
+        outcome = outcome.model_copy(update={"killed": killed})
     _write_json(bundle / "outcome.json", outcome.model_dump(mode="json"))
     if interrupted:
         print(f"isolate: interrupted: {outcome.summary()}", file=sys.stderr)
@@ -230,18 +236,31 @@ class _Status:
     def __init__(self, spec: EpisodeSpec, log_path: Path, interval: float | None) -> None:
         self.spec, self.log_path = spec, log_path
         self.pid: int | None = None
+        self.killed = 0
+        """Processes killed by a second Ctrl-C, the shim apart."""
         self.start = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.interval = interval or (TTY_TICK_S if self.tty else PLAIN_TICK_S)
 
     def kill(self) -> None:
-        """SIGKILL the episode's shim: its supervisor, whose worker dies with it; the teardown
-        that follows takes the rest."""
-        if self.pid is not None:
+        """SIGKILL the episode's shim and every process of its tree now; the teardown that
+        follows takes whatever escaped. ``killed`` counts those signalled here, the shim
+        apart (as ``EpisodeOutcome.killed`` does)."""
+        if self.pid is None:
+            return
+        try:
+            shim = psutil.Process(self.pid)
+            tree = shim.children(recursive=True)
+        except psutil.Error:
+            shim, tree = None, []
+        for proc in [shim, *tree]:
+            if proc is None:
+                continue
             try:
-                os.kill(self.pid, signal.SIGKILL)
-            except OSError:
-                pass  # gone already
+                proc.kill()  # psutil checks the pid was not reused
+            except psutil.Error:
+                continue  # gone already
+            self.killed += proc is not shim
 
     def started(self, pid: int) -> None:
         self.pid = pid

@@ -135,8 +135,8 @@ class EpisodeSpec(BaseModel):
     its user may."""
     preload: bool | tuple[str, ...] = False
     """Fork episodes from a template that imported the entrypoint's module once (True), and
-    these modules too (a tuple of names); False starts each episode fresh. See README,
-    "Preloaded templates"."""
+    these modules too (a tuple of names); False starts each episode fresh. See
+    docs/templates.md."""
 
     @model_validator(mode="after")
     def _check_limits(self) -> EpisodeSpec:

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..install import install_hint, install_line
 from ..options import (
     EXIT_INTERRUPTED,
     UsageError,
@@ -70,7 +71,7 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     agent_options(batch)
     key_options(batch)
-    ray = batch.add_argument_group("ray (pip install 'episode-isolate[ray]')")
+    ray = batch.add_argument_group(f"ray (needs Ray: {install_hint('ray')})")
     ray.add_argument("--backend", choices=("local", "ray"), default="local")
     ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
     ray.add_argument("--ray-local-cpus", type=int, help="CPUs of a local instance (default: all)")
@@ -140,16 +141,24 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="summarize a results file of isolate batch",
         description="Summarize RESULTS.jsonl, as `isolate batch --out` writes it, without "
         "running anything: the last line of each instance (and sample) is its result. "
+        "With two files, compare them instance by instance: solved by one only, by both, "
+        "by neither, status changes, and where their runs' metadata differ. "
         "Exit status: 0, 1 the plot could not be written, 2 bad usage or not a results file.",
     )
-    report.add_argument("results", type=Path, metavar="RESULTS.jsonl", help="the results file")
+    report.add_argument(
+        "results",
+        type=Path,
+        nargs="+",
+        metavar="RESULTS.jsonl",
+        help="the results file; two: compare their runs result by result",
+    )
     report.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     report.add_argument(
         "--plot",
         type=Path,
         metavar="FILE.png",
         help="also draw the results over time and their durations, as a PNG "
-        "(pip install 'episode-isolate[report]')",
+        f"(needs matplotlib: {install_hint('report')})",
     )
 
 
@@ -219,9 +228,7 @@ def _backend(args: argparse.Namespace, key: Any) -> tuple[Backend, Any]:
     try:
         from .ray_backend import RayBackend
     except ImportError as exc:
-        raise UsageError(
-            f"--backend ray needs Ray: pip install 'episode-isolate[ray]' ({exc})"
-        ) from None
+        raise UsageError(f"--backend ray needs Ray: {install_line('ray')} ({exc})") from None
     backend = RayBackend(
         key,
         address=args.ray_address,
@@ -249,7 +256,7 @@ def batch_command(args: argparse.Namespace) -> int:
         chosen = select(records.items, args.instance_ids, args.shard, args.limit, args.records)
         check_log_dir(plan.log_dir)
         if args.backend == "ray" and importlib.util.find_spec("ray") is None:
-            raise UsageError("--backend ray needs Ray: pip install 'episode-isolate[ray]'")
+            raise UsageError(f"--backend ray needs Ray: {install_line('ray')}")
     except UsageError:
         records.close()
         raise
@@ -258,7 +265,7 @@ def batch_command(args: argparse.Namespace) -> int:
     ray_backend: Any = None
     started = False
     try:
-        _open_results(args, results, plan.log_dir, policy)
+        run_id = _open_results(args, results, plan, policy)
         keys, todo, done = _units(args, chosen, results, policy)
         key = read_api_key(args, sys.stdin) if todo else None
         backend, ray_backend = _backend(args, key)
@@ -269,6 +276,8 @@ def batch_command(args: argparse.Namespace) -> int:
                 return 2
             concurrency = concurrency or fit
         concurrency = concurrency or default_concurrency()
+        if todo:
+            _write_meta(args, plan, run_id, (len(chosen), len(keys), concurrency), key)
         view = View(len(keys), done, args.status_interval)
         scheduler = Scheduler(records, plan, results, policy, backend, view, args.samples)
         started = True
@@ -284,22 +293,28 @@ def batch_command(args: argparse.Namespace) -> int:
             _remove_if_empty(args.out)
     final = {u: e for u, e in results.last.items() if policy.done(e)}
     setup = {u: e for u, e in results.last.items() if e["status"] == "setup_error"}
-    kept = {"samples": args.samples, "results": args.out, "log_dir": plan.log_dir}
+    kept = {"samples": args.samples, "results": args.out, "log_dir": plan.log_dir, "run": run_id}
     summary(sys.stdout, keys, final, setup, view, **kept)
     return _exit_status(keys, final, scheduler.failure, scheduler.interrupted)
 
 
 def _open_results(
-    args: argparse.Namespace, results: Results, log_dir: Path, policy: RetryPolicy
-) -> None:
-    """Open the results file, saying what an earlier, stopped run left unfinished in it."""
+    args: argparse.Namespace, results: Results, plan: RecordPlan, policy: RetryPolicy
+) -> str:
+    """Open the results file, saying what an earlier, stopped run left unfinished in it.
+    Returns the run's id (the one beside the results file: a resume; else a new one) and
+    points ``plan`` at the run's bundle directory, ``<log-dir>/<run id>``."""
     from .io import BatchError
+    from .runmeta import run_id_of
     from .scheduler import record_lost
 
     try:
         results.open()
     except BatchError as exc:
         raise UsageError(str(exc)) from None
+    run_id = run_id_of(args.out)
+    base = plan.log_dir
+    plan.log_dir = log_dir = base / run_id
     if results.dropped:
         print(
             f"isolate: ignored a partial last line of {args.out} ({len(results.dropped)} "
@@ -307,7 +322,8 @@ def _open_results(
             file=sys.stderr,
         )
     try:
-        lost = record_lost(results, log_dir, policy)
+        # The bundles of a run from before run ids lie in the log directory itself.
+        lost = sum(record_lost(results, where, policy) for where in (log_dir, base))
     except OSError as exc:
         raise UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     if lost:
@@ -316,6 +332,38 @@ def _open_results(
             f"driver was stopped): recorded from their bundles in {log_dir}",
             file=sys.stderr,
         )
+    return run_id
+
+
+def _write_meta(
+    args: argparse.Namespace,
+    plan: RecordPlan,
+    run_id: str,
+    sizes: tuple[int, int, int],
+    key: Any,
+) -> None:
+    """Write (or, on a resume, add to) the run's metadata beside the results file; the key
+    and the ``--secret-env`` values are kept out of it."""
+    from .runmeta import session, write_meta
+
+    spec, kwargs = plan.build(
+        {} if plan.base_url else {"base_url": "http://127.0.0.1/v1"}, root=False
+    )
+    if not plan.base_url:
+        kwargs["override_base_url"] = None  # each record gives its own
+    now = session(
+        args,
+        spec.model_dump(mode="json"),
+        kwargs,
+        log_dir=plan.log_dir,
+        sizes=sizes,
+    )
+    hidden = [key.get_secret_value()] if key is not None else []
+    hidden += [v.get_secret_value() for v in plan.secret_env({}).values()]
+    try:
+        write_meta(args.out, run_id, now, hidden)
+    except OSError as exc:
+        raise UsageError(f"cannot write the run's metadata: {exc.strerror or exc}") from None
 
 
 def _units(

@@ -1,7 +1,8 @@
 """The Ray backend of ``isolate batch``: every attempt is one Ray task that calls
 :func:`~isolate.run_episode` on the node Ray picks, so containment, logs and the outcome are
 those of a local run; the driver writes the results, with the local rules for resume and
-retries. Imported only when ``--backend ray`` is chosen (``pip install 'episode-isolate[ray]'``).
+retries. Imported only when ``--backend ray`` is chosen (``pip install 'ray>=2.9'``, the
+``ray`` extra).
 
 Ray's own retries are off (``max_retries=0``): a worker or node that dies mid-episode surfaces
 as a Ray error (``WorkerCrashedError``, ``NodeDiedError``, ``ObjectLostError``, ...), recorded

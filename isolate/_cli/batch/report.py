@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
@@ -19,10 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from ..._core.outcome import STATUSES
+from ..install import install_line
 from ..options import UsageError
 from .io import BatchError, ResultLines, is_final, read_results, unit_of
+from .runmeta import meta_path, read_meta
 from .selection import PassAtK, pass_at_ks, pass_lines
-from .view import counted, mean_reward, percentile, resolved, samples_of, table
+from .view import (
+    counted,
+    mean_reward,
+    percentile,
+    resolved,
+    samples_of,
+    table,
+    zero_rewards,
+)
 
 #: At most this many results of a failure group are listed in the text; --json lists all.
 SHOWN_PER_GROUP = 10
@@ -36,27 +47,20 @@ COLORS = {
     "protocol_error": "#8c564b",
     "setup_error": "#7f7f7f",
 }
-_INSTALL = "pip install 'episode-isolate[report]'"
 
 
 def report_command(args: argparse.Namespace) -> int:
+    if len(args.results) > 2:
+        raise UsageError("give one results file, or two to compare")
+    if len(args.results) == 2:
+        return _compare_command(args)
+    args.results = args.results[0]
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401 - only whether it is there, before any work
         except ImportError:
-            raise UsageError(f"--plot needs matplotlib: {_INSTALL}") from None
-    try:
-        lines = read_results(args.results)
-    except BatchError as exc:
-        raise UsageError(str(exc)) from None
-    if not lines.entries:
-        raise UsageError(f"{args.results} holds no result line of isolate batch")
-    if lines.partial:
-        print(
-            f"isolate: ignored a partial last line of {args.results} ({len(lines.partial)} "
-            "bytes): a driver was stopped while writing it, or is writing it now",
-            file=sys.stderr,
-        )
+            raise UsageError(f"--plot needs matplotlib: {install_line('report')}") from None
+    lines = _read(args.results)
     found = build(args.results, lines)
     if args.json:
         print(json.dumps(found, indent=2))
@@ -70,6 +74,32 @@ def report_command(args: argparse.Namespace) -> int:
             print(f"isolate: error: cannot write {args.plot}: {exc.strerror}", file=sys.stderr)
             return 1
         print(f"isolate: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _read(path: Path) -> ResultLines:
+    """The lines of a results file for a report, or the UsageError that says what it is."""
+    try:
+        lines = read_results(path)
+    except BatchError as exc:
+        raise UsageError(str(exc)) from None
+    if not lines.entries:
+        raise UsageError(f"{path} holds no result line of isolate batch")
+    if lines.partial:
+        print(
+            f"isolate: ignored a partial last line of {path} ({len(lines.partial)} "
+            "bytes): a driver was stopped while writing it, or is writing it now",
+            file=sys.stderr,
+        )
+    return lines
+
+
+def _compare_command(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        raise UsageError("--plot draws one results file; give one")
+    a, b = args.results
+    found = compare((a, _read(a)), (b, _read(b)))
+    print(json.dumps(found, indent=2) if args.json else render_comparison(found))
     return 0
 
 
@@ -146,6 +176,7 @@ def build(path: Path, lines: ResultLines) -> dict[str, Any]:
         "counts": {s: counts[s] for s in STATUSES if counts[s]},
         "not_final": {s: not_final[s] for s in STATUSES if not_final[s]},
         "final": len(final),
+        "final_counts": {s: n for s in STATUSES if (n := sum(e["status"] == s for e in final))},
         "mean_reward": (
             sum(mean_reward(e.get("reward")) for e in final) / len(final) if final else None
         ),
@@ -169,10 +200,35 @@ def build(path: Path, lines: ResultLines) -> dict[str, Any]:
             if times
             else None
         ),
+        **outcome_ids(results),
+        "run": read_meta(path),
         "failures": _failures(results),
         "nodes": _breakdown(results, "node"),
         "containment": _breakdown(results, "containment"),
     }
+
+
+def unit_key(entry: dict[str, Any]) -> str:
+    """How a result is named in the lists and comparisons: its instance id, and ``#sample``
+    for a line with a sample (``--samples``)."""
+    sample = entry.get("sample")
+    return str(entry["instance_id"]) + (f"#{sample}" if sample is not None else "")
+
+
+def verdict(entry: dict[str, Any]) -> str:
+    """``resolved`` (a final ``ok`` with every reward at least 1), ``unresolved`` (a final
+    ``ok`` with less), or ``error`` (any other status, or a line that is not final)."""
+    if is_final(entry) and entry["status"] == "ok":
+        return "resolved" if resolved(entry) else "unresolved"
+    return "error"
+
+
+def outcome_ids(results: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The ids of the resolved, unresolved and error results, each list sorted."""
+    found: dict[str, list[str]] = {"resolved": [], "unresolved": [], "error": []}
+    for entry in results:
+        found[verdict(entry)].append(unit_key(entry))
+    return {f"{name}_ids": sorted(ids) for name, ids in found.items()}
 
 
 def _failures(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -274,6 +330,7 @@ def render(found: dict[str, Any]) -> str:
         f"isolate report: {found['file']}: {what}, {counted(total, 'result')} from "
         f"{counted(found['lines'], 'line')} "
         f"({counted(found['earlier_attempts'], 'earlier attempt')})",
+        *_run_lines(found["run"], Path(found["file"])),
         "",
     ]
     cells: list[tuple[str, ...]] = [("status", "count", "share")]
@@ -283,7 +340,9 @@ def render(found: dict[str, Any]) -> str:
     lines.append("")
     facts: list[tuple[str, str]] = []
     if found["mean_reward"] is not None:
-        text = f"{found['mean_reward']:.3f} over {found['final']} final results (failures count 0)"
+        failed = {s: n for s, n in found["final_counts"].items() if s != "ok"}
+        text = f"{found['mean_reward']:.3f} over {counted(found['final'], 'final result')}"
+        text += ", " + zero_rewards(failed)
         facts.append(("mean reward", text))
     share = 100.0 * found["resolved"] / total
     facts.append(("resolved", f"{found['resolved']}/{total} ({share:.1f}%)"))
@@ -308,11 +367,58 @@ def render(found: dict[str, Any]) -> str:
         text += "a rerun of the batch runs them again"
         facts.append(("not final", text))
     lines += [f"{name:<11}  {text}" for name, text in facts]
+    lines += ["", *id_lines(found)]
     if found["failures"]:
         lines += _failure_lines(found["failures"])
     lines += ["", *_status_table("node", found["nodes"])]
     lines += ["", *_status_table("containment", found["containment"])]
     return "\n".join(lines)
+
+
+def id_lines(found: dict[str, Any]) -> list[str]:
+    """The ids of the resolved, unresolved and error results, wrapped."""
+    lines = []
+    for name in ("resolved", "unresolved", "error"):
+        ids = found[f"{name}_ids"]
+        lines += _wrapped(f"{name} ({len(ids)})", ids)
+    return lines
+
+
+def _wrapped(title: str, ids: list[str], indent: int = 17) -> list[str]:
+    """``title`` in a column of ``indent``, then the ids, wrapped at 100 columns."""
+    head = f"{title:<{indent - 2}}  "
+    if not ids:
+        return [head + "-"]
+    return textwrap.wrap(
+        ", ".join(ids),
+        width=100,
+        initial_indent=head,
+        subsequent_indent=" " * indent,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
+def _run_lines(run: dict[str, Any] | None, results: Path) -> list[str]:
+    """What the run's metadata says: its id, start, host, isolate's version, the agent and
+    the endpoint; or that there is none."""
+    if run is None:
+        return [f"run          no metadata ({meta_path(results).name} is missing)"]
+    agent = run.get("agent") or {}
+    endpoint = run.get("endpoint") or {}
+    resumed = len(run.get("resumed") or [])
+    commit = agent.get("commit")
+    at = f" at {commit[:12]}{' (dirty)' if agent.get('dirty') else ''}" if commit else ""
+    lines = [
+        f"run          {run['run_id']}: started {run.get('started_at')} on {run.get('host')}"
+        + (f", resumed {resumed}x" if resumed else ""),
+        f"isolate      {run.get('isolate_version')}",
+        f"agent        {agent.get('root')}{at}, {agent.get('entrypoint')}, "
+        f"python {agent.get('python')}",
+        f"endpoint     {endpoint.get('base_url') or 'per record'}"
+        + (f", model {endpoint['model']}" if endpoint.get("model") else ""),
+    ]
+    return lines
 
 
 def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
@@ -426,3 +532,104 @@ def _plot_durations(axes: Any, results: list[dict[str, Any]], statuses: Sequence
     high = max(max(v) for v in values)
     if low > 0 and high / low > 30:
         axes.set_yscale("log")
+
+
+#: Metadata fields that differ between any two runs, left out of a comparison's differences.
+_ALWAYS_DIFFERENT = {"run_id", "results", "started_at", "resumed", "log_dir", "records.path"}
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"agent.commit": ...}``."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    found: dict[str, Any] = {}
+    for key, item in value.items():
+        found.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+    return found
+
+
+def _side(path: Path, lines: ResultLines) -> dict[str, Any]:
+    results = list(lines.last.values())
+    run = read_meta(path)
+    return {
+        "file": str(path),
+        "run_id": run["run_id"] if run else None,
+        "results": len(results),
+        "resolved": sum(verdict(e) == "resolved" for e in results),
+        "counts": dict(Counter(e["status"] for e in results)),
+    }
+
+
+def compare(a: tuple[Path, ResultLines], b: tuple[Path, ResultLines]) -> dict[str, Any]:
+    """Two results files, result by result (instance id, and sample): which each solved,
+    which changed status, which only one has, and where their runs' metadata differ."""
+    last_a = {unit_key(e): e for e in a[1].last.values()}
+    last_b = {unit_key(e): e for e in b[1].last.values()}
+    both = sorted(set(last_a) & set(last_b))
+    groups: dict[str, list[str]] = {
+        "solved_by_both": [],
+        "solved_by_a_only": [],
+        "solved_by_b_only": [],
+        "solved_by_neither": [],
+    }
+    changes = []
+    for key in both:
+        ea, eb = last_a[key], last_b[key]
+        solved = (verdict(ea) == "resolved", verdict(eb) == "resolved")
+        name = {(True, True): "both", (True, False): "a_only", (False, True): "b_only"}
+        groups["solved_by_" + name.get(solved, "neither")].append(key)
+        if ea["status"] != eb["status"]:
+            changes.append({"id": key, "a": ea["status"], "b": eb["status"]})
+    meta_a, meta_b = _flat(read_meta(a[0]) or {}), _flat(read_meta(b[0]) or {})
+    differences = [
+        {"field": name, "a": meta_a.get(name), "b": meta_b.get(name)}
+        for name in sorted(set(meta_a) | set(meta_b))
+        if name not in _ALWAYS_DIFFERENT and meta_a.get(name) != meta_b.get(name)
+    ]
+    return {
+        "a": _side(*a),
+        "b": _side(*b),
+        "in_both": len(both),
+        **groups,
+        "status_changes": changes,
+        "only_in_a": sorted(set(last_a) - set(last_b)),
+        "only_in_b": sorted(set(last_b) - set(last_a)),
+        "metadata_differences": differences,
+    }
+
+
+def render_comparison(found: dict[str, Any]) -> str:
+    """The text of a comparison built by :func:`compare`."""
+    lines = [f"isolate report: {found['a']['file']} (A) vs {found['b']['file']} (B)", ""]
+    for side in ("a", "b"):
+        s = found[side]
+        share = 100.0 * s["resolved"] / s["results"] if s["results"] else 0.0
+        lines.append(
+            f" {side.upper()}  run {s['run_id'] or '(no metadata)'}: resolved "
+            f"{s['resolved']}/{s['results']} ({share:.1f}%)"
+        )
+    lines += ["", f"in both            {found['in_both']}"]
+    width = 23
+    for name, title in [
+        ("solved_by_both", "solved by both"),
+        ("solved_by_a_only", "solved by A only"),
+        ("solved_by_b_only", "solved by B only"),
+        ("solved_by_neither", "solved by neither"),
+        ("only_in_a", "only in A"),
+        ("only_in_b", "only in B"),
+    ]:
+        ids = found[name]
+        lines += _wrapped(f"{title} ({len(ids)})", ids, width)
+    lost, gained = len(found["solved_by_a_only"]), len(found["solved_by_b_only"])
+    lines.append(
+        f"{'flips':<{width - 2}}  {lost + gained} (solved by A only {lost}, by B only {gained})"
+    )
+    changes = found["status_changes"]
+    lines += ["", f"status changes ({len(changes)})"]
+    if changes:
+        col = max(len(c["id"]) for c in changes)
+        lines += [f"  {c['id']:<{col}}  {c['a']} -> {c['b']}" for c in changes]
+    differences = found["metadata_differences"]
+    lines += ["", f"run metadata differences ({len(differences)})"]
+    lines += [f"  {d['field']}: {d['a']!r} -> {d['b']!r}" for d in differences]
+    return "\n".join(lines)

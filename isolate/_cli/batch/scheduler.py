@@ -217,7 +217,7 @@ class Scheduler:
             job = self.plan.job(data, sample if self.samples is not None else None)
         except (OSError, ValueError) as exc:
             return failure("setup_error", "SetupError", str(exc))
-        self.view.running += 1
+        self.view.started((record.instance_id, sample))
         try:
             return await self.backend.run(job, on_cut)
         finally:

@@ -18,7 +18,8 @@ import anyio
 from ..._core import admission
 from ..._core.outcome import STATUSES
 from ..options import preload_warning
-from .io import Unit
+from .io import Unit, unit_of
+from .runmeta import meta_path
 from .selection import pass_at_ks, pass_lines
 
 if TYPE_CHECKING:
@@ -47,10 +48,18 @@ class View:
         self.finished = 0
         """Instances finished in this run."""
         self.retried = 0
-        """Attempts of this run that got another attempt."""
+        """Attempts of this run that got another attempt, counted when that one starts."""
         self.infra_retried = 0
         """Of them, infrastructure failures (``infra``: a Ray worker or node lost, the driver
         stopped mid-attempt)."""
+        self.cut = 0
+        """Attempts this run's interrupt cut short (``DriverStopped``): the next run runs
+        them again."""
+        self.infra_kinds: Counter[str] = Counter()
+        """The error types of this run's infrastructure failures."""
+        self._awaiting: dict[Unit, bool] = {}
+        """Units whose latest line is not final (another attempt is due): whether it was an
+        infrastructure failure."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -93,10 +102,20 @@ class View:
             self.finished += 1
         elif entry["status"] == "setup_error":
             self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
+        elif _kind(entry) == "DriverStopped":
+            self.cut += 1  # no attempt follows in this run: the next run's
         else:
-            self.retried += 1
-            self.infra_retried += bool(entry.get("infra"))
+            self._awaiting[unit_of(entry)] = bool(entry.get("infra"))
+        if entry.get("infra"):
+            self.infra_kinds[_kind(entry) or "unknown"] += 1
         self._refresh()
+
+    def started(self, unit: Unit) -> None:
+        """An attempt at ``unit`` starts: a retry when its latest line asked for another."""
+        self.running += 1
+        if unit in self._awaiting:
+            self.retried += 1
+            self.infra_retried += self._awaiting.pop(unit)
 
     def note(self, text: str) -> None:
         if self._bar is not None:
@@ -225,6 +244,7 @@ def summary(
     samples: int | None,
     results: Path,
     log_dir: Path,
+    run: str | None = None,
 ) -> None:
     """The end-of-run report over every unit (instance, sample) the run covers, resumed ones
     included. ``final`` maps a unit to its final result line; ``setup_errors`` the units whose
@@ -239,7 +259,8 @@ def summary(
         what += f" x {counted(samples, 'sample')}"
     lines = [
         f"isolate batch: {what}, {view.finished} run now in {elapsed:.1f} s "
-        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried",
+        f"({view.rate():.2f}/s), {view.resumed} before, {view.retried} retried"
+        + (f", {view.cut} cut short" if view.cut else ""),
         "",
     ]
     lines += _status_table(units, entries, final, setup_errors)
@@ -252,18 +273,11 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
-    infra_final = sum(bool(e.get("infra")) for e in entries)
-    if view.infra_retried or infra_final:
-        # Infrastructure failures (a Ray worker, node or the driver lost): --retries-infra.
-        parts = [
-            f"{n} ({what})"
-            for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
-            if n
-        ]
-        facts.append(
-            ("infra", ", ".join(parts) + "; a Ray worker, node or the driver lost, not the agent")
-        )
-    where = [
+    facts += _infra_fact(view, entries)
+    where = (
+        [("run", f"{run} ({meta_path(results)})")] if run and meta_path(results).exists() else []
+    )
+    where += [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
         ("report", report_hint(results)),
@@ -308,11 +322,16 @@ def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, 
     """(name, text) rows over the final results: reward, resolved, durations, containment,
     how the episodes started, the slowest."""
     mean = sum(mean_reward(e["reward"]) for e in entries) / len(entries)
+    failed = Counter(e["status"] for e in entries if e["status"] != "ok")
+    failed = Counter({s: failed[s] for s in STATUSES if failed[s]})
     done = sum(resolved(e) for e in entries)
     durations = sorted(float(e["duration_s"]) for e in entries)
     p50, p95 = percentile(durations, 0.5), percentile(durations, 0.95)
     facts = [
-        ("mean reward", f"{mean:.3f} over {len(entries)} results (failures count 0)"),
+        (
+            "mean reward",
+            f"{mean:.3f} over {counted(len(entries), 'result')}, {zero_rewards(failed)}",
+        ),
         ("resolved", f"{done}/{len(units)} ({100.0 * done / len(units):.1f}%)"),
         ("duration", f"p50 {p50:.2f} s, p95 {p95:.2f} s"),
     ]
@@ -333,6 +352,46 @@ def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, 
         text = f"{unit_label(e)}  {float(e['duration_s']):.2f} s  {e['status']}"
         facts.append(("slowest" if n == 0 else "", text))
     return facts
+
+
+def zero_rewards(failed: dict[str, int]) -> str:
+    """How the mean counts the results that ended without a reward: ``counting the 6 failed
+    results (timeout 6) as 0``; ``failed``: their count per status."""
+    if not sum(failed.values()):
+        return "none of them failed"
+    parts = ", ".join(f"{status} {n}" for status, n in failed.items())
+    return f"counting the {counted(sum(failed.values()), 'failed result')} ({parts}) as 0"
+
+
+def _infra_fact(view: View, entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The ``infra`` row: infrastructure failures (a Ray worker or node lost, the driver
+    stopped), whose attempts run again under --retries-infra; none when there were none."""
+    infra_final = [e for e in entries if e.get("infra")]
+    counts = (
+        (view.infra_retried, "retried"),
+        (view.cut, "cut short by the interrupt: the next run runs them again"),
+        (len(infra_final), "final"),
+    )
+    parts = [f"{n} ({what})" for n, what in counts if n]
+    if not parts:
+        return []
+    kinds = set(view.infra_kinds) | {_kind(e) or "unknown" for e in infra_final}
+    return [("infra", ", ".join(parts) + "; " + _infra_cause(kinds))]
+
+
+def _kind(entry: dict[str, Any]) -> str | None:
+    error = entry.get("error")
+    return str(error.get("type")) if isinstance(error, dict) and error.get("type") else None
+
+
+def _infra_cause(kinds: set[str]) -> str:
+    """What the infrastructure failures of these error types were, in words."""
+    causes = []
+    if kinds - {"DriverStopped"}:
+        causes.append("a Ray worker or node lost")
+    if "DriverStopped" in kinds:
+        causes.append("the driver stopped")
+    return " or ".join(causes) + ", not the agent"
 
 
 def _cause(entry: dict[str, Any]) -> str:

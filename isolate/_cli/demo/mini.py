@@ -12,7 +12,7 @@ answers in that agent's tool-call format:
    deadline the episode is cancelled, then killed with its tree: ``timeout``, nothing left.
 
 Each episode's line gives its seconds and where they went (import, each model call and command).
-Needs the ``mini-swe-agent`` extra: ``pip install 'episode-isolate[mini-swe-agent]'``.
+Needs mini-swe-agent (the ``mini-swe-agent`` extra): ``pip install 'mini-swe-agent>=2.4,<3'``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from ..._core.config import EpisodeSpec
 from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
+from ..install import install_line
 from . import AGENT_ROOT, demo_setup, left_behind
 from .scripted_llm import ScriptedLLM, demo_script
 
 ENTRYPOINT = "mini_swe_demo:run"
-INSTALL = "pip install 'episode-isolate[mini-swe-agent]'"
+INSTALL = install_line("mini-swe-agent")
 
 #: (record, preload, timeout in s, expected status, what the line says)
 _RUNS = [
