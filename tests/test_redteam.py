@@ -207,6 +207,50 @@ async def test_hidden_path_through_a_symlink(world: World) -> None:
 
 
 @needs_landlock
+@both_starts
+@pytest.mark.parametrize("level", ["pidns", "landlock"])
+async def test_a_hidden_path_that_is_a_symlink_hides_its_target(world: World, level: str) -> None:
+    """As dotfile managers make them: ``~/.ssh -> ~/dotfiles/ssh`` (a default) and a file the
+    caller hides, ``~/.tokens -> ~/dotfiles/tokens``. Neither reads through the link, nor by
+    the target's own path; the rest of ``~/dotfiles`` stays readable."""
+    problem = containment_problem(level)
+    if problem is not None:
+        pytest.skip(f"containment {level!r} is not available here: {problem}")
+    dotfiles = world.home / "dotfiles"
+    dotfiles.mkdir()
+    (world.home / ".ssh").rename(dotfiles / "ssh")
+    (world.home / ".ssh").symlink_to(dotfiles / "ssh")
+    (dotfiles / "tokens").write_text(f"{SECRET} tokens\n")
+    (world.home / ".tokens").symlink_to(dotfiles / "tokens")
+    (dotfiles / "vimrc").write_text("set nu\n")
+    found = await world.attempt(
+        """
+        dot = os.path.join(home, "dotfiles")
+        for name, path in [
+            ("link", os.path.join(home, ".ssh", "id_rsa")),
+            ("target", os.path.join(dot, "ssh", "id_rsa")),
+            ("file link", os.path.join(home, ".tokens")),
+            ("file target", os.path.join(dot, "tokens")),
+        ]:
+            out[name] = try_(read, path)
+            out[name + " cat"] = subprocess.run(
+                ["cat", path], capture_output=True, text=True
+            ).stdout
+        out["listing"] = try_(os.listdir, os.path.join(dot, "ssh"))
+        out["vimrc"] = try_(read, os.path.join(dot, "vimrc"))
+        """,
+        isolate.Sandbox(hide=["~/.tokens"]),
+        containment=level,
+    )
+    assert _no_secret(found), found
+    for name in ("link", "target", "file link", "file target"):
+        assert _denied(found[name]) or found[name] == "", (name, found[name])
+    assert found["listing"] == [] or _denied(found["listing"]), found["listing"]
+    assert found["vimrc"] == "set nu\n"
+    assert SECRET in (dotfiles / "ssh" / "id_rsa").read_text()  # untouched
+
+
+@needs_landlock
 async def test_hidden_path_through_a_hard_link(world: World) -> None:
     found = await world.attempt(
         """
