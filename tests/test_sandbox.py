@@ -26,8 +26,20 @@ def test_defaults() -> None:
     assert box.write == ()
     assert box.hide == ()
     assert not box.best_effort
-    assert "~/.ssh" in isolate.Sandbox.DEFAULT_HIDE
-    assert "~/.ray" in isolate.Sandbox.DEFAULT_HIDE
+    assert sorted(isolate.Sandbox.DEFAULT_HIDE) == [
+        "~/.aws/credentials",
+        "~/.cache/huggingface/token",
+        "~/.config/gcloud",
+        "~/.config/gh",
+        "~/.docker/config.json",
+        "~/.git-credentials",
+        "~/.gnupg",
+        "~/.kube/config",
+        "~/.netrc",
+        "~/.pypirc",
+        "~/.ray",
+        "~/.ssh",
+    ]
 
 
 @pytest.mark.parametrize(
