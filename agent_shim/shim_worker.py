@@ -90,7 +90,19 @@ def worker(hs, channel):
         return code & 0xFF
     limit = hs.get("max_info_bytes", 1 << 20)
     values = list(secrets.values()) + list(secret_env.values())
-    channel.send("result", **to_result(value, limit, values))
+    try:
+        fields = to_result(value, limit, values)
+    except Exception as exc:  # the agent's value raised: its __repr__, __float__, a cycle
+        text = format_exc()
+        sys.stderr.write(text)
+        message = "the entrypoint's return value cannot be sent back: %s: %s" % (
+            type(exc).__name__,
+            _exc_message(exc),
+        )
+        fields = report(message, text, values)
+        channel.send("error", kind="agent", type=type(exc).__name__[:200], **fields)
+        return 1
+    channel.send("result", **fields)
     return 0
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from isolate._core import env as _env
 
+CREDENTIAL = "looks like a credential: pass it with secret_env, or name it in inherit_env"
+
 
 def test_an_interpreter_setting_is_withheld_with_its_own_reason() -> None:
     parent = {"PYTHONPATH": "/trainer", "LD_PRELOAD": "libx.so", "HOME": "/root"}
     passed, withheld = _env.split_env(parent, _env.PASSTHROUGH_ENV)
     assert passed == {"HOME": "/root"}
     assert withheld == {
-        "PYTHONPATH": _env.INTERPRETER_ENV["PYTHON*"],
-        "LD_PRELOAD": _env.INTERPRETER_ENV["LD_PRELOAD"],
+        "PYTHONPATH": "steers Python: the trainer's setting would apply to the agent's interpreter",
+        "LD_PRELOAD": "preloads a library into every process the agent starts",
     }
 
 
@@ -24,9 +26,9 @@ def test_an_exclusion_of_the_callers_names_itself_as_the_reason() -> None:
 
 def test_the_withheld_line_groups_names_by_reason_and_shows_no_value() -> None:
     withheld = {
-        "B_TOKEN": _env.CREDENTIAL,
-        "A_API_KEY": _env.CREDENTIAL,
-        "PYTHONPATH": _env.INTERPRETER_ENV["PYTHON*"],
+        "B_TOKEN": CREDENTIAL,
+        "A_API_KEY": CREDENTIAL,
+        "PYTHONPATH": "steers Python: the trainer's setting would apply to the agent's interpreter",
     }
     assert _env.describe_withheld(withheld) == (
         "withheld from the agent's environment: A_API_KEY, B_TOKEN (looks like a credential); "

@@ -30,9 +30,6 @@ import isolate
 from isolate._core import frames as _frames
 from isolate._core import launcher as _launcher
 from isolate._core.protocol import (
-    MAX_DEPTH,
-    MAX_MESSAGE_CHARS,
-    MAX_TRACEBACK_CHARS,
     Done,
     Error,
     Hello,
@@ -49,6 +46,12 @@ from isolate._core.protocol import (
 from isolate._core.redact import MASK, Redactor
 
 from .conftest import SLOW, Agents, wait_until
+
+# The bounds docs/protocol.md gives, written here rather than read from the code under test.
+MAX_MESSAGE_CHARS = 64 * 1024  # an error's message
+MAX_TRACEBACK_CHARS = 256 * 1024  # an error's traceback, its last characters
+MAX_DEPTH = 64  # nesting of a frame's JSON values
+MAX_NOTED = 100  # noise lines and violations noted one by one
 
 V = isolate.PROTOCOL_VERSION
 
@@ -1356,12 +1359,11 @@ async def test_a_flood_of_lines_costs_a_bounded_number_of_notes(line: bytes) -> 
     assert frames.done is not None
     assert frames.violations == []
     shown = [n for n in notes if n.startswith("ignored stdout line")]
-    assert len(shown) == _frames.MAX_NOTED
+    assert len(shown) == MAX_NOTED
     assert (
-        notes[-1]
-        == f"{200_000 - _frames.MAX_NOTED} more stdout lines ignored (not frames of this episode)"
+        notes[-1] == f"{200_000 - MAX_NOTED} more stdout lines ignored (not frames of this episode)"
     )
-    assert len(notes) == _frames.MAX_NOTED + 2  # and the one that says the rest are counted
+    assert len(notes) == MAX_NOTED + 2  # and the one that says the rest are counted
     assert FLOOD_KEY[:12] not in "".join(notes)
     if FLOOD_KEY.encode() in line:
         assert MASK.decode() in shown[0]
@@ -1375,10 +1377,10 @@ async def test_a_flood_of_violations_costs_a_bounded_number_of_notes() -> None:
     frames = flood_frames(notes)
     bad = frame_line("result", reward="not a number")
     await feed_in_reads(frames, HELLO_LINE + bad * 100_000 + DONE_LINE)
-    assert len(frames.violations) == _frames.MAX_NOTED
+    assert len(frames.violations) == MAX_NOTED
     assert frames.violations[0].startswith("malformed 'result' frame")
-    assert notes[-1] == f"{100_000 - _frames.MAX_NOTED} more protocol violations"
-    assert len(notes) == _frames.MAX_NOTED + 1
+    assert notes[-1] == f"{100_000 - MAX_NOTED} more protocol violations"
+    assert len(notes) == MAX_NOTED + 1
     assert frames.done is not None
 
 

@@ -76,6 +76,11 @@ async def test_info_is_size_capped(agents: Agents) -> None:
         ("return 'one'", "str"),
         ("return None", "NoneType"),
         ("return [1.0]", "list"),
+        ("return '2'", "returned a str ('2')"),
+        # A mapping with one value that is no number is no reward, like that value alone.
+        ("return {'a': 1.0, 'b': None}", "returned a dict ({'a': 1.0, 'b': None})"),
+        ("return {'b': '2'}", "returned a dict ({'b': '2'})"),
+        ("return ({'a': 1.0, 'b': None}, {'turns': 3})", "returned a dict ({'a': 1.0, 'b': None})"),
     ],
 )
 @both_starts
@@ -86,6 +91,39 @@ async def test_bad_rewards_are_protocol_errors(agents: Agents, body: str, messag
     assert outcome.error is not None
     assert message in outcome.error.message
     assert outcome.reward is None
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ("d = {}; d['d'] = d; return 1.0, d", ("ValueError", "Circular reference detected")),
+        (
+            "class R:\n        def __repr__(self): raise RuntimeError('no repr')\n    return R()",
+            ("RuntimeError", "no repr"),
+        ),
+        (
+            "class F(float):\n        def __float__(self): raise ValueError('no float')\n"
+            "    return {'a': F(1.0)}",
+            ("ValueError", "no float"),
+        ),
+    ],
+)
+async def test_a_return_value_that_raises_as_it_is_sent_is_an_agent_error(
+    agents: Agents, body: str, error: tuple[str, str]
+) -> None:
+    """The agent returned, then its value raised as the worker read it: the worker still sends
+    a final frame, naming what raised, instead of exiting without one."""
+    spec = agents.spec(f"def run(data):\n    {body}\n")
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "agent_error", outcome.summary()
+    assert outcome.error is not None
+    assert outcome.error.type == error[0]
+    assert outcome.error.message == (
+        f"the entrypoint's return value cannot be sent back: {error[0]}: {error[1]}"
+    )
+    assert "in to_result" in outcome.error.traceback
+    assert outcome.reward is None
+    assert outcome.exit_code == 1
 
 
 @both_starts

@@ -26,8 +26,20 @@ def test_defaults() -> None:
     assert box.write == ()
     assert box.hide == ()
     assert not box.best_effort
-    assert "~/.ssh" in isolate.Sandbox.DEFAULT_HIDE
-    assert "~/.ray" in isolate.Sandbox.DEFAULT_HIDE
+    assert sorted(isolate.Sandbox.DEFAULT_HIDE) == [
+        "~/.aws/credentials",
+        "~/.cache/huggingface/token",
+        "~/.config/gcloud",
+        "~/.config/gh",
+        "~/.docker/config.json",
+        "~/.git-credentials",
+        "~/.gnupg",
+        "~/.kube/config",
+        "~/.netrc",
+        "~/.pypirc",
+        "~/.ray",
+        "~/.ssh",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -92,6 +104,39 @@ def test_carving_grants_the_rest_of_the_home_but_not_a_link_into_a_hidden_path(
     assert found[str(tmp_path / "cwd")] == "wd"
     assert found["/dev/null"] == "dev"
     assert not any(path.startswith("/dev/sd") or path == "/dev/mem" for path in found)
+
+
+def _granted(rules: list[list[str]], path: Path) -> list[list[str]]:
+    """The rules that give ``path`` more than a listing: on it, or on a directory above it."""
+    return [
+        [p, kind] for p, kind in rules if kind != "ld" and (str(path) + "/").startswith(p + "/")
+    ]
+
+
+@pytest.mark.parametrize("mounts", [True, False])
+def test_a_hidden_symlink_hides_its_target_by_each_layer(tmp_path: Path, mounts: bool) -> None:
+    """``~/.ssh -> ~/dotfiles/ssh`` and a hidden file ``~/.tokens -> ~/dotfiles/tokens``: the
+    Landlock rules grant neither target (with mounts or without), and the mounts cover both
+    targets, each on its own."""
+    home, dotfiles = tmp_path / "home", tmp_path / "home" / "dotfiles"
+    (dotfiles / "ssh").mkdir(parents=True)
+    (home / ".ssh").symlink_to(dotfiles / "ssh")
+    (dotfiles / "tokens").write_text("t")
+    (home / ".tokens").symlink_to(dotfiles / "tokens")
+    (dotfiles / "vimrc").write_text("v")
+    box = isolate.Sandbox(hide=["~/.tokens"])
+    done = _plan(tmp_path, box, mountns=mounts, can_unshare=False)
+    for path in (dotfiles / "ssh", dotfiles / "ssh" / "id_rsa", dotfiles / "tokens"):
+        assert _granted(done.rules, path) == [], path
+    assert [str(dotfiles), "ld"] in done.rules
+    assert [str(dotfiles / "vimrc"), "rf"] in done.rules
+    hides = [m for m in done.mounts if m[0].startswith("hide-")]
+    if mounts:
+        assert ["hide-dir", str(dotfiles / "ssh")] in hides
+        assert ["hide-file", str(dotfiles / "tokens")] in hides
+    else:
+        assert hides == []
+        assert done.missing == []
 
 
 def test_what_each_kernel_cannot_enforce_is_named(tmp_path: Path) -> None:

@@ -107,6 +107,36 @@ async def test_secret_in_a_traceback_is_scrubbed(agents: Agents) -> None:
     assert key.encode() not in outcome.log_path.read_bytes()
 
 
+# Where the 200-character cut of a reward's repr falls in the escaped form of a short secret
+# (14 characters, "Zq" + 5 hex + a backslash + 6 hex; in a repr 15, the backslash doubled):
+# after 1, 7 (before the backslash), 8 (between the two of its repr), 9 (after them) and 14
+# characters of that form.
+@pytest.mark.parametrize("into", [1, 7, 8, 9, 14])
+async def test_a_short_secret_across_the_cut_of_a_rewards_repr_never_shows(
+    agents: Agents, into: int
+) -> None:
+    key = "Zq" + _secrets.token_hex(3)[:5] + "\\" + _secrets.token_hex(3)
+    assert len(repr(key)) == 2 + 15
+    pad = 200 - len("{'k': '") - into
+    spec = agents.spec(
+        f"""
+        def run(data, *, api_key):
+            return {{"k": "x" * {pad} + api_key + "y" * 10}}
+        """
+    )
+    outcome = await isolate.run_episode(spec, {}, secrets={"api_key": key})
+    assert outcome.status == "protocol_error"
+    assert outcome.error is not None
+    # The repr is cut before the secret, never through it nor through its escaping.
+    assert outcome.error.message == (
+        "the entrypoint returned a dict ({'k': '" + "x" * pad + "); expected a number, "
+        "(reward, extra) or {completion_id: reward}"
+    )
+    log = nowhere_but_masked(outcome, key)
+    for text in (outcome.model_dump_json(), outcome.stderr_tail, log.decode()):
+        assert "Zq" not in text  # no piece of it: "Zq" starts the key, hex and "x" never do
+
+
 @both_starts
 async def test_secret_split_across_writes_is_scrubbed(agents: Agents) -> None:
     key = "sk-" + _secrets.token_hex(20)

@@ -651,3 +651,43 @@ async def test_sandboxed_episodes_of_one_agent_share_one_template(agents: Agents
         lambda: [o for o in outcomes if Path(o.info["env"]).exists()]
     )
     assert left == []
+
+
+READER = """
+import os
+def run(data):
+    out = {}
+    for name, call in (("read", lambda: open(data["file"]).read()),
+                       ("listing", lambda: os.listdir(data["dir"]))):
+        try:
+            out[name] = call()
+        except OSError as exc:
+            out[name] = "denied: %s" % exc.strerror
+    return 1.0, out
+"""
+
+
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+async def test_specs_that_differ_only_in_what_they_hide_do_not_share_a_template(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """The sandbox is part of a template's key: an episode of the spec that hides a directory
+    runs from a template of its own, not from the one built for the spec that does not."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "key.txt").write_text("SECRET-1d2c")
+    data = {"file": str(private / "key.txt"), "dir": str(private)}
+    plain = agents.spec(READER, preload=True, sandbox=isolate.Sandbox())
+    hiding = plain.model_copy(update={"sandbox": isolate.Sandbox(hide=[str(private)])})
+    first = await isolate.run_episode(plain, data)
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    assert first.info == {"read": "SECRET-1d2c", "listing": ["key.txt"]}
+    second = await isolate.run_episode(hiding, data)
+    assert (second.status, second.start) == ("ok", "template"), second.summary()
+    assert "SECRET" not in str(second.info)
+    assert second.info["listing"] in ([], "denied: Permission denied"), second.info
+    assert len(_templates.started_templates()) == 2
+    # And the other way round: the plain spec still reads from its own template.
+    again = await isolate.run_episode(plain, data)
+    assert again.info == first.info
+    assert len(_templates.started_templates()) == 2
