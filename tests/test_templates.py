@@ -34,6 +34,7 @@ from .conftest import (
     Agents,
     episode_processes,
     is_gone,
+    own_zombies,
     remove_dead_parents_leaves,
     wait_for,
     wait_until,
@@ -275,6 +276,9 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
     assert (result[0].status, result[0].reward) == ("ok", 2.0), result[0].summary()
     assert template_processes(agents) == []
     assert _templates.started_templates() == []
+    # The last fork's end finishes the closed template in a thread of its own: its outer
+    # process is reaped there, soon after.
+    await wait_until(lambda: own_zombies() == [], 5.0)
 
 
 PARENT = """
