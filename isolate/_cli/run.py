@@ -53,6 +53,10 @@ class PreparedRun:
     ) -> None:
         self.record, self.spec, self.kwargs, self.log_dir = record, spec, kwargs, log_dir
         self.secret_env, self.episode_id = secret_env, episode_id
+        self.secrets: dict[str, SecretStr] = {}
+        """``--secret``: keyword arguments passed as secrets."""
+        self.key_as: str | None = "override_api_key"
+        """The keyword the key is passed as; None: the entrypoint takes none."""
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
@@ -97,7 +101,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
+    prep = PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
+    prep.secrets, prep.key_as = plan.secrets, plan.key_as(spec)
+    return prep
 
 
 def _bundle_secret_env(bundle: Path) -> list[str]:
@@ -119,6 +125,7 @@ _AGENT_FLAGS = (
     "agent_config",
     "llm_model",
     "base_url",
+    "kwargs",
     "timeout",
     "kill_grace",
     "cancel_grace",
@@ -139,7 +146,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
     episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    from .batch.job import write_bundle
+    from .batch.job import episode_secrets, write_bundle
 
     check_log_dir(prep.log_dir)
     write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
@@ -176,7 +183,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
                             spec,
                             prep.record,
                             kwargs=prep.kwargs,
-                            secrets={"override_api_key": key},
+                            secrets=episode_secrets(prep.secrets, prep.key_as, key),
                             episode_id=episode_id,
                             on_start=status.started,
                             secret_env=prep.secret_env,

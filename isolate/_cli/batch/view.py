@@ -229,8 +229,9 @@ def summary(
     """The end-of-run report over every unit (instance, sample) the run covers, resumed ones
     included. ``final`` maps a unit to its final result line; ``setup_errors`` the units whose
     latest line is a setup error (not final: they run again), each cause shown once.
-    ``samples``: the ``--samples`` given, if any. It ends with where the results and logs
-    are, and the command that reports on them."""
+    An infrastructure error of an episode (``infra_kind``) among ``setup_errors`` is a row
+    of its kind. ``samples``: the ``--samples`` given, if any. It ends with where the results
+    and logs are, and the command that reports on them."""
     units = list(units)
     entries = [final[u] for u in units if u in final]
     elapsed = time.monotonic() - view.start
@@ -253,6 +254,11 @@ def summary(
             (n for n, _ in per_instance.values()),
         )
     infra_final = sum(bool(e.get("infra")) for e in entries)
+    infra_kinds = Counter(
+        str(e["infra_kind"])
+        for u, e in setup_errors.items()
+        if u not in final and e.get("infra_kind") and u in set(units)
+    )
     if view.infra_retried or infra_final:
         # Infrastructure failures (a Ray worker, node or the driver lost): --retries-infra.
         parts = [
@@ -261,8 +267,15 @@ def summary(
             if n
         ]
         facts.append(
-            ("infra", ", ".join(parts) + "; a Ray worker, node or the driver lost, not the agent")
+            (
+                "infra",
+                ", ".join(parts) + "; an endpoint or entrypoint signature, a Ray worker, node or "
+                "the driver lost, not the agent",
+            )
         )
+    if infra_kinds:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(infra_kinds.items()))
+        facts.append(("not final", f"{kinds}: not the agent's; the next run runs them again"))
     where = [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
@@ -287,10 +300,20 @@ def _status_table(
     distinct cause of a setup error."""
     counts = Counter(e["status"] for e in entries)
     rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
-    setup = [u for u in units if u not in final and u in setup_errors]
+    setup = [
+        u
+        for u in units
+        if u not in final and u in setup_errors and setup_errors[u]["status"] == "setup_error"
+    ]
     if setup:
         rows.append(("setup_error (runs again)", len(setup)))
-    missing = len(units) - len(entries) - len(setup)
+    infra = Counter(
+        f"infra: {setup_errors[u]['infra_kind']} (runs again)"
+        for u in units
+        if u not in final and u not in setup and (setup_errors.get(u) or {}).get("infra_kind")
+    )
+    rows += sorted(infra.items())
+    missing = len(units) - len(entries) - len(setup) - sum(infra.values())
     if missing:
         rows.append(("no result", missing))
     cells: list[tuple[str, ...]] = [("status", "count", "share")]
