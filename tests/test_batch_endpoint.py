@@ -166,6 +166,12 @@ def test_records_the_endpoint_failed_are_infra_and_a_rerun_runs_exactly_them_onc
         assert entry["infra_kind"] == "endpoint unreachable"
     assert "infra: endpoint unreachable (runs again)      3" in proc.stdout
     assert "3 instance(s) without a final result" in proc.stderr
+    report = isolate_cli("report", str(out), "--json")
+    groups = [g for g in json.loads(report.stdout)["failures"] if g["infra"]]
+    assert [(g["infra"], g["count"]) for g in groups] == [("endpoint unreachable", 3)]
+    assert "agent_error  URLError, exit 1, infra: endpoint unreachable  (3)" in (
+        isolate_cli("report", str(out)).stdout
+    )
 
     again = endpoint(port=first.port)  # the endpoint is back, where it was
     proc = isolate_cli(*args, env=cli_env(), timeout=120)
