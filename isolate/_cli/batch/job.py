@@ -179,6 +179,10 @@ class RecordPlan:
             raise ValueError("; ".join(problems)) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"econfig: {exc}") from None
+        if not base_url and url_needed and spec.entrypoint == ENTRYPOINT:
+            raise ValueError(
+                f'--base-url is required by {spec.entrypoint} (or "base_url" in the record)'
+            )
         if root and spec.agent_root is not None and not spec.agent_root.is_dir():
             what = "is not a directory" if spec.agent_root.exists() else "does not exist"
             where = "econfig.agent_root" if any(k in own for k in ROOT_KEYS) else "--agent-root"
@@ -189,10 +193,7 @@ class RecordPlan:
         kwargs["result_dir"] = str(result_dir)
         accepts = self._accepts(spec)
         if not base_url:
-            if url_needed and (
-                spec.entrypoint == ENTRYPOINT
-                or (accepts is not None and accepts.requires("override_base_url"))
-            ):
+            if url_needed and accepts is not None and accepts.requires("override_base_url"):
                 raise ValueError(
                     f'--base-url is required by {spec.entrypoint} (or "base_url" in the record)'
                 )
