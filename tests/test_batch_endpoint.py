@@ -45,6 +45,9 @@ def by_behaviour(data):
         os._exit(3)
     return 1.0
 
+def secret_sha(data, token):
+    return 1.0, {"sha": hashlib.sha256(token.encode()).hexdigest()}
+
 def holds_secret(data, token):
     pids = os.environ["PID_DIR"]
     open(os.path.join(pids, "up"), "w").close()
@@ -357,3 +360,30 @@ def test_a_secret_without_a_value_is_refused(agents: Agents) -> None:
     proc = isolate_cli(*args)
     assert proc.returncode == 2
     assert "--secret token: environment variable NOT_SET_HERE is not set" in proc.stderr
+
+
+def test_isolate_run_replays_an_episode_with_the_keywords_it_was_given(agents: Agents) -> None:
+    """A replay passes the key and the secrets as the episode got them: none to ``plain``,
+    ``token`` (read again from its variable) to ``secret_sha``."""
+    token = f"tok-{secrets.token_hex(16)}"
+    one = agents.tmp / "one.json"
+    one.write_text(json.dumps(record(agents, "r-1")))
+    (agents.root / "cli_agent.py").write_text(textwrap.dedent(AGENT))
+    environ = cli_env(THE_TOKEN=token)
+    sha = hashlib.sha256(token.encode()).hexdigest()
+    for entry, extra, info in [
+        ("plain", (), None),
+        ("secret_sha", ("--secret", "token=THE_TOKEN"), {"sha": sha}),
+    ]:
+        argv = ["run", str(one), "--agent-root", str(agents.root), "--log-dir", str(agents.logs)]
+        proc = isolate_cli(*argv, "--entrypoint", f"cli_agent:{entry}", *extra, env=environ)
+        assert proc.returncode == 0, proc.stderr
+        assert "API key" not in proc.stderr
+        assert json.loads(proc.stdout)["info"] == info
+        bundle = proc.stderr.split("isolate run --replay ")[1].split()[0]
+        again = isolate_cli("run", "--replay", bundle, env=environ)
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["info"] == info
+    for path in agents.logs.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path

@@ -27,7 +27,6 @@ from .options import (
     key_options,
     port_number,
     positive_seconds,
-    read_api_key,
 )
 from .run import PLAIN_TICK_S, TTY_TICK_S, run_command
 
@@ -146,8 +145,7 @@ def _containment(value: str) -> str:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "run":
-        key = read_api_key(args, sys.stdin)
-        return anyio.run(run_command, args, key)
+        return anyio.run(run_command, args)
     if args.command == "batch":
         from .batch import batch_command
 

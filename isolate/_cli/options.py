@@ -235,15 +235,23 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def read_secrets(specs: list[str] | None, stdin: TextIO) -> dict[str, SecretStr]:
-    """``--secret NAME[=VAR]``: keyword NAME with the value of env variable VAR (default NAME),
-    else one typed at a no-echo prompt when stdin is a terminal."""
-    found: dict[str, SecretStr] = {}
+def secret_specs(specs: list[str] | None) -> dict[str, str]:
+    """``--secret NAME[=VAR]`` values: keyword NAME -> environment variable VAR."""
+    found: dict[str, str] = {}
     for spec in specs or ():
         name, _, var = spec.partition("=")
         name, var = name.strip(), (var.strip() or name.strip())
         if not name.isidentifier():
             raise UsageError(f"--secret {spec!r}: {name!r} is not a keyword name")
+        found[name] = var
+    return found
+
+
+def read_secrets(specs: list[str] | None, stdin: TextIO) -> dict[str, SecretStr]:
+    """``--secret NAME[=VAR]``: keyword NAME with the value of env variable VAR (default NAME),
+    else one typed at a no-echo prompt when stdin is a terminal."""
+    found: dict[str, SecretStr] = {}
+    for name, var in secret_specs(specs).items():
         value = os.environ.get(var)
         if not value and stdin.isatty():
             value = getpass.getpass(f"{name} (secret, not echoed): ")

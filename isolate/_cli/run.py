@@ -31,7 +31,9 @@ from .options import (
     UsageError,
     check_log_dir,
     preload_warning,
+    read_api_key,
     read_secret_env,
+    read_secrets,
 )
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
@@ -57,6 +59,8 @@ class PreparedRun:
         """``--secret``: keyword arguments passed as secrets."""
         self.key_as: str | None = "override_api_key"
         """The keyword the key is passed as; None: the entrypoint takes none."""
+        self.secret_vars: dict[str, str] = {}
+        """``--secret``: keyword -> the environment variable of its value."""
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
@@ -77,10 +81,15 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
             spec = EpisodeSpec.model_validate_json((bundle / "spec.json").read_text())
             kwargs = json.loads((bundle / "kwargs.json").read_text())
             names = args.secret_env or _bundle_secret_env(bundle)
+            key_as, secret_vars = _bundle_passing(bundle)
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
         names_env = read_secret_env(names)
-        return PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
+        prep = PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
+        prep.key_as, prep.secret_vars = key_as, secret_vars
+        specs = [f"{name}={var}" for name, var in secret_vars.items()]
+        prep.secrets = read_secrets(specs, sys.stdin)
+        return prep
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -103,7 +112,23 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         raise UsageError(str(exc)) from None
     prep = PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
     prep.secrets, prep.key_as = plan.secrets, plan.key_as(spec)
+    prep.secret_vars = plan.secret_vars
     return prep
+
+
+def _bundle_passing(bundle: Path) -> tuple[str | None, dict[str, str]]:
+    """How the bundle's episode got its secret keywords: the key's keyword (None: no key),
+    and each ``--secret`` keyword's environment variable. A bundle from before this was
+    written passed the key as ``override_api_key`` and nothing else."""
+    path = bundle / "secrets.json"
+    if not path.exists():
+        return "override_api_key", {}
+    found = json.loads(path.read_text())
+    key_as = found.get("key_as") if isinstance(found, dict) else None
+    secrets = found.get("secrets") if isinstance(found, dict) else None
+    if not (key_as is None or isinstance(key_as, str)) or not isinstance(secrets, dict):
+        raise ValueError("secrets.json must hold key_as and secrets")
+    return key_as, {str(k): str(v) for k, v in secrets.items()}
 
 
 def _bundle_secret_env(bundle: Path) -> list[str]:
@@ -141,15 +166,18 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
 
-async def run_command(args: argparse.Namespace, key: SecretStr) -> int:
+async def run_command(args: argparse.Namespace) -> int:
     prep = prepare_run(args)
+    # Asked for only now: not for an entrypoint that takes no key, nor before a usage error.
+    key = read_api_key(args, sys.stdin) if prep.key_as is not None else None
     episode_id = prep.episode_id
     bundle = (prep.log_dir / episode_id).absolute()
     spec = prep.spec.model_copy(update={"log_dir": bundle})
     from .batch.job import episode_secrets, write_bundle
 
     check_log_dir(prep.log_dir)
-    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
+    passing = {"key_as": prep.key_as, "secrets": prep.secret_vars}
+    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env), passing)
     print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
 
     outcome: EpisodeOutcome | None = None

@@ -34,7 +34,7 @@ from ...workflow import (
     timeout_of,
 )
 from ...workflow._econfig import ROOT_KEYS, network_of
-from ..options import UsageError, read_secret_env, read_secrets
+from ..options import UsageError, read_secret_env, read_secrets, secret_specs
 from ..signature import Accepts, probe
 
 #: The keyword the api key is passed as, to an entrypoint that accepts it.
@@ -60,6 +60,8 @@ class Job:
     """``--secret``: keyword arguments passed as secrets; they travel as the key does."""
     key_as: str | None = KEY_KEYWORD
     """The keyword the key is passed as; None for an entrypoint that takes none."""
+    secret_vars: dict[str, str] = field(default_factory=dict)
+    """``--secret``: keyword -> environment variable, for a replay to read the value again."""
 
 
 class RecordPlan:
@@ -82,6 +84,8 @@ class RecordPlan:
         self.econfig = {k: v for k, v in flags.items() if v is not None}
         self.extra_kwargs: dict[str, Any] = getattr(args, "kwargs", None) or {}
         """``--kwargs``: passed to the entrypoint as they are, after the workflow's."""
+        self.secret_vars = secret_specs(getattr(args, "secret", None))
+        """``--secret``: keyword -> the environment variable its value came from."""
         self.secrets = read_secrets(getattr(args, "secret", None), sys.stdin)
         """``--secret``: keyword arguments passed as secrets."""
         # As the driver started: the Ray backend later drops variables that hold the key.
@@ -251,6 +255,7 @@ class RecordPlan:
             sample,
             self.secrets,
             self.key_as(spec),
+            self.secret_vars,
         )
 
 
@@ -347,7 +352,8 @@ ATTEMPT_FILE = "attempt.json"
 
 
 def _write_bundle(bundle: Path, job: Job) -> None:
-    write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env))
+    passing = {"key_as": job.key_as, "secrets": job.secret_vars}
+    write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env), passing)
     if job.results is not None:
         attempt = {
             "results": str(job.results),
@@ -360,7 +366,7 @@ def _write_bundle(bundle: Path, job: Job) -> None:
 
 #: The files of a replay bundle that decide what a replay runs; ``digest.json`` holds their
 #: SHA-256, so that a bundle changed after it ran is refused, not run.
-BUNDLE_FILES = ("record.json", "spec.json", "kwargs.json", "secret_env.json")
+BUNDLE_FILES = ("record.json", "spec.json", "kwargs.json", "secret_env.json", "secrets.json")
 
 
 def write_bundle(
@@ -369,9 +375,12 @@ def write_bundle(
     spec: EpisodeSpec,
     kwargs: dict[str, Any],
     secret_env: list[str],
+    passing: dict[str, Any] | None = None,
 ) -> None:
     """The replay bundle of one attempt (``isolate run --replay BUNDLE``): what it ran, the
-    names of its ``secret_env`` (never a value), and their digest."""
+    names of its ``secret_env`` (never a value), how its secret keywords were passed
+    (``passing``: ``key_as``, the key's keyword or None, and ``secrets``, each ``--secret``
+    keyword's environment variable; never a value), and their digest."""
     bundle.mkdir(parents=True, exist_ok=True)
     texts = {
         "record.json": json.dumps(record, indent=2, default=str) + "\n",
@@ -380,6 +389,8 @@ def write_bundle(
     }
     if secret_env:
         texts["secret_env.json"] = json.dumps(secret_env) + "\n"
+    if passing is not None:
+        texts["secrets.json"] = json.dumps(passing, indent=2) + "\n"
     for name, text in texts.items():
         (bundle / name).write_text(text)
     digest = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
