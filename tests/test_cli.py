@@ -202,7 +202,12 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
             ["run", "{bad_grace}", "--base-url", URL, "--kill-grace", "1"],
             "error: econfig.kill_grace: Input should be greater than or equal to 0",
         ),
-        (["run", "{record}", "--base-url", URL, "--api-key-env", "NOT_SET_ANYWHERE"], "not set"),
+        (
+            # The key is read last, once the rest of the command is known to be right.
+            ["run", "{record}", "--agent-root", str(SCRIPTED), "--base-url", URL]
+            + ["--api-key-env", "NOT_SET_ANYWHERE"],
+            "not set",
+        ),
         (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
         (["run", "--replay", "{tmp}"], "not a replay bundle"),
     ],

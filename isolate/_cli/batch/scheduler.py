@@ -234,12 +234,12 @@ class Scheduler:
                 if again and entry.get("infra_kind"):
                     await anyio.sleep(infra_backoff(infra_failures))
                 with anyio.CancelScope(shield=True):
-                    if not await self._write(entry):
+                    if not await self._write(entry, again):
                         return
         finally:
             slots.release()
 
-    async def _write(self, entry: dict[str, Any]) -> bool:
+    async def _write(self, entry: dict[str, Any], again: bool = True) -> bool:
         """Append one result line; False (and the run stops) when it cannot be written."""
         try:
             await anyio.to_thread.run_sync(self.results.append, entry)
@@ -247,7 +247,7 @@ class Scheduler:
             self.failure = f"cannot write {self.results.path}: {exc.strerror}"
             self._stop()
             return False
-        self.view.finished_entry(entry)
+        self.view.finished_entry(entry, again)
         return True
 
     async def _attempt(

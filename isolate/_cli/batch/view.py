@@ -51,6 +51,9 @@ class View:
         self.infra_retried = 0
         """Of them, infrastructure failures (``infra``: a Ray worker or node lost, the driver
         stopped mid-attempt)."""
+        self.infra_left = 0
+        """Units this run left to the next one after an infrastructure error (an endpoint's,
+        an entrypoint's signature): not final, no attempt left now."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -83,7 +86,8 @@ class View:
             self._refresh()
             self._bar.stop()
 
-    def finished_entry(self, entry: dict[str, Any]) -> None:
+    def finished_entry(self, entry: dict[str, Any], again: bool = True) -> None:
+        """Count a line written; ``again``: whether its unit gets another attempt now."""
         reason = entry.get("preload_refused")
         if reason and reason not in self.preload_refused:
             self.preload_refused.add(reason)
@@ -93,6 +97,8 @@ class View:
             self.finished += 1
         elif entry["status"] == "setup_error":
             self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
+        elif not again:
+            self.infra_left += 1  # the infrastructure's, not final: the next run runs it
         else:
             self.retried += 1
             self.infra_retried += bool(entry.get("infra"))
@@ -121,6 +127,8 @@ class View:
             parts.append(f"retried {self.retried}")
         if self.infra_retried:
             parts.append(f"infra {self.infra_retried}")
+        if self.infra_left:
+            parts.append(f"infra, runs again {self.infra_left}")
         return ", ".join(parts)
 
     def _refresh(self) -> None:
