@@ -101,6 +101,15 @@ def seconds(text: str) -> float:
     return _seconds(text, "of 0 or more")
 
 
+_BASE_URL_HELP = (
+    "OpenAI-compatible endpoint the agent calls (needed by the default entrypoint, or one "
+    "that requires override_base_url)"
+)
+_KWARGS_HELP = (
+    "more keyword arguments for the entrypoint, a JSON object (never a secret: see --secret)"
+)
+
+
 def agent_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
     group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")
@@ -109,18 +118,8 @@ def agent_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--agent-type", help="swe, cc, oh, opencode, codex, ... (default: swe)")
     group.add_argument("--agent-config", help="agent config name (default: per agent type)")
     group.add_argument("--llm-model", help="model name (default: env LLM_MODEL)")
-    group.add_argument(
-        "--base-url",
-        help="OpenAI-compatible endpoint the agent calls (needed by the default entrypoint, or "
-        "one that requires override_base_url)",
-    )
-    group.add_argument(
-        "--kwargs",
-        type=json_object,
-        metavar="JSON",
-        help="more keyword arguments for the entrypoint, a JSON object (never a secret: see "
-        "--secret)",
-    )
+    group.add_argument("--base-url", help=_BASE_URL_HELP)
+    group.add_argument("--kwargs", type=json_object, metavar="JSON", help=_KWARGS_HELP)
     group.add_argument("--timeout", type=positive_seconds, help="seconds (default: 1800)")
     group.add_argument("--kill-grace", type=seconds, help="seconds from SIGTERM to SIGKILL (5)")
     group.add_argument(

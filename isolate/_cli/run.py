@@ -162,6 +162,18 @@ _AGENT_FLAGS = (
 )
 
 
+def _bundle_of(prep: PreparedRun) -> Path:
+    """Write the run's replay bundle, and say where it is; its path."""
+    from .batch.job import write_bundle
+
+    bundle = (prep.log_dir / prep.episode_id).absolute()
+    check_log_dir(prep.log_dir)
+    passing = {"key_as": prep.key_as, "secrets": prep.secret_vars}
+    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env), passing)
+    print(f"isolate: episode {prep.episode_id}, bundle {bundle}", file=sys.stderr)
+    return bundle
+
+
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
@@ -171,14 +183,9 @@ async def run_command(args: argparse.Namespace) -> int:
     # Asked for only now: not for an entrypoint that takes no key, nor before a usage error.
     key = read_api_key(args, sys.stdin) if prep.key_as is not None else None
     episode_id = prep.episode_id
-    bundle = (prep.log_dir / episode_id).absolute()
+    bundle = _bundle_of(prep)
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    from .batch.job import episode_secrets, write_bundle
-
-    check_log_dir(prep.log_dir)
-    passing = {"key_as": prep.key_as, "secrets": prep.secret_vars}
-    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env), passing)
-    print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
+    from .batch.job import episode_secrets
 
     outcome: EpisodeOutcome | None = None
     interrupted = False

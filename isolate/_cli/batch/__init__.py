@@ -288,9 +288,7 @@ def batch_command(args: argparse.Namespace) -> int:
     try:
         _open_results(args, results, plan.log_dir, policy)
         keys, todo, done = _units(args, chosen, results, policy)
-        if todo and plan.base_url and args.backend == "local" and not args.no_endpoint_check:
-            _check_endpoint(plan.base_url)
-        key = read_api_key(args, sys.stdin) if todo and plan.wants_key else None
+        key = _key(args, plan) if todo else None
         backend, ray_backend = _backend(args, key)
         concurrency = args.concurrency
         if ray_backend is not None and todo:
@@ -373,6 +371,14 @@ def _units(
             file=sys.stderr,
         )
     return keys, todo, done
+
+
+def _key(args: argparse.Namespace, plan: RecordPlan) -> Any:
+    """Before a run: the endpoint checked (unless told not to), then the key read, when the
+    entrypoint takes one (else None)."""
+    if plan.base_url and args.backend == "local" and not args.no_endpoint_check:
+        _check_endpoint(plan.base_url)
+    return read_api_key(args, sys.stdin) if plan.wants_key else None
 
 
 def _check_endpoint(url: str) -> None:

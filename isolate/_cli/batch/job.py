@@ -195,8 +195,15 @@ class RecordPlan:
                 "(or AWEAGENT_ROOT in the environment)"
             )
         kwargs["result_dir"] = str(result_dir)
+        return spec, self._call(spec, kwargs, bool(base_url), url_needed)
+
+    def _call(
+        self, spec: EpisodeSpec, kwargs: dict[str, Any], with_url: bool, url_needed: bool
+    ) -> dict[str, Any]:
+        """The keywords ``spec``'s entrypoint gets: the workflow's that it accepts, then
+        ``--kwargs``. ValueError for a call it cannot take."""
         accepts = self._accepts(spec)
-        if not base_url:
+        if not with_url:
             if url_needed and accepts is not None and accepts.requires("override_base_url"):
                 raise ValueError(
                     f'--base-url is required by {spec.entrypoint} (or "base_url" in the record)'
@@ -210,7 +217,7 @@ class RecordPlan:
             problem = accepts.problem([*kwargs, *self.secrets, *key])
             if problem is not None:
                 raise ValueError(problem)
-        return spec, kwargs
+        return kwargs
 
     def _accepts(self, spec: EpisodeSpec) -> Accepts | None:
         """The entrypoint's parameters, from its interpreter; None where it cannot tell."""

@@ -261,29 +261,7 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
-    infra_final = sum(bool(e.get("infra")) for e in entries)
-    infra_kinds = Counter(
-        str(e["infra_kind"])
-        for u, e in setup_errors.items()
-        if u not in final and e.get("infra_kind") and u in set(units)
-    )
-    if view.infra_retried or infra_final:
-        # Infrastructure failures (a Ray worker, node or the driver lost): --retries-infra.
-        parts = [
-            f"{n} ({what})"
-            for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
-            if n
-        ]
-        facts.append(
-            (
-                "infra",
-                ", ".join(parts) + "; an endpoint or entrypoint signature, a Ray worker, node or "
-                "the driver lost, not the agent",
-            )
-        )
-    if infra_kinds:
-        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(infra_kinds.items()))
-        facts.append(("not final", f"{kinds}: not the agent's; the next run runs them again"))
+    facts += _infra_facts(view, units, entries, final, setup_errors)
     where = [
         ("results", str(results)),
         ("logs", f"{log_dir} (a replay bundle per attempt)"),
@@ -333,6 +311,38 @@ def _status_table(
         lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
         lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
     return lines
+
+
+def _infra_facts(
+    view: View,
+    units: list[Unit],
+    entries: list[dict[str, Any]],
+    final: dict[Unit, dict[str, Any]],
+    latest: dict[Unit, dict[str, Any]],
+) -> list[tuple[str, str]]:
+    """The rows on infrastructure failures: those retried and final (a Ray worker, node or the
+    driver lost, an endpoint), and the units an episode's own left to the next run."""
+    facts = []
+    infra_final = sum(bool(e.get("infra")) for e in entries)
+    if view.infra_retried or infra_final:
+        # Infrastructure failures: --retries-infra.
+        parts = [
+            f"{n} ({what})"
+            for n, what in ((view.infra_retried, "retried"), (infra_final, "final"))
+            if n
+        ]
+        why = "; an endpoint or entrypoint signature, a Ray worker, node or the driver lost"
+        facts.append(("infra", ", ".join(parts) + why + ", not the agent"))
+    mine = set(units)
+    kinds = Counter(
+        str(e["infra_kind"])
+        for u, e in latest.items()
+        if u not in final and e.get("infra_kind") and u in mine
+    )
+    if kinds:
+        text = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        facts.append(("not final", f"{text}: not the agent's; the next run runs them again"))
+    return facts
 
 
 def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
