@@ -285,6 +285,13 @@ def doctor(
         report.line("ok", f"{entrypoint} imports ({kind} {probe.get('signature')})")
         if probe.get("binds") is None:
             report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
+        elif entrypoint != ENTRYPOINT:
+            # The command line passes only what it accepts; the drop-in passes every keyword.
+            report.line(
+                "info",
+                f"it does not take every keyword of the workflow ({probe['binds']}): isolate run "
+                "and batch pass it those it accepts (and --kwargs); SWEAgentWorkflow passes all",
+            )
         else:
             report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
         if preload:
