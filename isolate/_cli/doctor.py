@@ -285,15 +285,14 @@ def doctor(
         report.line("ok", f"{entrypoint} imports ({kind} {probe.get('signature')})")
         if probe.get("binds") is None:
             report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
-        elif entrypoint != ENTRYPOINT:
-            # The command line passes only what it accepts; the drop-in passes every keyword.
-            report.line(
-                "info",
-                f"it does not take every keyword of the workflow ({probe['binds']}): isolate run "
-                "and batch pass it those it accepts (and --kwargs); SWEAgentWorkflow passes all",
-            )
         else:
-            report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
+            # A failure for the drop-in, which passes every keyword; the command line passes
+            # only those the entrypoint accepts.
+            report.line(
+                "FAIL",
+                f"it does not accept the workflow's arguments: {probe['binds']} (SWEAgentWorkflow "
+                "passes them all; isolate run and batch pass only those it accepts, and --kwargs)",
+            )
         if preload:
             _preload_report(report, root, python, entrypoint, containment)
 
