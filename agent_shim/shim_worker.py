@@ -86,6 +86,9 @@ def worker(hs, channel):
         if isinstance(exc, SystemExit):
             code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         fields = report(_exc_message(exc), text, list(secrets.values()) + list(secret_env.values()))
+        # Raised by the call itself, not from inside the entrypoint: its arguments do not fit.
+        if isinstance(exc, TypeError) and _raised_here(exc):
+            fields["at_call"] = True
         channel.send("error", kind="agent", type=type(exc).__name__[:200], **fields)
         return code & 0xFF
     limit = hs.get("max_info_bytes", 1 << 20)
@@ -357,6 +360,14 @@ def look_like_a_program(entrypoint):
     _boot_main.append(sys.modules.get("__main__"))
     sys.modules["__main__"] = main
     sys.argv = [entrypoint]
+
+
+def _raised_here(exc):
+    """Whether ``exc`` was raised in the worker's own frame (the call of the entrypoint binding
+    its arguments), with no frame of the entrypoint on its traceback. A coroutine's arguments
+    are bound at the call too."""
+    tb = exc.__traceback__
+    return tb is not None and tb.tb_next is None and tb.tb_frame.f_code is worker.__code__
 
 
 def _exc_message(exc):

@@ -92,6 +92,7 @@ def batch_args(agents: Agents, records: Path, out: Path, *extra: str) -> list[st
         "0.2",
         "--api-key-env",
         "BATCH_KEY",
+        "--no-endpoint-check",  # URL is a closed port: these agents never call it
         *extra,
     ]
 

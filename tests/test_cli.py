@@ -203,7 +203,8 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
             "error: econfig.kill_grace: Input should be greater than or equal to 0",
         ),
         (
-            ["run", "{record}", "--base-url", URL, "--agent-root", str(SCRIPTED)]
+            # The key is read last, once the rest of the command is known to be right.
+            ["run", "{record}", "--agent-root", str(SCRIPTED), "--base-url", URL]
             + ["--api-key-env", "NOT_SET_ANYWHERE"],
             "not set",
         ),

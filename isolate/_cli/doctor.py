@@ -246,6 +246,22 @@ def _preload_report(
         report.line("info", fix)
 
 
+def _root_report(report: _Report, root: Path, *, given: bool) -> None:
+    """Whether the agent root exists; what to pass when the default was not there."""
+    if root.is_dir():
+        report.line("ok", f"agent root {root} exists")
+    elif not given and root == default_agent_root():
+        report.line(
+            "FAIL",
+            "no agent root given: pass --agent-root DIR, the agent's checkout (or set "
+            f"AWEAGENT_ROOT)\nthe default, {root}, is a checkout of AReaL-SWEAgent beside a "
+            "clone of isolate; there is none",
+        )
+    else:
+        what = "is not a directory" if root.exists() else "does not exist"
+        report.line("FAIL", f"agent root {root} {what} (--agent-root, AWEAGENT_ROOT)")
+
+
 def doctor(
     agent_root: Path | None,
     python: str | None,
@@ -260,19 +276,7 @@ def doctor(
     report = _Report()
     print(f"isolate doctor: {entrypoint} in {root} under {python}")
 
-    if root.is_dir():
-        report.line("ok", f"agent root {root} exists")
-    elif agent_root is None and root == default_agent_root():
-        report.line(
-            "FAIL",
-            "no agent root given: pass --agent-root DIR, the agent's checkout (or set "
-            f"AWEAGENT_ROOT)\nthe default, {root}, is a checkout of AReaL-SWEAgent beside a "
-            "clone of isolate; there is none",
-        )
-    else:
-        what = "is not a directory" if root.exists() else "does not exist"
-        report.line("FAIL", f"agent root {root} {what} (--agent-root, AWEAGENT_ROOT)")
-
+    _root_report(report, root, given=agent_root is not None)
     probe = _probe(python, root, entrypoint)
     if isinstance(probe, str):
         report.line("FAIL", f"interpreter: {probe}")
@@ -295,7 +299,13 @@ def doctor(
         if probe.get("binds") is None:
             report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
         else:
-            report.line("FAIL", f"it does not accept the workflow's arguments: {probe['binds']}")
+            # A failure for the drop-in, which passes every keyword; the command line passes
+            # only those the entrypoint accepts.
+            report.line(
+                "FAIL",
+                f"it does not accept the workflow's arguments: {probe['binds']} (SWEAgentWorkflow "
+                "passes them all; isolate run and batch pass only those it accepts, and --kwargs)",
+            )
         if preload:
             _preload_report(report, root, python, entrypoint, containment)
 

@@ -146,7 +146,7 @@ def _containment(value: str) -> str:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command == "run":
-        return anyio.run(run_command, args)  # the key is read once the options are valid
+        return anyio.run(run_command, args)
     if args.command == "batch":
         from .batch import batch_command
 

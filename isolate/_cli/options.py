@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from pydantic import SecretStr
 
@@ -100,6 +101,15 @@ def seconds(text: str) -> float:
     return _seconds(text, "of 0 or more")
 
 
+_BASE_URL_HELP = (
+    "OpenAI-compatible endpoint the agent calls (needed by the default entrypoint, or one "
+    "that requires override_base_url)"
+)
+_KWARGS_HELP = (
+    "more keyword arguments for the entrypoint, a JSON object (never a secret: see --secret)"
+)
+
+
 def agent_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("agent (defaults resolve as SWEAgentWorkflow's)")
     group.add_argument("--agent-root", help="checkout; else AWEAGENT_ROOT, ..., ../AReaL-SWEAgent")
@@ -108,7 +118,8 @@ def agent_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--agent-type", help="swe, cc, oh, opencode, codex, ... (default: swe)")
     group.add_argument("--agent-config", help="agent config name (default: per agent type)")
     group.add_argument("--llm-model", help="model name (default: env LLM_MODEL)")
-    group.add_argument("--base-url", help="OpenAI-compatible endpoint the agent calls")
+    group.add_argument("--base-url", help=_BASE_URL_HELP)
+    group.add_argument("--kwargs", type=json_object, metavar="JSON", help=_KWARGS_HELP)
     group.add_argument("--timeout", type=positive_seconds, help="seconds (default: 1800)")
     group.add_argument("--kill-grace", type=seconds, help="seconds from SIGTERM to SIGKILL (5)")
     group.add_argument(
@@ -170,6 +181,13 @@ def key_options(parser: argparse.ArgumentParser) -> None:
         help="hand env variable NAME to the agent as a secret, set only in its os.environ "
         "(repeatable; the value is read from this environment)",
     )
+    group.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME[=VAR]",
+        help="pass the entrypoint keyword NAME as a secret, its value from env variable VAR "
+        "(default NAME), else a no-echo prompt (repeatable; never on argv, in a log or bundle)",
+    )
 
 
 def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
@@ -204,6 +222,46 @@ def read_api_key(args: argparse.Namespace, stdin: TextIO) -> SecretStr:
         file=sys.stderr,
     )
     return SecretStr("dummy")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (``--kwargs``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r}")
+    return value
+
+
+def secret_specs(specs: list[str] | None) -> dict[str, str]:
+    """``--secret NAME[=VAR]`` values: keyword NAME -> environment variable VAR."""
+    found: dict[str, str] = {}
+    for spec in specs or ():
+        name, _, var = spec.partition("=")
+        name, var = name.strip(), (var.strip() or name.strip())
+        if not name.isidentifier():
+            raise UsageError(f"--secret {spec!r}: {name!r} is not a keyword name")
+        found[name] = var
+    return found
+
+
+def read_secrets(specs: list[str] | None, stdin: TextIO) -> dict[str, SecretStr]:
+    """``--secret NAME[=VAR]``: keyword NAME with the value of env variable VAR (default NAME),
+    else one typed at a no-echo prompt when stdin is a terminal."""
+    found: dict[str, SecretStr] = {}
+    for name, var in secret_specs(specs).items():
+        value = os.environ.get(var)
+        if not value and stdin.isatty():
+            value = getpass.getpass(f"{name} (secret, not echoed): ")
+        if not value:
+            raise UsageError(
+                f"--secret {name}: environment variable {var} is not set (and no terminal to "
+                "ask on)"
+            )
+        found[name] = SecretStr(value)
+    return found
 
 
 def read_secret_env(names: list[str] | None) -> dict[str, SecretStr]:

@@ -34,6 +34,7 @@ from .options import (
     preload_warning,
     read_api_key,
     read_secret_env,
+    read_secrets,
 )
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
@@ -55,6 +56,12 @@ class PreparedRun:
     ) -> None:
         self.record, self.spec, self.kwargs, self.log_dir = record, spec, kwargs, log_dir
         self.secret_env, self.episode_id = secret_env, episode_id
+        self.secrets: dict[str, SecretStr] = {}
+        """``--secret``: keyword arguments passed as secrets."""
+        self.key_as: str | None = "override_api_key"
+        """The keyword the key is passed as; None: the entrypoint takes none."""
+        self.secret_vars: dict[str, str] = {}
+        """``--secret``: keyword -> the environment variable of its value."""
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
@@ -77,10 +84,15 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
             spec = EpisodeSpec.model_validate_json((bundle / "spec.json").read_text())
             kwargs = json.loads((bundle / "kwargs.json").read_text())
             names = args.secret_env or _bundle_secret_env(bundle)
+            key_as, secret_vars = _bundle_passing(bundle)
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
         names_env = read_secret_env(names)
-        return PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
+        prep = PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
+        prep.key_as, prep.secret_vars = key_as, secret_vars
+        specs = [f"{name}={var}" for name, var in secret_vars.items()]
+        prep.secrets = read_secrets(specs, sys.stdin)
+        return prep
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -101,7 +113,25 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
+    prep = PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
+    prep.secrets, prep.key_as = plan.secrets, plan.key_as(spec)
+    prep.secret_vars = plan.secret_vars
+    return prep
+
+
+def _bundle_passing(bundle: Path) -> tuple[str | None, dict[str, str]]:
+    """How the bundle's episode got its secret keywords: the key's keyword (None: no key),
+    and each ``--secret`` keyword's environment variable. A bundle from before this was
+    written passed the key as ``override_api_key`` and nothing else."""
+    path = bundle / "secrets.json"
+    if not path.exists():
+        return "override_api_key", {}
+    found = json.loads(path.read_text())
+    key_as = found.get("key_as") if isinstance(found, dict) else None
+    secrets = found.get("secrets") if isinstance(found, dict) else None
+    if not (key_as is None or isinstance(key_as, str)) or not isinstance(secrets, dict):
+        raise ValueError("secrets.json must hold key_as and secrets")
+    return key_as, {str(k): str(v) for k, v in secrets.items()}
 
 
 def _bundle_secret_env(bundle: Path) -> list[str]:
@@ -123,6 +153,7 @@ _AGENT_FLAGS = (
     "agent_config",
     "llm_model",
     "base_url",
+    "kwargs",
     "timeout",
     "kill_grace",
     "cancel_grace",
@@ -134,20 +165,29 @@ _AGENT_FLAGS = (
 )
 
 
+def _bundle_of(prep: PreparedRun) -> Path:
+    """Write the run's replay bundle, and say where it is; its path."""
+    bundle = (prep.log_dir / prep.episode_id).absolute()
+    check_log_dir(prep.log_dir)
+    passing = {"key_as": prep.key_as, "secrets": prep.secret_vars}
+    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env), passing)
+    print(f"isolate: episode {prep.episode_id}, bundle {bundle}", file=sys.stderr)
+    return bundle
+
+
 def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2, default=str) + "\n")
 
 
-async def run_command(args: argparse.Namespace, key: SecretStr | None = None) -> int:
-    """Run the episode; without ``key``, read it once the options have been found valid."""
+async def run_command(args: argparse.Namespace) -> int:
     prep = prepare_run(args)
+    # Asked for only now: not for an entrypoint that takes no key, nor before a usage error.
+    key = read_api_key(args, sys.stdin) if prep.key_as is not None else None
     episode_id = prep.episode_id
-    bundle = (prep.log_dir / episode_id).absolute()
+    bundle = _bundle_of(prep)
     spec = prep.spec.model_copy(update={"log_dir": bundle})
-    check_log_dir(prep.log_dir)
-    key = key or read_api_key(args, sys.stdin)
-    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env))
-    print(f"isolate: episode {episode_id}, bundle {bundle}", file=sys.stderr)
+    from .batch.job import episode_secrets
+
     outcome: EpisodeOutcome | None = None
     interrupted = False
     status = _Status(spec, bundle / f"{episode_id}.log", args.status_interval)
@@ -179,7 +219,7 @@ async def run_command(args: argparse.Namespace, key: SecretStr | None = None) ->
                             spec,
                             prep.record,
                             kwargs=prep.kwargs,
-                            secrets={"override_api_key": key},
+                            secrets=episode_secrets(prep.secrets, prep.key_as, key),
                             episode_id=episode_id,
                             on_start=status.started,
                             secret_env=prep.secret_env,

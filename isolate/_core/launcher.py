@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from . import admission as _admission
 from . import child as _child
+from . import protocol as _proto
 from . import sandbox as _sandbox
 from . import templates as _templates
 from . import verdict as _verdict
@@ -28,6 +29,7 @@ from .config import EpisodeSpec
 from .episode_log import EpisodeLog
 from .errors import SetupProblem
 from .frames import Frames
+from .infra import infra_kind
 from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings
 from .prepare import Prepared, Request, exec_env
 from .prepare import prepare as _prepare
@@ -380,6 +382,7 @@ class _Run:
             sandbox=self.prep.report(self.frames.sandbox_missing, self.req.redact),
             start="template" if self.template is not None else "fresh",
             preload_refused=self.preload_refused,
+            infra=_infra_of(status, frames.final, error),
         )
         self.log.summary(outcome.summary())
         self.outcome = outcome
@@ -392,3 +395,13 @@ class _Run:
             start_wait_s=self.start_wait_s,
             start_s=hello_at - self.spawned if hello_at is not None else None,
         )
+
+
+def _infra_of(
+    status: Status, final: _proto.Result | _proto.Error | None, error: ErrorInfo | None
+) -> str | None:
+    """The outcome's ``infra``: only an ``agent_error`` can be the infrastructure's."""
+    if status != "agent_error":
+        return None
+    at_call = isinstance(final, _proto.Error) and final.at_call
+    return infra_kind(error, at_call)

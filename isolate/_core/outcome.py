@@ -114,6 +114,11 @@ class EpisodeOutcome(BaseModel):
     """What the episode's sandbox enforced (and what it could not); None without one."""
     start: Literal["fresh", "template"] = "fresh"
     """How the episode's process began: a new interpreter, or a fork of a preloaded template."""
+    infra: str | None = None
+    """For an ``agent_error`` that is not the agent's: the infrastructure that failed it,
+    ``"endpoint unreachable"`` (refused, reset, DNS), ``"endpoint error"`` (a 5xx from the
+    endpoint or a proxy) or ``"entrypoint signature"`` (the entrypoint could not be called with
+    the arguments given); None otherwise. ``status`` stays ``agent_error``."""
     preload_refused: str | None = None
     """Why this episode started fresh although ``spec.preload`` asked for a template (refused
     at import, say ``thread 'x' running after import``, or gone); None otherwise."""
@@ -131,6 +136,8 @@ class EpisodeOutcome(BaseModel):
             text += f", reward {self.reward}"
         elif self.error is not None:
             text += f": {self.error.type}: {self.error.message}"
+        if self.infra is not None:
+            text += f" [infra: {self.infra}]"
         text += f" ({self.exit_description}, {self.duration_s:.2f} s, {self.killed} killed"
         if self.pid is not None:  # before any process there is no containment to speak of
             text += f", containment {self.containment}"

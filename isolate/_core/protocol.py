@@ -78,6 +78,9 @@ class Error(_Frame):
     type: str = Field(max_length=200)
     message: str
     traceback: str = ""
+    at_call: bool = False
+    """The call of the entrypoint itself raised (a ``TypeError`` from its arguments), before
+    any of its code ran."""
 
     @field_validator("message")
     @classmethod

@@ -104,6 +104,18 @@ def _run_options(run: argparse._ArgumentGroup) -> None:
     )
     run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
     run.add_argument(
+        "--rerun",
+        type=rerun_kinds,
+        metavar="KINDS",
+        help="run once more the records whose final result is one of KINDS, comma-separated: "
+        "agent_error, crashed, timeout, protocol_error, ok, or infra (any infrastructure failure)",
+    )
+    run.add_argument(
+        "--no-endpoint-check",
+        action="store_true",
+        help="start without checking that the endpoint (--base-url) answers",
+    )
+    run.add_argument(
         "--skip-invalid", action="store_true", help="skip invalid records instead of stopping"
     )
     run.add_argument(
@@ -160,6 +172,21 @@ def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="also draw the results over time and their durations, as a PNG "
         f"(needs matplotlib: {install_hint('report')})",
     )
+
+
+#: What ``--rerun`` may name: the final statuses, and ``infra``.
+RERUN_KINDS = ("ok", "agent_error", "crashed", "timeout", "protocol_error", "infra")
+
+
+def rerun_kinds(text: str) -> str:
+    """An argparse type: a comma-separated list of :data:`RERUN_KINDS`."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    wrong = [k for k in kinds if k not in RERUN_KINDS]
+    if not kinds or wrong:
+        raise argparse.ArgumentTypeError(
+            f"{(wrong or [text])[0]!r} is not one of {', '.join(RERUN_KINDS)}"
+        )
+    return ",".join(kinds)
 
 
 def parse_size(text: str) -> int:
@@ -249,7 +276,8 @@ def batch_command(args: argparse.Namespace) -> int:
     from .view import View, summary
 
     _check_options(args)
-    policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra)
+    rerun = frozenset((args.rerun or "").split(",")) - {""}
+    policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra, rerun)
     plan = RecordPlan(args)
     records = _load(args, plan)
     try:
@@ -267,7 +295,7 @@ def batch_command(args: argparse.Namespace) -> int:
     try:
         run_id = _open_results(args, results, plan, policy)
         keys, todo, done = _units(args, chosen, results, policy)
-        key = read_api_key(args, sys.stdin) if todo else None
+        key = _key(args, plan) if todo else None
         backend, ray_backend = _backend(args, key)
         concurrency = args.concurrency
         if ray_backend is not None and todo:
@@ -292,10 +320,19 @@ def batch_command(args: argparse.Namespace) -> int:
         if fresh and not started:
             _remove_if_empty(args.out)
     final = {u: e for u, e in results.last.items() if policy.done(e)}
-    setup = {u: e for u, e in results.last.items() if e["status"] == "setup_error"}
     kept = {"samples": args.samples, "results": args.out, "log_dir": plan.log_dir, "run": run_id}
-    summary(sys.stdout, keys, final, setup, view, **kept)
+    summary(sys.stdout, keys, final, _not_final(results, policy), view, **kept)
     return _exit_status(keys, final, scheduler.failure, scheduler.interrupted)
+
+
+def _not_final(results: Results, policy: RetryPolicy) -> dict[Unit, dict[str, Any]]:
+    """The latest lines the next run runs again: setup errors, and infrastructure errors of an
+    episode's own (an endpoint, a signature) that are not final."""
+    return {
+        u: e
+        for u, e in results.last.items()
+        if e["status"] == "setup_error" or (e.get("infra_kind") and not policy.done(e))
+    }
 
 
 def _open_results(
@@ -374,17 +411,40 @@ def _units(
     samples = args.samples or 1
     units = [(r, n) for r in chosen for n in range(samples)]
     keys = [(r.instance_id, n) for r, n in units]
-    todo = [(r, n) for r, n in units if not policy.done(results.last.get((r.instance_id, n)))]
+    todo = [(r, n) for r, n in units if policy.wanted(results.last.get((r.instance_id, n)))]
     pending = {(r.instance_id, n) for r, n in todo}
     done = Counter(results.last[u]["status"] for u in keys if u not in pending)
-    if done:
+    again = sum(policy.done(results.last.get(u)) for u in pending)
+    if done or again:
         what = "samples" if args.samples else "instances"
+        rerun = f" ({again} of them again: --rerun {args.rerun})" if again else ""
         print(
-            f"isolate: resuming: {sum(done.values())} of {len(keys)} {what} already have "
-            f"a final result in {args.out}; {len(todo)} to run",
+            f"isolate: resuming: {sum(done.values()) + again} of {len(keys)} {what} already "
+            f"have a final result in {args.out}; {len(todo)} to run{rerun}",
             file=sys.stderr,
         )
     return keys, todo, done
+
+
+def _key(args: argparse.Namespace, plan: RecordPlan) -> Any:
+    """Before a run: the endpoint checked (unless told not to), then the key read, when the
+    entrypoint takes one (else None)."""
+    if plan.base_url and args.backend == "local" and not args.no_endpoint_check:
+        _check_endpoint(plan.base_url)
+    return read_api_key(args, sys.stdin) if plan.wants_key else None
+
+
+def _check_endpoint(url: str) -> None:
+    """Refuse to start a batch whose endpoint does not answer: each of its episodes would
+    only fail for it."""
+    from ..signature import endpoint_problem
+
+    problem = endpoint_problem(url)
+    if problem is not None:
+        raise UsageError(
+            f"--base-url {url} does not answer ({problem}); nothing was run "
+            "(--no-endpoint-check starts anyway)"
+        )
 
 
 def _start_ray(args: argparse.Namespace, ray_backend: Any) -> int | None:
@@ -421,8 +481,8 @@ def _exit_status(
     if missing:
         what = "instance(s)" if all(n == 0 for _, n in ids) else "sample(s)"
         print(
-            f"isolate: {len(missing)} {what} without a final result (setup_error runs "
-            "again on the next run)",
+            f"isolate: {len(missing)} {what} without a final result (a setup_error or an "
+            "error of the infrastructure runs again on the next run)",
             file=sys.stderr,
         )
         return 1

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from ..._core.launcher import run_episode
 from ..._core.outcome import EpisodeOutcome
 from ..._core.prepare import default_episode_id
 from ...workflow import (
+    ENTRYPOINT,
     default_log_dir,
     episode_kwargs,
     episode_secret_env,
@@ -32,7 +34,11 @@ from ...workflow import (
     timeout_of,
 )
 from ...workflow._econfig import ROOT_KEYS, network_of
-from ..options import UsageError, read_secret_env
+from ..options import UsageError, read_secret_env, read_secrets, secret_specs
+from ..signature import Accepts, probe
+
+#: The keyword the api key is passed as, to an entrypoint that accepts it.
+KEY_KEYWORD = "override_api_key"
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,12 @@ class Job:
     """The results file the attempt's line goes to (named in its bundle's ``attempt.json``)."""
     sample: int | None = None
     """``--samples``: which sample of the record this attempt is."""
+    secrets: dict[str, SecretStr] = field(default_factory=dict)
+    """``--secret``: keyword arguments passed as secrets; they travel as the key does."""
+    key_as: str | None = KEY_KEYWORD
+    """The keyword the key is passed as; None for an entrypoint that takes none."""
+    secret_vars: dict[str, str] = field(default_factory=dict)
+    """``--secret``: keyword -> environment variable, for a replay to read the value again."""
 
 
 class RecordPlan:
@@ -70,6 +82,12 @@ class RecordPlan:
             "preload": getattr(args, "preload", None),
         }
         self.econfig = {k: v for k, v in flags.items() if v is not None}
+        self.extra_kwargs: dict[str, Any] = getattr(args, "kwargs", None) or {}
+        """``--kwargs``: passed to the entrypoint as they are, after the workflow's."""
+        self.secret_vars = secret_specs(getattr(args, "secret", None))
+        """``--secret``: keyword -> the environment variable its value came from."""
+        self.secrets = read_secrets(getattr(args, "secret", None), sys.stdin)
+        """``--secret``: keyword arguments passed as secrets."""
         # As the driver started: the Ray backend later drops variables that hold the key.
         self.environ = dict(os.environ)
         #: Spec fields set by a flag of the same name, for messages that name the flag.
@@ -100,10 +118,13 @@ class RecordPlan:
         self.results: Path | None = Path(out).resolve() if out is not None else None
         # What is wrong with the flags is wrong for every record: say it once, before any.
         try:
-            # The agent root is the one thing a record may set that the flags need not.
-            self.build({} if self.base_url else {"base_url": "http://127.0.0.1/v1"}, root=False)
+            # The agent root is the one thing a record may set that the flags need not: with
+            # the flags' own, their entrypoint's signature is checked here, once.
+            spec, _ = self.build({}, root=False, url_needed=False)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        self.wants_key = self.key_as(spec) is not None
+        """Whether the flags' entrypoint takes the api key (else it is not asked for)."""
 
     def _econfig(self, record: dict[str, Any]) -> dict[str, Any]:
         econfig = dict(self.econfig)
@@ -118,27 +139,34 @@ class RecordPlan:
         return episode_secret_env(self._econfig(record), self.environ)
 
     def build(
-        self, record: dict[str, Any], episode_id: str | None = None, root: bool = True
+        self,
+        record: dict[str, Any],
+        episode_id: str | None = None,
+        root: bool = True,
+        url_needed: bool = True,
     ) -> tuple[EpisodeSpec, dict[str, Any]]:
         """Raises ValueError, with a one-line message, for a record that cannot run. With a
         sandbox and an ``episode_id``, the episode gets a working directory and a
         ``result_dir`` of its own in its bundle (``work/``, ``result/``): the only places it
         may write, so that nothing it writes can touch the results, another episode's bundle,
-        or its own record and spec."""
+        or its own record and spec. The entrypoint gets the workflow's keywords that its
+        signature accepts (all with ``**kwargs``), then ``--kwargs``; an endpoint is needed by
+        the default entrypoint and one that requires ``override_base_url`` (``url_needed``:
+        False where a record may still give its own)."""
         econfig = self._econfig(record)
         own = record.get("econfig") or {}
         base_url = self.base_url or record.get("base_url")
-        if not base_url:
-            raise ValueError('--base-url is required (or "base_url" in the record)')
-        _check_url(str(base_url), "--base-url" if self.base_url else 'the record\'s "base_url"')
+        if base_url:
+            where = "--base-url" if self.base_url else 'the record\'s "base_url"'
+            _check_url(str(base_url), where)
         # The record's own timeout wins over --timeout, as in the workflow.
         timeout = timeout_of(own, self.timeout)
         own_dirs = econfig.get("sandbox") not in (None, False) and episode_id is not None
         bundle = self.log_dir / (episode_id or "")
         result_dir = bundle / "result" if own_dirs else self.log_dir
         try:
-            kwargs = episode_kwargs(econfig, str(base_url))
-            box = sandbox_of(econfig, str(result_dir), str(base_url))
+            kwargs = episode_kwargs(econfig, str(base_url or ""))
+            box = sandbox_of(econfig, str(result_dir), str(base_url) if base_url else None)
             spec = episode_spec(econfig, self.agent_root, timeout, None, box)
             changes: dict[str, Any] = {}
             if self.entrypoint:
@@ -155,6 +183,10 @@ class RecordPlan:
             raise ValueError("; ".join(problems)) from None
         except (TypeError, ValueError) as exc:
             raise ValueError(f"econfig: {exc}") from None
+        if not base_url and url_needed and spec.entrypoint == ENTRYPOINT:
+            raise ValueError(
+                f'--base-url is required by {spec.entrypoint} (or "base_url" in the record)'
+            )
         if root and spec.agent_root is not None and not spec.agent_root.is_dir():
             what = "is not a directory" if spec.agent_root.exists() else "does not exist"
             where = "econfig.agent_root" if any(k in own for k in ROOT_KEYS) else "--agent-root"
@@ -163,7 +195,40 @@ class RecordPlan:
                 "(or AWEAGENT_ROOT in the environment)"
             )
         kwargs["result_dir"] = str(result_dir)
-        return spec, kwargs
+        return spec, self._call(spec, kwargs, bool(base_url), url_needed)
+
+    def _call(
+        self, spec: EpisodeSpec, kwargs: dict[str, Any], with_url: bool, url_needed: bool
+    ) -> dict[str, Any]:
+        """The keywords ``spec``'s entrypoint gets: the workflow's that it accepts, then
+        ``--kwargs``. ValueError for a call it cannot take."""
+        accepts = self._accepts(spec)
+        if not with_url:
+            if url_needed and accepts is not None and accepts.requires("override_base_url"):
+                raise ValueError(
+                    f'--base-url is required by {spec.entrypoint} (or "base_url" in the record)'
+                )
+            del kwargs["override_base_url"]
+        if accepts is not None:
+            kwargs = {k: v for k, v in kwargs.items() if accepts.accepts(k)}
+        kwargs.update(self.extra_kwargs)
+        if accepts is not None:
+            key = [KEY_KEYWORD] if accepts.accepts(KEY_KEYWORD) else []
+            problem = accepts.problem([*kwargs, *self.secrets, *key])
+            if problem is not None:
+                raise ValueError(problem)
+        return kwargs
+
+    def _accepts(self, spec: EpisodeSpec) -> Accepts | None:
+        """The entrypoint's parameters, from its interpreter; None where it cannot tell."""
+        if spec.agent_root is None or not spec.agent_root.is_dir():
+            return None
+        return probe(spec.python, str(spec.agent_root), spec.entrypoint)
+
+    def key_as(self, spec: EpisodeSpec) -> str | None:
+        """The keyword the api key is passed as to ``spec``'s entrypoint; None: it takes none."""
+        accepts = self._accepts(spec)
+        return KEY_KEYWORD if accepts is None or accepts.accepts(KEY_KEYWORD) else None
 
     def _where(self, loc: tuple[int | str, ...], own: dict[str, Any]) -> str:
         """What a user set to give the spec field at ``loc``: a flag, or the record's econfig
@@ -186,7 +251,19 @@ class RecordPlan:
             episode_id = f"{stem}.s{sample}.{token}"
         spec, kwargs = self.build(record, episode_id)
         secret_env = self.secret_env(record)
-        return Job(record, spec, kwargs, episode_id, self.log_dir, secret_env, self.results, sample)
+        return Job(
+            record,
+            spec,
+            kwargs,
+            episode_id,
+            self.log_dir,
+            secret_env,
+            self.results,
+            sample,
+            self.secrets,
+            self.key_as(spec),
+            self.secret_vars,
+        )
 
 
 def _message(error: Any) -> str:
@@ -227,7 +304,7 @@ async def run_attempt(
             spec,
             job.record,
             kwargs=job.kwargs,
-            secrets={"override_api_key": key},
+            secrets=episode_secrets(job.secrets, job.key_as, key),
             episode_id=job.episode_id,
             secret_env=job.secret_env,
             on_end=ended.append,
@@ -241,6 +318,16 @@ async def run_attempt(
     fields = outcome_fields(outcome)
     fields.update(await anyio.to_thread.run_sync(_keep_outcome, bundle, outcome))
     return fields
+
+
+def episode_secrets(
+    secrets: dict[str, SecretStr], key_as: str | None, key: SecretStr | None
+) -> dict[str, SecretStr]:
+    """The keyword arguments an episode gets as secrets: ``--secret``'s, and the key."""
+    found = dict(secrets)
+    if key_as is not None and key is not None:
+        found[key_as] = key
+    return found
 
 
 #: The largest ``info`` a result line carries itself (bytes of JSON); a larger one is only in
@@ -272,7 +359,8 @@ ATTEMPT_FILE = "attempt.json"
 
 
 def _write_bundle(bundle: Path, job: Job) -> None:
-    write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env))
+    passing = {"key_as": job.key_as, "secrets": job.secret_vars}
+    write_bundle(bundle, job.record, job.spec, job.kwargs, sorted(job.secret_env), passing)
     if job.results is not None:
         attempt = {
             "results": str(job.results),
@@ -285,7 +373,7 @@ def _write_bundle(bundle: Path, job: Job) -> None:
 
 #: The files of a replay bundle that decide what a replay runs; ``digest.json`` holds their
 #: SHA-256, so that a bundle changed after it ran is refused, not run.
-BUNDLE_FILES = ("record.json", "spec.json", "kwargs.json", "secret_env.json")
+BUNDLE_FILES = ("record.json", "spec.json", "kwargs.json", "secret_env.json", "secrets.json")
 
 
 def write_bundle(
@@ -294,9 +382,12 @@ def write_bundle(
     spec: EpisodeSpec,
     kwargs: dict[str, Any],
     secret_env: list[str],
+    passing: dict[str, Any] | None = None,
 ) -> None:
     """The replay bundle of one attempt (``isolate run --replay BUNDLE``): what it ran, the
-    names of its ``secret_env`` (never a value), and their digest."""
+    names of its ``secret_env`` (never a value), how its secret keywords were passed
+    (``passing``: ``key_as``, the key's keyword or None, and ``secrets``, each ``--secret``
+    keyword's environment variable; never a value), and their digest."""
     bundle.mkdir(parents=True, exist_ok=True)
     texts = {
         "record.json": json.dumps(record, indent=2, default=str) + "\n",
@@ -305,6 +396,8 @@ def write_bundle(
     }
     if secret_env:
         texts["secret_env.json"] = json.dumps(secret_env) + "\n"
+    if passing is not None:
+        texts["secrets.json"] = json.dumps(passing, indent=2) + "\n"
     for name, text in texts.items():
         (bundle / name).write_text(text)
     digest = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
@@ -349,6 +442,7 @@ def outcome_fields(outcome: EpisodeOutcome) -> dict[str, Any]:
         "containment": outcome.containment,
         "start": outcome.start,
         "preload_refused": outcome.preload_refused,
+        "infra_kind": outcome.infra,
         "error": {"type": error.type, "message": error.message} if error else None,
         "log_path": str(outcome.log_path) if outcome.log_path else None,
         "episode_id": outcome.episode_id,

@@ -129,8 +129,11 @@ def _stamp(when: datetime) -> str:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _group_key(entry: dict[str, Any]) -> tuple[str, str | None, int | None, str | None]:
-    """What a failure is grouped by: its status, then its error type, exit code or signal."""
+def _group_key(
+    entry: dict[str, Any],
+) -> tuple[str, str | None, int | None, str | None, str | None]:
+    """What a failure is grouped by: its status, then its error type, exit code or signal,
+    then the infrastructure that failed it (``infra_kind``)."""
     error = entry.get("error") if isinstance(entry.get("error"), dict) else None
     kind = error.get("type") if error else None
     code = entry.get("exit_code")
@@ -140,6 +143,7 @@ def _group_key(entry: dict[str, Any]) -> tuple[str, str | None, int | None, str 
         str(kind) if kind is not None else None,
         code if isinstance(code, int) and not isinstance(code, bool) else None,
         str(signal) if signal else None,
+        str(entry["infra_kind"]) if entry.get("infra_kind") else None,
     )
 
 
@@ -234,20 +238,23 @@ def outcome_ids(results: list[dict[str, Any]]) -> dict[str, list[str]]:
 def _failures(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The results that are not ``ok``, in groups of one status, error type, exit code and
     signal: by status, then the biggest group first."""
-    groups: dict[tuple[str, str | None, int | None, str | None], list[dict[str, Any]]] = {}
+    groups: dict[
+        tuple[str, str | None, int | None, str | None, str | None], list[dict[str, Any]]
+    ] = {}
     for entry in sorted(results, key=unit_of):
         if entry["status"] != "ok":
             groups.setdefault(_group_key(entry), []).append(entry)
     order: dict[str, int] = {s: n for n, s in enumerate(STATUSES)}
     failures = []
     for key in sorted(groups, key=lambda k: (order[k[0]], -len(groups[k]), str(k))):
-        status, kind, code, signal = key
+        status, kind, code, signal, infra = key
         failures.append(
             {
                 "status": status,
                 "error_type": kind,
                 "exit_code": code,
                 "signal": signal,
+                "infra": infra,
                 "count": len(groups[key]),
                 "results": [_failure(e) for e in groups[key]],
             }
@@ -289,6 +296,8 @@ def _group_title(group: dict[str, Any]) -> str:
         parts.append(f"exit {group['exit_code']}")
     if group["signal"]:
         parts.append(str(group["signal"]))
+    if group.get("infra"):
+        parts.append(f"infra: {group['infra']}")
     detail = ", ".join(parts) or "no error recorded"
     return f"  {group['status']}  {detail}  ({group['count']})"
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import anyio
 from pydantic import SecretStr
 
+from ..._core.infra import ENTRYPOINT_SIGNATURE
 from ..._core.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
 from .io import Record, Records, Results, Unit
@@ -43,12 +44,24 @@ class RetryPolicy:
     """Extra attempts for infrastructure failures (``infra: true``: a Ray worker or node
     lost, the driver stopped mid-attempt), counted apart from ``retries``."""
 
+    rerun: frozenset[str] = frozenset()
+    """``--rerun``: the statuses (and ``infra``) whose final results run once more."""
+
     def again(
-        self, status: str, attempt: int, *, infra: bool = False, infra_failures: int = 0
+        self,
+        status: str,
+        attempt: int,
+        *,
+        infra: bool = False,
+        infra_failures: int = 0,
+        infra_kind: str | None = None,
     ) -> bool:
         """Whether attempt number ``attempt`` (from 1) ending in ``status`` gets another;
         ``infra_failures``: how many of the unit's attempts so far, this one included, were
-        infrastructure failures (``infra``: whether this one was)."""
+        infrastructure failures (``infra``: whether this one was; ``infra_kind``: the kind of
+        an episode's own, which an entrypoint's signature would only repeat)."""
+        if infra_kind == ENTRYPOINT_SIGNATURE:
+            return False
         if infra:
             return infra_failures <= self.retries_infra
         retryable = status in RETRYABLE or (status == "timeout" and self.retry_timeouts)
@@ -56,8 +69,10 @@ class RetryPolicy:
 
     def done(self, last: dict[str, Any] | None) -> bool:
         """Whether an instance whose latest result line is ``last`` needs no more attempts.
-        A ``setup_error`` is the run's configuration, not the instance: it runs again."""
-        if last is None or last["status"] == "setup_error":
+        A ``setup_error`` is the run's configuration, not the instance: it runs again; so does
+        an episode that the infrastructure failed (``infra_kind``: its endpoint, its
+        entrypoint's signature), which says nothing of the agent."""
+        if last is None or last["status"] == "setup_error" or last.get("infra_kind"):
             return False
         return not self.again(
             last["status"],
@@ -65,6 +80,15 @@ class RetryPolicy:
             infra=bool(last.get("infra")),
             infra_failures=int(last.get("infra_failures") or 0),
         )
+
+    def wanted(self, last: dict[str, Any] | None) -> bool:
+        """Whether a run starting now runs the unit whose latest line is ``last``: it is not
+        done, or its final status is one ``--rerun`` names (``infra``: any infrastructure
+        failure)."""
+        if not self.done(last):
+            return True
+        assert last is not None
+        return last["status"] in self.rerun or ("infra" in self.rerun and bool(last.get("infra")))
 
 
 class Backend(Protocol):
@@ -83,6 +107,17 @@ class LocalBackend:
         self, job: Job, on_cut: Callable[[dict[str, Any]], object] | None = None
     ) -> dict[str, Any]:
         return await run_attempt(job, self.key, on_cut)
+
+
+#: Seconds before the first retry of an attempt whose endpoint failed it; doubled for each
+#: further one, up to :data:`INFRA_BACKOFF_MAX_S`: an endpoint that is restarting gets time.
+INFRA_BACKOFF_S = 1.0
+INFRA_BACKOFF_MAX_S = 30.0
+
+
+def infra_backoff(failures: int) -> float:
+    """Seconds to wait before another attempt after ``failures`` infrastructure failures."""
+    return float(min(INFRA_BACKOFF_MAX_S, INFRA_BACKOFF_S * 2 ** max(0, failures - 1)))
 
 
 def driver_cut(fields: dict[str, Any], how: str) -> dict[str, Any]:
@@ -180,7 +215,7 @@ class Scheduler:
                         with anyio.CancelScope(shield=True):
                             await self._write(entry)
                     raise
-                infra_failures += bool(fields.get("infra"))
+                infra_failures += bool(fields.get("infra") or fields.get("infra_kind"))
                 entry = line_of(
                     self.policy,
                     (record.instance_id, sample),
@@ -190,15 +225,21 @@ class Scheduler:
                     infra_failures,
                 )
                 again = self.policy.again(
-                    entry["status"], attempt, infra=entry["infra"], infra_failures=infra_failures
+                    entry["status"],
+                    attempt,
+                    infra=entry["infra"],
+                    infra_failures=infra_failures,
+                    infra_kind=entry.get("infra_kind"),
                 )
+                if again and entry.get("infra_kind"):
+                    await anyio.sleep(infra_backoff(infra_failures))
                 with anyio.CancelScope(shield=True):
-                    if not await self._write(entry):
+                    if not await self._write(entry, again):
                         return
         finally:
             slots.release()
 
-    async def _write(self, entry: dict[str, Any]) -> bool:
+    async def _write(self, entry: dict[str, Any], again: bool = True) -> bool:
         """Append one result line; False (and the run stops) when it cannot be written."""
         try:
             await anyio.to_thread.run_sync(self.results.append, entry)
@@ -206,7 +247,7 @@ class Scheduler:
             self.failure = f"cannot write {self.results.path}: {exc.strerror}"
             self._stop()
             return False
-        self.view.finished_entry(entry)
+        self.view.finished_entry(entry, again)
         return True
 
     async def _attempt(
@@ -238,7 +279,8 @@ def line_of(
         entry["sample"] = unit[1]
     entry.update(attempt=attempt, final=False)
     entry.update(fields)
-    entry.update(infra=bool(fields.get("infra")), infra_failures=infra_failures)
+    infra = bool(fields.get("infra") or fields.get("infra_kind"))
+    entry.update(infra=infra, infra_failures=infra_failures)
     # Final exactly when a rerun would skip it: a setup error is not (the run's configuration
     # failed, and the next run tries again).
     entry["final"] = policy.done(entry)
@@ -286,6 +328,7 @@ def record_lost(results: Results, log_dir: Path, policy: RetryPolicy) -> int:
         if outcome is not None:  # it ended; the driver went before its line was written
             fields = outcome_fields(outcome)
             fields.update(keep_fields(bundle, outcome))
+            infra_failures += outcome.infra is not None
         else:
             fields = driver_cut(
                 failure("crashed", "DriverStopped", ""),

@@ -60,6 +60,9 @@ class View:
         self._awaiting: dict[Unit, bool] = {}
         """Units whose latest line is not final (another attempt is due): whether it was an
         infrastructure failure."""
+        self.infra_left = 0
+        """Units this run left to the next one after an infrastructure error (an endpoint's,
+        an entrypoint's signature): not final, no attempt left now."""
         self.running = 0
         self.preload_refused: set[str] = set()
         """Why --preload gave no template, each said once."""
@@ -92,7 +95,8 @@ class View:
             self._refresh()
             self._bar.stop()
 
-    def finished_entry(self, entry: dict[str, Any]) -> None:
+    def finished_entry(self, entry: dict[str, Any], again: bool = True) -> None:
+        """Count a line written; ``again``: whether its unit gets another attempt now."""
         reason = entry.get("preload_refused")
         if reason and reason not in self.preload_refused:
             self.preload_refused.add(reason)
@@ -104,10 +108,12 @@ class View:
             self.counts["setup_error"] += 1  # not final, but shown: it runs again next time
         elif _kind(entry) == "DriverStopped":
             self.cut += 1  # no attempt follows in this run: the next run's
+        elif not again:
+            self.infra_left += 1  # the infrastructure's, not final: the next run runs it
         else:
             self._awaiting[unit_of(entry)] = bool(entry.get("infra"))
         if entry.get("infra"):
-            self.infra_kinds[_kind(entry) or "unknown"] += 1
+            self.infra_kinds[_infra_kind(entry)] += 1
         self._refresh()
 
     def started(self, unit: Unit) -> None:
@@ -140,6 +146,8 @@ class View:
             parts.append(f"retried {self.retried}")
         if self.infra_retried:
             parts.append(f"infra {self.infra_retried}")
+        if self.infra_left:
+            parts.append(f"infra, runs again {self.infra_left}")
         return ", ".join(parts)
 
     def _refresh(self) -> None:
@@ -249,8 +257,9 @@ def summary(
     """The end-of-run report over every unit (instance, sample) the run covers, resumed ones
     included. ``final`` maps a unit to its final result line; ``setup_errors`` the units whose
     latest line is a setup error (not final: they run again), each cause shown once.
-    ``samples``: the ``--samples`` given, if any. It ends with where the results and logs
-    are, and the command that reports on them."""
+    An infrastructure error of an episode (``infra_kind``) among ``setup_errors`` is a row
+    of its kind. ``samples``: the ``--samples`` given, if any. It ends with where the results
+    and logs are, and the command that reports on them."""
     units = list(units)
     entries = [final[u] for u in units if u in final]
     elapsed = time.monotonic() - view.start
@@ -273,7 +282,7 @@ def summary(
             len(per_instance),
             (n for n, _ in per_instance.values()),
         )
-    facts += _infra_fact(view, entries)
+    facts += _infra_facts(view, units, entries, final, setup_errors)
     where = (
         [("run", f"{run} ({meta_path(results)})")] if run and meta_path(results).exists() else []
     )
@@ -301,10 +310,20 @@ def _status_table(
     distinct cause of a setup error."""
     counts = Counter(e["status"] for e in entries)
     rows: list[tuple[str, int]] = [(s, counts[s]) for s in STATUSES if counts[s]]
-    setup = [u for u in units if u not in final and u in setup_errors]
+    setup = [
+        u
+        for u in units
+        if u not in final and u in setup_errors and setup_errors[u]["status"] == "setup_error"
+    ]
     if setup:
         rows.append(("setup_error (runs again)", len(setup)))
-    missing = len(units) - len(entries) - len(setup)
+    infra = Counter(
+        f"infra: {setup_errors[u]['infra_kind']} (runs again)"
+        for u in units
+        if u not in final and u not in setup and (setup_errors.get(u) or {}).get("infra_kind")
+    )
+    rows += sorted(infra.items())
+    missing = len(units) - len(entries) - len(setup) - sum(infra.values())
     if missing:
         rows.append(("no result", missing))
     cells: list[tuple[str, ...]] = [("status", "count", "share")]
@@ -316,6 +335,39 @@ def _status_table(
         lines += ["", f"setup errors ({len(causes)} distinct; fix them, then rerun):"]
         lines += [f"  {n:>4} x  {cause}" for cause, n in causes.most_common()]
     return lines
+
+
+def _infra_facts(
+    view: View,
+    units: list[Unit],
+    entries: list[dict[str, Any]],
+    final: dict[Unit, dict[str, Any]],
+    latest: dict[Unit, dict[str, Any]],
+) -> list[tuple[str, str]]:
+    """The rows on infrastructure failures: ``infra``, those retried, cut short by the
+    interrupt and final (a Ray worker, node or the driver lost, an endpoint); ``not final``,
+    the units an episode's own infrastructure error left to the next run."""
+    facts = []
+    infra_final = [e for e in entries if e.get("infra")]
+    counts = (
+        (view.infra_retried, "retried"),
+        (view.cut, "cut short by the interrupt: the next run runs them again"),
+        (len(infra_final), "final"),
+    )
+    parts = [f"{n} ({what})" for n, what in counts if n]
+    if parts:
+        kinds = set(view.infra_kinds) | {_infra_kind(e) for e in infra_final}
+        facts.append(("infra", ", ".join(parts) + "; " + _infra_cause(kinds)))
+    mine = set(units)
+    left = Counter(
+        str(e["infra_kind"])
+        for u, e in latest.items()
+        if u not in final and e.get("infra_kind") and u in mine
+    )
+    if left:
+        text = ", ".join(f"{n} {kind}" for kind, n in sorted(left.items()))
+        facts.append(("not final", f"{text}: not the agent's; the next run runs them again"))
+    return facts
 
 
 def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -363,31 +415,25 @@ def zero_rewards(failed: dict[str, int]) -> str:
     return f"counting the {counted(sum(failed.values()), 'failed result')} ({parts}) as 0"
 
 
-def _infra_fact(view: View, entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """The ``infra`` row: infrastructure failures (a Ray worker or node lost, the driver
-    stopped), whose attempts run again under --retries-infra; none when there were none."""
-    infra_final = [e for e in entries if e.get("infra")]
-    counts = (
-        (view.infra_retried, "retried"),
-        (view.cut, "cut short by the interrupt: the next run runs them again"),
-        (len(infra_final), "final"),
-    )
-    parts = [f"{n} ({what})" for n, what in counts if n]
-    if not parts:
-        return []
-    kinds = set(view.infra_kinds) | {_kind(e) or "unknown" for e in infra_final}
-    return [("infra", ", ".join(parts) + "; " + _infra_cause(kinds))]
-
-
 def _kind(entry: dict[str, Any]) -> str | None:
     error = entry.get("error")
     return str(error.get("type")) if isinstance(error, dict) and error.get("type") else None
 
 
+def _infra_kind(entry: dict[str, Any]) -> str:
+    """An infrastructure failure's kind: the episode's own (an endpoint, a signature), else
+    its error's type (a Ray worker or node lost, the driver stopped)."""
+    return str(entry.get("infra_kind") or _kind(entry) or "unknown")
+
+
+#: Infrastructure failures an episode itself reports (``outcome.infra``), in words.
+_EPISODE_INFRA = ("endpoint unreachable", "endpoint error", "entrypoint signature")
+
+
 def _infra_cause(kinds: set[str]) -> str:
-    """What the infrastructure failures of these error types were, in words."""
-    causes = []
-    if kinds - {"DriverStopped"}:
+    """What the infrastructure failures of these kinds were, in words."""
+    causes = [kind for kind in _EPISODE_INFRA if kind in kinds]
+    if kinds - {"DriverStopped", *_EPISODE_INFRA}:
         causes.append("a Ray worker or node lost")
     if "DriverStopped" in kinds:
         causes.append("the driver stopped")
