@@ -73,13 +73,19 @@ async def run_episode(
     return await _Run(req).run(on_start, on_end)
 
 
-async def _run_with_shim(spec: EpisodeSpec, data: Any, shim: Path, **kw: Any) -> EpisodeOutcome:
-    """Like :func:`run_episode` with another child program; for protocol tests."""
-    args = [kw.pop(k, None) for k in ("kwargs", "secrets", "episode_id", "secret_env")]
-    on_start = kw.pop("on_start", None)
-    if kw:
-        raise TypeError(f"unexpected arguments: {', '.join(kw)}")
-    req = Request.check(spec, data, args[0] or {}, args[1] or {}, args[2], args[3] or {})
+async def _run_with_shim(
+    spec: EpisodeSpec,
+    data: Any,
+    shim: Path,
+    *,
+    kwargs: Mapping[str, Any] | None = None,
+    secrets: Mapping[str, SecretStr | str] | None = None,
+    episode_id: str | None = None,
+    secret_env: Mapping[str, SecretStr | str] | None = None,
+    on_start: Callable[[int], object] | None = None,
+) -> EpisodeOutcome:
+    """Like :func:`run_episode` with another child program; for protocol tests and benches."""
+    req = Request.check(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
     return await _Run(req, shim).run(on_start, None)
 
 
