@@ -84,6 +84,7 @@ CI_MAY_LACK: dict[str, tuple[str, str]] = {
     "pkill": (r"\bpkill\b", "procps"),
     "unshare, setpriv, mount": (r"\b(unshare|setpriv|mount)\b", "util-linux"),
     "kernel headers": (r"\bkernel headers\b", "linux-libc-dev, for the system call numbers"),
+    "strace": (r"\bstrace\b", "strace, to watch the batch driver's system calls"),
 }
 _MAY_LACK = re.compile("|".join(f"(?:{pattern})" for pattern, _ in CI_MAY_LACK.values()))
 

@@ -833,3 +833,44 @@ def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agent
     assert again.returncode == 0, again.stderr
     assert "had no line" not in again.stderr
     assert len(results(out)) == 3
+
+
+def test_a_finished_line_is_on_disk_before_the_next_record_starts(agents: Agents) -> None:
+    # The system calls of the driver and all it starts, in order: the write of the first
+    # record's result line, its fsync, then the exec of the next record's shim.
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    records = write_records(
+        agents.tmp / "records.jsonl", [record(agents, f"s-{i}", reward=1.0) for i in range(2)]
+    )
+    out = agents.tmp / "results.jsonl"
+    trace = agents.tmp / "trace"
+    args = batch_args(agents, records, out, "--concurrency", "1")
+    command = [strace, "-f", "-qq", "-e", "trace=openat,write,fsync,execve", "-s", "64"]
+    proc = subprocess.run(
+        [*command, "-o", str(trace), sys.executable, "-m", "isolate", *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=120 * SLOW,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # "PID call(...) = result", one a line (-qq: no resumed halves split across lines).
+    calls = [ln.split(" ", 1)[1].lstrip() for ln in trace.read_text().splitlines() if " " in ln]
+    opened = [c for c in calls if c.startswith("openat(") and f'"{out}"' in c]
+    fd = opened[-1].rsplit("= ", 1)[1]
+    first = next(i for i, c in enumerate(calls) if c.startswith(f'write({fd}, "{{\\"instance'))
+    fsyncs = [i for i, c in enumerate(calls[first:], first) if c.startswith(f"fsync({fd})")]
+    assert fsyncs, "the results file is never fsynced after the first line"
+    synced = fsyncs[0]
+    shims = [
+        i
+        for i, c in enumerate(calls)
+        if c.startswith("execve(") and "boot.py" in c and "--probe" not in c
+    ]
+    assert '"instance_id": "s-0"' in calls[first].replace("\\", "")
+    assert [i for i in shims if first < i < synced] == []
+    assert len([i for i in shims if i > synced]) == 1  # the second record's shim
+    assert [e["instance_id"] for e in results(out)] == ["s-0", "s-1"]
