@@ -464,9 +464,11 @@ def sandbox_lines() -> list[str]:
         "sandbox: user namespaces " + ("available" if userns is None else f"not: {userns}"),
         "sandbox: mount namespaces "
         + (
-            "available (hidden paths read as empty; .git/hooks, .git/config, rc files read-only)"
+            "available (a read-only view outside the writable paths, a /dev of its own; hidden "
+            "paths read as empty; .git/hooks, .git/config, rc files read-only)"
             if mountns
-            else "not available: a checkout's .git and rc files cannot be made read-only"
+            else "not available: no read-only view (Landlock refuses writes, not chmod or chown), "
+            "a checkout's .git and rc files cannot be made read-only"
         ),
         "sandbox: network isolation " + _network_line(),
     ]
