@@ -180,7 +180,7 @@ def test_every_process_of_the_shim_is_not_dumpable(
     assert episode_processes(marker.encode()) == []
 
 
-# --- Landlock's file rules without mounts --------------------------------------------------------
+# --- Landlock's file rules without mounts (no read-only view, no hiding mount) ------------------
 
 READER = """
 import errno, os
@@ -192,13 +192,14 @@ def run(data):
             return errno.errorcode[exc.errno]
     return 1.0, {
         "key": err(lambda: open(data["key"]).read()),
+        "write outside": err(lambda: open(data["outside"], "a").write("x")),
         "key's folder": err(lambda: os.listdir(os.path.dirname(data["key"]))),
         "mount namespace": os.readlink("/proc/self/ns/mnt"),
     }
 """
 
 
-def test_landlock_alone_refuses_reads_under_a_hidden_directory(
+def test_landlock_alone_refuses_reads_under_a_hidden_directory_and_writes_outside(
     shared: Path, nobody: tuple[list[str], str, dict[str, str]]
 ) -> None:
     # An unprivileged trainer at landlock: no PID namespace, and the worker may not make a
@@ -209,15 +210,19 @@ def test_landlock_alone_refuses_reads_under_a_hidden_directory(
     secrets.mkdir()
     key = secrets / "key"
     key.write_text("sk-landlock-alone\n")
+    outside = shared / "outside.txt"  # anyone's to write, outside the sandbox's paths
+    outside.write_text("")
     (shared / "agent_root").mkdir()
     (shared / "agent_root" / "reader.py").write_text(textwrap.dedent(READER))
     (shared / "cwd").mkdir()
-    open_for_all(secrets, key, shared / "agent_root", shared / "agent_root" / "reader.py")
+    open_for_all(secrets, key, outside, shared / "agent_root", shared / "agent_root" / "reader.py")
     open_for_all(shared / "cwd")
     control = subprocess.run(
         [*prefix, "cat", str(key)], capture_output=True, text=True, env=env, check=False
     )
     assert control.stdout == "sk-landlock-alone\n"  # readable by the user without the sandbox
+    wrote = subprocess.run([*prefix, "sh", "-c", f"echo > {outside}"], env=env, check=False)
+    assert wrote.returncode == 0  # and this one writable
     spec = isolate.EpisodeSpec(
         agent_root=shared / "agent_root",
         entrypoint="reader:run",
@@ -227,8 +232,9 @@ def test_landlock_alone_refuses_reads_under_a_hidden_directory(
         timeout=60.0,
         sandbox=isolate.Sandbox(hide=[str(secrets)]),
     )
+    data = {"key": str(key), "outside": str(outside)}
     done = subprocess.run(
-        [*prefix, python, "-c", PARENT, spec.model_dump_json(), json.dumps({"key": str(key)})],
+        [*prefix, python, "-c", PARENT, spec.model_dump_json(), json.dumps(data)],
         capture_output=True,
         text=True,
         env=env,
@@ -240,4 +246,5 @@ def test_landlock_alone_refuses_reads_under_a_hidden_directory(
     assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
     assert outcome["info"]["mount namespace"] == os.readlink("/proc/self/ns/mnt")  # no mounts
     assert outcome["info"]["key"] == "EACCES"
+    assert outcome["info"]["write outside"] == "EACCES"  # Landlock's, not a read-only mount's
     assert outcome["info"]["key's folder"] == ["key"]  # names only, as docs/sandbox.md says
