@@ -23,7 +23,7 @@ from . import protocol as proto
 from . import sandbox as _sandbox
 from . import templates as _templates
 from .errors import SetupProblem
-from .prepare import Prepared, Request, fork_sandbox, handshake
+from .prepare import Prepared, Request, handshake
 from .tree import ProcessTree
 
 
@@ -214,17 +214,16 @@ def _fork_sandbox(
     req: Request, prep: Prepared, child: Child, template: _templates.Template
 ) -> None:
     """A fork's TMPDIR goes under its template's: the template's mounts are the fork's."""
-    old = prep.sandbox
-    if old is None or template.sandbox is None or req.spec.sandbox is None:
+    old = prep.wall
+    if old is None or old.sandbox is None or template.wall.sandbox is None:
         return
     try:
-        prep.sandbox = fork_sandbox(req, template)
+        prep.wall = old.for_fork(req.spec, req.episode_id, template.wall)
     except SetupProblem:
         child.kill()
         child.wait()
         raise
-    _sandbox.remove_tmpdir(old.tmpdir)
-    prep.in_template = True
+    _sandbox.remove_tmpdir(old.sandbox.tmpdir)
 
 
 def _process(child: Child) -> psutil.Process | None:
