@@ -22,7 +22,7 @@ from . import containment as _containment
 from . import sandbox as _sandbox
 from . import wall as _wall
 from .config import EpisodeSpec, is_env_name
-from .env import describe_withheld, split_env
+from .env import describe_withheld, episode_env
 from .errors import ArgumentError, SetupProblem
 from .netserve import EpisodeNetwork
 from .redact import Redactor
@@ -170,12 +170,13 @@ def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
     """The shim's exec environment, and the line that names what it withholds (or None)."""
     spec = req.spec
-    env, withheld = split_env(os.environ, spec.inherit_env, secret_values=req.secret_values())
-    for name in req.secret_env:  # delivered in the handshake, never in the exec environment
-        env.pop(name, None)
-        withheld.pop(name, None)
-    env.update(spec.env)
-    env[EPISODE_ENV] = req.episode_id
+    env, withheld = episode_env(
+        spec.inherit_env,
+        spec.env,
+        req.episode_id,
+        secret_values=req.secret_values(),
+        delivered=req.secret_env,  # in the handshake, never in the exec environment
+    )
     if prep.wall is not None:  # the sandbox's TMPDIR: the only place it may write
         env.update(prep.wall.temp_env())
     return env, describe_withheld(withheld) if withheld else None

@@ -28,7 +28,7 @@ from .. import containment as _containment
 from .. import sandbox as _sandbox
 from .. import wall as _wall
 from ..config import EpisodeSpec
-from ..env import split_env
+from ..env import episode_env
 from ..errors import SetupProblem
 from ..shim import boot_path
 from ..wall import TEMP_ENV
@@ -305,10 +305,8 @@ def _spawn_locked(
 async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
     """Start a template for ``spec`` as its first episode would, outside the registry, and
     close it again: (why it would be refused, or None; seconds until it was ready)."""
-    env, _ = split_env(os.environ, spec.inherit_env)
-    env.update(spec.env)
     entry = _Entry("template.doctor")
-    env[EPISODE_ENV] = entry.name
+    env, _ = episode_env(spec.inherit_env, spec.env, entry.name)
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
         found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
