@@ -208,21 +208,22 @@ def handshake(
         public["userns"] = prep.userns
     if prep.leaves is not None:
         public["cgroups"] = prep.leaves.join()
+    wall = prep.wall
+    # A template fork's sandbox, carved from the template's: the template's mounts are its
+    # forks', and a fork can make none of its own.
+    carved = wall if wall is not None and wall.in_template else None
     if prep.sandbox is not None:
-        public["sandbox"] = prep.sandbox.handshake
-    if spec.preload:
+        none_of_its_own = {"mounts": [], "unshare_mounts": False} if carved is not None else {}
+        public["sandbox"] = {**prep.sandbox.handshake, **none_of_its_own}
+    if spec.preload or carved is not None:
         # A template's fork has the template's exec environment: its own temporary directory
         # comes in the handshake, so episodes that differ only there share one template.
-        public["temp_env"] = {k: env[k] for k in _wall.TEMP_ENV if k in env}
+        own = {k: env[k] for k in _wall.TEMP_ENV if k in env}
+        public["temp_env"] = carved.temp_env() if carved is not None else own
     if forked:
         public["forked"] = True
         if "pidns" in prep.layers:
             public["scoped"] = True  # its PID namespace is shared: a domain of its own
-    wall = prep.wall
-    if wall is not None and wall.in_template and wall.sandbox is not None:
-        # The template's mounts are its forks': a fork can make none of its own.
-        public["sandbox"] = {**wall.sandbox.handshake, "mounts": [], "unshare_mounts": False}
-        public["temp_env"] = wall.temp_env()
     return public
 
 
