@@ -31,7 +31,6 @@ from ..config import EpisodeSpec
 from ..env import episode_env
 from ..errors import SetupProblem
 from ..shim import boot_path
-from ..wall import TEMP_ENV
 from .process import Template
 
 
@@ -64,7 +63,7 @@ def _key(
 ) -> tuple[Any, ...]:
     # The fork's worker sets the TMPDIR itself (the handshake's ``temp_env``): not part of the
     # key, or every sandboxed episode (a private TMPDIR each) had a template.
-    per_episode = (EPISODE_ENV, *TEMP_ENV)
+    per_episode = (EPISODE_ENV, *_wall.TEMP_ENV)
     return (
         spec.python,
         agent_root,
