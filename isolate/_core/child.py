@@ -7,6 +7,7 @@ budget), on both sides. stderr is a pipe.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from . import protocol as proto
 from . import sandbox as _sandbox
 from . import templates as _templates
 from .errors import SetupProblem
-from .prepare import Prepared, Request, fork_sandbox, handshake
+from .prepare import Prepared, Request, handshake
 from .tree import ProcessTree
 
 
@@ -180,24 +181,39 @@ def move(child: Child, leaves: _containment.Leaves) -> None:
         raise SetupProblem(problem)
 
 
+def into_template(
+    req: Request, prep: Prepared, child: Child, template: _templates.Template | None
+) -> Prepared:
+    """A template's fork goes into its leaf (before it may start anything) and gets its
+    sandbox under the template's, whose mounts are the fork's; the TMPDIR made for it before
+    is removed. Returns what the episode runs with: ``prep`` itself for a fresh shim, or one
+    with the fork's wall. Blocking; raises :class:`SetupProblem`, with the child killed."""
+    if not isinstance(child, _templates.Forked):
+        return prep
+    assert template is not None
+    if prep.leaves is not None:
+        move(child, prep.leaves)
+    old = prep.wall
+    if old is None or old.sandbox is None or template.wall.sandbox is None:
+        return prep
+    try:
+        wall = old.for_fork(req.spec, req.episode_id, template.wall)
+    except SetupProblem:
+        child.kill()
+        child.wait()
+        raise
+    _sandbox.remove_tmpdir(old.sandbox.tmpdir)
+    return dataclasses.replace(prep, wall=wall)
+
+
 def hand_over(
-    req: Request,
-    prep: Prepared,
-    env: dict[str, str],
-    child: Child,
-    channel: int,
-    template: _templates.Template | None,
+    req: Request, prep: Prepared, env: dict[str, str], child: Child, channel: int
 ) -> tuple[memoryview, ProcessTree]:
-    """What follows the start, still in the worker thread: a fork goes into its leaf and gets
-    its sandbox under the template's; the handshake goes out (what the socket takes now); a
-    fresh shim goes into its leaf. Returns what is left of the handshake and the episode's
-    process tree. Raises :class:`SetupProblem`, with the child killed."""
+    """What follows the start (and :func:`into_template`), still in the worker thread: the
+    handshake goes out (what the socket takes now); a fresh shim goes into its leaf. Returns
+    what is left of the handshake and the episode's process tree. Raises
+    :class:`SetupProblem`, with the child killed."""
     forked = isinstance(child, _templates.Forked)
-    if forked:
-        assert template is not None
-        if prep.leaves is not None:
-            move(child, prep.leaves)  # before it may start anything
-        _fork_sandbox(req, prep, child, template)
     public = handshake(req, prep, env, forked=forked)
     line = proto.encode_handshake(public, req.secrets, req.secret_env)
     # Out at once, so the shim can read it as soon as it has started; the rest later.
@@ -208,23 +224,6 @@ def hand_over(
     if isinstance(child, Fresh):
         child.watch()
     return rest, tree
-
-
-def _fork_sandbox(
-    req: Request, prep: Prepared, child: Child, template: _templates.Template
-) -> None:
-    """A fork's TMPDIR goes under its template's: the template's mounts are the fork's."""
-    old = prep.sandbox
-    if old is None or template.sandbox is None or req.spec.sandbox is None:
-        return
-    try:
-        prep.sandbox = fork_sandbox(req, template)
-    except SetupProblem:
-        child.kill()
-        child.wait()
-        raise
-    _sandbox.remove_tmpdir(old.tmpdir)
-    prep.in_template = True
 
 
 def _process(child: Child) -> psutil.Process | None:

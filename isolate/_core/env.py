@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 import re
 from collections.abc import Collection, Iterable, Mapping
+
+from agent_shim.shim_wire import EPISODE_ENV
 
 # Names that carry credentials by convention. They pass only when named exactly, never
 # through a wildcard: inherit_env=("*",) must not hand the parent's OPENAI_API_KEY over.
@@ -126,6 +129,27 @@ def split_env(
         else:
             passed[name] = value
     return passed, withheld
+
+
+def episode_env(
+    inherit: Iterable[str],
+    own: Mapping[str, str],
+    episode_id: str,
+    *,
+    secret_values: Collection[str] = (),
+    delivered: Iterable[str] = (),
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The exec environment of an episode's shim (or a template's), but its sandbox's TMPDIR:
+    what ``inherit`` passes of ours, less the ``delivered`` names (the handshake carries
+    them), then ``own`` (the spec's) and the episode's tag; and what was withheld (name ->
+    reason)."""
+    env, withheld = split_env(os.environ, inherit, secret_values=secret_values)
+    for name in delivered:
+        env.pop(name, None)
+        withheld.pop(name, None)
+    env.update(own)
+    env[EPISODE_ENV] = episode_id
+    return env, withheld
 
 
 def describe_withheld(withheld: Mapping[str, str]) -> str:

@@ -128,7 +128,7 @@ class _Run:
             containment=self.prep.containment,
             note=self.log.note,
             on_hello=self._open_gate,
-            on_net=self.prep.take_net,
+            on_net=lambda: self.prep.take_net(),  # a fork's, once handed on
         )
         self.env: dict[str, str] | None = None  # the shim's exec environment, once built
         self.ticket: _admission.Ticket | None = None  # this episode's share of the fd budget
@@ -262,7 +262,8 @@ class _Run:
         self.child = child
         if template is not None and self.template is not None:
             self.log.note(f"forked from {template.name} (pid {child.pid})")
-        rest, tree = _child.hand_over(self.req, self.prep, self.env, child, self.channel, template)
+        self.prep = _child.into_template(self.req, self.prep, child, template)
+        rest, tree = _child.hand_over(self.req, self.prep, self.env, child, self.channel)
         graces = Graces(self.spec.timeout, self.spec.kill_grace, self.spec.cancel_grace)
         self.supervisor = Supervisor(
             child=child,

@@ -1,6 +1,6 @@
 """Everything decided before the episode's process starts: the arguments checked, the paths,
-the containment layers and their cgroup leaves, the sandbox, the exec environment, and the
-handshake, built in one place from those."""
+the wall (containment layers, cgroup leaves, sandbox; see ``wall``), the exec environment, and
+the handshake, built in one place from those."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
 from . import admission as _admission
 from . import containment as _containment
 from . import sandbox as _sandbox
-from . import templates as _templates
+from . import wall as _wall
 from .config import EpisodeSpec, is_env_name
-from .env import describe_withheld, split_env
+from .env import describe_withheld, episode_env
 from .errors import ArgumentError, SetupProblem
 from .netserve import EpisodeNetwork
 from .redact import Redactor
-from .sandbox_config import Sandbox, SandboxReport
+from .sandbox_config import SandboxReport
 
 #: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
 #: for a parent that is stopped or hung, never the normal path.
@@ -91,21 +91,29 @@ def default_episode_id(data: Any) -> str:
 @dataclass
 class Prepared:
     """What :func:`prepare` made, filled step by step: after a :class:`SetupProblem` it holds
-    what must still be removed (the leaves, the sandbox's TMPDIR)."""
+    what must still be removed (the wall's leaves and TMPDIR)."""
 
     agent_root: str | None = None
     containment: str = "session"  # the combination, once resolved
     rlimits: dict[str, list[int]] = field(default_factory=dict)
-    userns: bool | None = None  # with a PID namespace: whether it needs a user namespace
-    leaves: _containment.Leaves | None = None
-    sandbox: _sandbox.PreparedSandbox | None = None
+    wall: _wall.Wall | None = None
     network: EpisodeNetwork | None = None
-    #: The sandbox is a template fork's, carved from the template's (its mounts are those).
-    in_template: bool = False
 
     @property
     def layers(self) -> tuple[str, ...]:
         return _containment.layers(self.containment)
+
+    @property
+    def userns(self) -> bool | None:
+        return self.wall.userns if self.wall is not None else None
+
+    @property
+    def leaves(self) -> _containment.Leaves | None:
+        return self.wall.leaves if self.wall is not None else None
+
+    @property
+    def sandbox(self) -> _sandbox.PreparedSandbox | None:
+        return self.wall.sandbox if self.wall is not None else None
 
     def take_net(self) -> str | None:
         """The worker's ``net`` frame came: take its listeners; a violation, or None."""
@@ -150,61 +158,27 @@ def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None
             raise SetupProblem(f"interpreter {spec.python} is not an executable file")
     if not shim.is_file():
         raise SetupProblem(f"shim {shim} is missing from the installation")
-    _contain(req, prep)
-    if spec.sandbox is not None:
-        prep.sandbox = _sandbox_for(req, prep.containment, spec.sandbox)
-        if prep.sandbox.plan.network is not None:
-            prep.network = EpisodeNetwork(prep.sandbox.plan.network, note)
-    prep.rlimits = _admission.child_rlimits(prep.rlimits)
-
-
-def _contain(req: Request, prep: Prepared) -> None:
-    """Pick the containment layers and make the cgroup leaves."""
-    prep.containment, how = _containment.resolve(req.spec.containment, req.spec.limits)
-    prep.rlimits = {name: list(pair) for name, pair in how.rlimits.items()}
-    if "pidns" in prep.layers:
-        prep.userns = _containment.needs_userns()
-    if "cgroup" in prep.layers:
-        prep.leaves = _containment.Leaves(_containment.cgroups(), req.episode_id, how.writes)
-        prep.leaves.create()
-
-
-def _sandbox_for(
-    req: Request, containment: str, sandbox: Sandbox, under: str | None = None
-) -> _sandbox.PreparedSandbox:
-    """The private TMPDIR and the rules the worker enforces; raises SetupProblem. Under a
-    template (``under``: its TMPDIR) the fork's mounts are the template's."""
-    fork = under is not None
-    return _sandbox.prepare(
-        sandbox,
-        episode_id=req.episode_id,
-        cwd=str(req.spec.cwd) if req.spec.cwd is not None else os.getcwd(),
-        child_env=req.spec.env,  # its HOME, if it sets one; homes() adds ours
-        mountns=fork or "pidns" in containment.split("+"),
-        can_unshare=not fork and not _containment.needs_userns(),
-        **({"under": under} if fork else {}),
-    )
-
-
-def fork_sandbox(req: Request, template: _templates.Template) -> _sandbox.PreparedSandbox:
-    """A template fork's sandbox: its TMPDIR under the template's. Raises SetupProblem."""
-    assert req.spec.sandbox is not None
-    assert template.sandbox is not None
-    return _sandbox_for(req, "", req.spec.sandbox, under=template.sandbox.tmpdir)
+    # The combination, kept for the outcome even when its wall cannot be made.
+    prep.containment, _ = _containment.resolve(spec.containment, spec.limits)
+    prep.wall = _wall.make(spec, req.episode_id, prep.containment)
+    if prep.wall.sandbox is not None and prep.wall.sandbox.plan.network is not None:
+        prep.network = EpisodeNetwork(prep.wall.sandbox.plan.network, note)
+    rlimits = {name: list(pair) for name, pair in prep.wall.rlimits.items()}
+    prep.rlimits = _admission.child_rlimits(rlimits)
 
 
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
     """The shim's exec environment, and the line that names what it withholds (or None)."""
     spec = req.spec
-    env, withheld = split_env(os.environ, spec.inherit_env, secret_values=req.secret_values())
-    for name in req.secret_env:  # delivered in the handshake, never in the exec environment
-        env.pop(name, None)
-        withheld.pop(name, None)
-    env.update(spec.env)
-    env[EPISODE_ENV] = req.episode_id
-    if prep.sandbox is not None:  # the only place it may write temporary files
-        tmp = prep.sandbox.tmpdir
-        env.update(TMPDIR=tmp, TMP=tmp, TEMP=tmp)
+    env, withheld = episode_env(
+        spec.inherit_env,
+        spec.env,
+        req.episode_id,
+        secret_values=req.secret_values(),
+        delivered=req.secret_env,  # in the handshake, never in the exec environment
+    )
+    if prep.wall is not None:  # the sandbox's TMPDIR: the only place it may write
+        env.update(prep.wall.temp_env())
     return env, describe_withheld(withheld) if withheld else None
 
 
@@ -234,20 +208,22 @@ def handshake(
         public["userns"] = prep.userns
     if prep.leaves is not None:
         public["cgroups"] = prep.leaves.join()
+    wall = prep.wall
+    # A template fork's sandbox, carved from the template's: the template's mounts are its
+    # forks', and a fork can make none of its own.
+    carved = wall if wall is not None and wall.in_template else None
     if prep.sandbox is not None:
-        public["sandbox"] = prep.sandbox.handshake
-    if spec.preload:
+        none_of_its_own = {"mounts": [], "unshare_mounts": False} if carved is not None else {}
+        public["sandbox"] = {**prep.sandbox.handshake, **none_of_its_own}
+    if spec.preload or carved is not None:
         # A template's fork has the template's exec environment: its own temporary directory
         # comes in the handshake, so episodes that differ only there share one template.
-        public["temp_env"] = {k: env[k] for k in _templates.TEMP_ENV if k in env}
+        own = {k: env[k] for k in _wall.TEMP_ENV if k in env}
+        public["temp_env"] = carved.temp_env() if carved is not None else own
     if forked:
         public["forked"] = True
         if "pidns" in prep.layers:
             public["scoped"] = True  # its PID namespace is shared: a domain of its own
-    if prep.in_template and prep.sandbox is not None:
-        # The template's mounts are its forks': a fork can make none of its own.
-        public["sandbox"] = {**prep.sandbox.handshake, "mounts": [], "unshare_mounts": False}
-        public["temp_env"] = {k: prep.sandbox.tmpdir for k in _templates.TEMP_ENV}
     return public
 
 

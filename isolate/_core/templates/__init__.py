@@ -21,7 +21,6 @@ process, by key).
 
 from .process import Forked, Template, TemplateGone, pidfd_pid
 from .registry import (
-    TEMP_ENV,
     acquire,
     close_all,
     close_templates,
@@ -33,7 +32,6 @@ from .registry import (
 )
 
 __all__ = [
-    "TEMP_ENV",
     "Forked",
     "Template",
     "TemplateGone",

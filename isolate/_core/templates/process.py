@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import IO, Any
+from typing import IO
 
 import anyio
 import psutil
@@ -21,8 +21,8 @@ import psutil
 from agent_shim.shim_wire import receive_message, send_message
 
 from .. import admission as _admission
-from .. import containment as _containment
 from .. import sandbox as _sandbox
+from .. import wall as _wall
 from ..outcome import describe_exit, signal_name
 from ..procfs import exited, parent_pid
 from ..tree import ProcessTree
@@ -163,21 +163,20 @@ class Template:
         popen: subprocess.Popen[bytes],
         control: socket.socket,
         life: socket.socket,
-        leaves: _containment.Leaves | None,
         name: str,
-        sandbox: _sandbox.PreparedSandbox | None = None,
+        wall: _wall.Wall,
     ) -> None:
         self.popen = popen
         self.control = control
         #: Held for as long as the template may live: EOF there tells the outer process that
         #: we are gone. The importer's wait status comes back on it.
         self.life = life
-        self.leaves = leaves
         self.name = name
-        #: The sandbox every fork's own is carved from: its TMPDIR holds theirs.
-        self.sandbox = sandbox
-        #: What the importer enters before it imports: an episode's containment.
-        self.wall: dict[str, Any] = {}
+        #: What the importer enters before it imports: an episode's containment. Its sandbox
+        #: is the one every fork's own is carved from: its TMPDIR holds theirs.
+        self.wall = wall
+        self.leaves = wall.leaves
+        self.sandbox = wall.sandbox
         self.importer: int | None = None
         self.importer_fd: int | None = None
         self.status: int | None = None

@@ -26,8 +26,9 @@ from agent_shim.shim_wire import EPISODE_ENV, json_file, receive_message, send_m
 from .. import admission as _admission
 from .. import containment as _containment
 from .. import sandbox as _sandbox
+from .. import wall as _wall
 from ..config import EpisodeSpec
-from ..env import split_env
+from ..env import episode_env
 from ..errors import SetupProblem
 from ..shim import boot_path
 from .process import Template
@@ -57,15 +58,12 @@ def preload_list(spec: EpisodeSpec) -> tuple[str, ...]:
     return () if isinstance(spec.preload, bool) else spec.preload
 
 
-#: Per-episode variables the fork's worker sets itself (the handshake's ``temp_env``): not part
-#: of a template's key, or every sandboxed episode (a private TMPDIR each) had a template.
-TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
-
-
 def _key(
     spec: EpisodeSpec, env: dict[str, str], agent_root: str | None, level: str
 ) -> tuple[Any, ...]:
-    per_episode = (EPISODE_ENV, *TEMP_ENV)
+    # The fork's worker sets the TMPDIR itself (the handshake's ``temp_env``): not part of the
+    # key, or every sandboxed episode (a private TMPDIR each) had a template.
+    per_episode = (EPISODE_ENV, *_wall.TEMP_ENV)
     return (
         spec.python,
         agent_root,
@@ -205,7 +203,7 @@ async def _start(
         }
         try:
             # The wall goes as a file: a sandbox's rules can outgrow a control message.
-            wall = json_file(template.wall)
+            wall = json_file(template.wall.template_message())
             try:
                 send_message(template.control, message, [wall])
             finally:
@@ -242,56 +240,18 @@ async def _start(
 
 def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template:
     """Start the template's process, walled in as its episodes are; SetupProblem."""
-    name = entry.name
-    layers = _containment.layers(level)
-    wall: dict[str, Any] = {"containment": level}
-    leaves = None
-    if "cgroup" in layers:
-        # Its own leaf, with the episodes' limits: never killed or counted with an episode.
-        groups = _containment.cgroups()
-        leaves = _containment.Leaves(
-            groups, name, _containment.plan(level, spec.limits, groups).writes
-        )
-        try:
-            leaves.create()
-        except SetupProblem:
-            leaves.remove()
-            raise
-        wall["cgroups"] = leaves.join()
-    if "pidns" in layers:
-        wall["userns"] = _containment.needs_userns()
-    sandbox = None
-    if spec.sandbox is not None:
-        try:
-            sandbox = _sandbox.prepare(
-                spec.sandbox,
-                episode_id=name,
-                cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
-                child_env=spec.env,
-                mountns="pidns" in layers,
-                can_unshare=not _containment.needs_userns(),
-            )
-        except SetupProblem:
-            if leaves is not None:
-                leaves.remove()
-            raise
-        wall["sandbox"] = sandbox.handshake
-        env = {**env, **{k: sandbox.tmpdir for k in TEMP_ENV}}  # the only place it may write
+    # Its own leaf, with the episodes' limits: never killed or counted with an episode.
+    wall = _wall.make(spec, entry.name, level)
+    env = {**env, **wall.temp_env()}  # the only place it may write
     with _spawn_lock:
-        made = _spawn_locked(spec, env, entry, leaves, "pidns" in layers, sandbox)
-    made.wall = wall
-    return made
+        return _spawn_locked(spec, env, entry, wall)
 
 
 def _spawn_locked(
-    spec: EpisodeSpec,
-    env: dict[str, str],
-    entry: _Entry,
-    leaves: _containment.Leaves | None,
-    pidns: bool,
-    sandbox: _sandbox.PreparedSandbox | None,
+    spec: EpisodeSpec, env: dict[str, str], entry: _Entry, wall: _wall.Wall
 ) -> Template:
     name = entry.name
+    leaves, sandbox = wall.leaves, wall.sandbox
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     life, its_life = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     log: Any = subprocess.DEVNULL
@@ -327,12 +287,12 @@ def _spawn_locked(
         its_life.close()
         if log is not subprocess.DEVNULL:
             log.close()
-    if leaves is not None and not pidns:
+    if leaves is not None and "pidns" not in wall.layers:
         # With a PID namespace the outer process and PID 1 stay outside the leaf (its kill
         # must not end the namespace its episodes live in); the importer joins it itself.
         leaves.move(popen.pid)
     life.setblocking(False)
-    template = Template(popen, mine, life, leaves, name, sandbox)
+    template = Template(popen, mine, life, name, wall)
     with _lock:
         entry.pending, closed = template, entry.closed
     if closed:  # close_templates() ran meanwhile, and could not see this one
@@ -344,10 +304,8 @@ def _spawn_locked(
 async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
     """Start a template for ``spec`` as its first episode would, outside the registry, and
     close it again: (why it would be refused, or None; seconds until it was ready)."""
-    env, _ = split_env(os.environ, spec.inherit_env)
-    env.update(spec.env)
     entry = _Entry("template.doctor")
-    env[EPISODE_ENV] = entry.name
+    env, _ = episode_env(spec.inherit_env, spec.env, entry.name)
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
         found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)

@@ -1,0 +1,109 @@
+"""An episode's wall, planned in one place for a fresh start, a template and a template's fork:
+the containment layers, the cgroup leaves with the limits written into them, whether a PID
+namespace needs a user namespace, and the sandbox with its private TMPDIR.
+
+Blocking (probes run on first use, leaves and TMPDIRs are made): call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import containment as _containment
+from . import sandbox as _sandbox
+from .config import EpisodeSpec
+
+#: The variables that name the sandbox's TMPDIR, the only place the agent may write temporary
+#: files. A template's fork sets its own (the handshake's ``temp_env``).
+TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
+
+
+@dataclass(frozen=True)
+class Wall:
+    """What an episode, or a template walled in as its episodes are, enters; made by
+    :func:`make`. Its leaves and TMPDIR are the caller's to remove."""
+
+    containment: str
+    """The combination of layers, resolved (``cgroup+pidns``, ``session``)."""
+    rlimits: dict[str, tuple[int, int]]
+    """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
+    userns: bool | None
+    """With a PID namespace: whether it needs a user namespace; else None."""
+    leaves: _containment.Leaves | None
+    sandbox: _sandbox.PreparedSandbox | None
+    in_template: bool = False
+    """The sandbox is a template fork's, carved from the template's (its mounts are those)."""
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return _containment.layers(self.containment)
+
+    def temp_env(self) -> dict[str, str]:
+        """TMPDIR, TMP and TEMP naming the sandbox's TMPDIR; empty without a sandbox."""
+        if self.sandbox is None:
+            return {}
+        return {name: self.sandbox.tmpdir for name in TEMP_ENV}
+
+    def template_message(self) -> dict[str, Any]:
+        """What a template's importer enters before it imports."""
+        wall: dict[str, Any] = {"containment": self.containment}
+        if self.leaves is not None:
+            wall["cgroups"] = self.leaves.join()
+        if self.userns is not None:
+            wall["userns"] = self.userns
+        if self.sandbox is not None:
+            wall["sandbox"] = self.sandbox.handshake
+        return wall
+
+    def for_fork(self, spec: EpisodeSpec, episode_id: str, under: Wall) -> Wall:
+        """This wall with its sandbox made again under the template's (``under``), whose
+        mounts are the fork's. Removes nothing; raises SetupProblem."""
+        assert spec.sandbox is not None
+        assert under.sandbox is not None
+        sandbox = _prepare_sandbox(spec, episode_id, "", under=under.sandbox.tmpdir)
+        return dataclasses.replace(self, sandbox=sandbox, in_template=True)
+
+
+def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
+    """The wall of ``name`` (an episode's id, or a template's name) at the resolved
+    ``containment``: its leaves made with the limits written, its sandbox's TMPDIR made.
+    Raises SetupProblem, with what it made removed."""
+    on = _containment.layers(containment)
+    groups = _containment.cgroups() if "cgroup" in on else None
+    how = _containment.plan(containment, spec.limits, groups)
+    userns = _containment.needs_userns() if "pidns" in on else None
+    leaves = None
+    if groups is not None:
+        leaves = _containment.Leaves(groups, name, how.writes)
+    try:
+        if leaves is not None:
+            leaves.create()
+        sandbox = None
+        if spec.sandbox is not None:
+            sandbox = _prepare_sandbox(spec, name, containment)
+    except BaseException:
+        if leaves is not None:
+            leaves.remove()
+        raise
+    return Wall(containment, dict(how.rlimits), userns, leaves, sandbox)
+
+
+def _prepare_sandbox(
+    spec: EpisodeSpec, name: str, containment: str, under: str | None = None
+) -> _sandbox.PreparedSandbox:
+    """The private TMPDIR and the rules the worker enforces; raises SetupProblem. Under a
+    template (``under``: its TMPDIR) the fork's mounts are the template's."""
+    assert spec.sandbox is not None
+    fork = under is not None
+    return _sandbox.prepare(
+        spec.sandbox,
+        episode_id=name,
+        cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
+        child_env=spec.env,  # its HOME, if it sets one; homes() adds ours
+        mountns=fork or "pidns" in containment.split("+"),
+        can_unshare=not fork and not _containment.needs_userns(),
+        **({"under": under} if fork else {}),
+    )
