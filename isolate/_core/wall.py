@@ -103,7 +103,7 @@ def _prepare_sandbox(
         episode_id=name,
         cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),
         child_env=spec.env,  # its HOME, if it sets one; homes() adds ours
-        mountns=fork or "pidns" in containment.split("+"),
+        mountns=fork or "pidns" in _containment.layers(containment),
         can_unshare=not fork and not _containment.needs_userns(),
-        **({"under": under} if fork else {}),
+        under=under,
     )
