@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from isolate._core.tree import pids_with_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,3 +203,15 @@ def sweep_marked(run_id: str, wait: float = 3.0) -> list[int]:
         left = marked_pids(run_id)
     kill_all((pid, None) for pid in left)
     return left
+
+
+async def bare_launches(k: int) -> float:
+    """Seconds for ``k`` bare ``python -I -c pass`` spawns and waits in a row: the floor."""
+    cmd = [sys.executable, "-I", "-c", "pass"]
+    null = subprocess.DEVNULL
+    t0 = time.perf_counter()
+    for _ in range(k):
+        async with await anyio.open_process(cmd, stdin=null, stdout=null, stderr=null) as p:
+            if await p.wait() != 0:
+                raise RuntimeError("bare interpreter failed")
+    return time.perf_counter() - t0

@@ -11,8 +11,6 @@ Beside wall time, the CPU time of the episode's processes (user + system, from
 from __future__ import annotations
 
 import resource
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -21,23 +19,12 @@ import anyio
 import isolate
 from isolate._core import containment as _containment
 
-from ._common import MARK_ENV, paired_ratio, summary
+from ._common import MARK_ENV, bare_launches, paired_ratio, summary
 from ._context import Context
 
 NOOP_AGENT = "def run(data, **kwargs):\n    return 1.0\n"
 BARE = "bare"
 OLD_DEFAULT = "cgroup"
-
-
-async def _bare(k: int) -> float:
-    cmd = [sys.executable, "-I", "-c", "pass"]
-    null = subprocess.DEVNULL
-    t0 = time.perf_counter()
-    for _ in range(k):
-        async with await anyio.open_process(cmd, stdin=null, stdout=null, stderr=null) as p:
-            if await p.wait() != 0:
-                raise RuntimeError("bare interpreter failed")
-    return time.perf_counter() - t0
 
 
 async def _episodes(spec: isolate.EpisodeSpec, k: int) -> float:
@@ -69,12 +56,12 @@ async def _measure(
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for name in names:  # warm-up: probes, page cache, the shim's bytecode
-        await (_bare(1) if name == BARE else _episodes(specs[name], 1))
+        await (bare_launches(1) if name == BARE else _episodes(specs[name], 1))
     for index in range(rounds):
         order = names[index % len(names) :] + names[: index % len(names)]
         for name in order:
             before = _children_cpu()
-            spent = await (_bare(k) if name == BARE else _episodes(specs[name], k))
+            spent = await (bare_launches(k) if name == BARE else _episodes(specs[name], k))
             times[name].append(spent / k)
             cpu[name].append((_children_cpu() - before) / k)
     return times, cpu

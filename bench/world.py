@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import anyio
 import isolate
 from isolate._core import launcher as _launcher
 
-from ._common import MARK_ENV, machine_info, paired_ratio, sweep_marked
+from ._common import MARK_ENV, bare_launches, machine_info, paired_ratio, sweep_marked
 from ._launch_worker import shim_variant
 
 NOOP_AGENT = "def run(data, **kwargs):\n    return 1.0\n"
@@ -45,17 +44,6 @@ BEFORE = {
     "    problem = cgroup_view(mount) if cgroupns else None\n": "    problem = None\n",
     "    problem = guard_kernel_files(mount, c_call) if guard else None\n": "    problem = None\n",
 }
-
-
-async def _bare(k: int) -> float:
-    cmd = [sys.executable, "-I", "-c", "pass"]
-    null = subprocess.DEVNULL
-    t0 = time.perf_counter()
-    for _ in range(k):
-        async with await anyio.open_process(cmd, stdin=null, stdout=null, stderr=null) as p:
-            if await p.wait() != 0:
-                raise RuntimeError("bare interpreter failed")
-    return time.perf_counter() - t0
 
 
 async def _episodes(spec: isolate.EpisodeSpec, shim: Path | None, k: int) -> float:
@@ -86,7 +74,7 @@ async def _measure(work: Path, run_id: str, rounds: int, k: int, containment: st
     compile_all = [sys.executable, "-m", "compileall", "-q", str(before.parent)]
     await anyio.run_process(compile_all)
     arms = {
-        "bare": lambda: _bare(k),
+        "bare": lambda: bare_launches(k),
         "before": lambda: _episodes(spec, before, k),
         "world": lambda: _episodes(spec, None, k),
     }
