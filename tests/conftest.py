@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -469,6 +470,69 @@ def _cmd(proc: psutil.Process) -> str:
         return " ".join(proc.cmdline())[:120]
     except psutil.Error:
         return "?"
+
+
+# --- an unprivileged user ---------------------------------------------------------------------
+
+#: The user the tests act as when they need a trainer without privileges.
+NOBODY = 65534
+#: The argv prefix that runs a command as that user, with no supplementary group.
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def as_nobody(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*AS_NOBODY, *argv], capture_output=True, text=True, **kwargs)
+
+
+def unprivileged_python(repo: Path) -> tuple[str, dict[str, str]] | str:
+    """An interpreter the unprivileged user can run isolate with (and exec from its own
+    processes: the shim's spawn and probes have no capability to pass a closed directory), and
+    the environment that makes isolate importable there; or why there is none."""
+    site = next(iter(Path(sys.prefix).glob("lib/python*/site-packages")), None)
+    candidates = [(sys.executable, {})]
+    if site is not None:
+        for other in ("/usr/bin/python3", "/usr/local/bin/python3"):
+            candidates.append((other, {"PYTHONPATH": f"{repo}{os.pathsep}{site}"}))
+    why = []
+    for python, env in candidates:
+        # Exec'd by a process of that user, as the shim's parent does; imports isolate.
+        check = as_nobody(
+            ["sh", "-c", 'exec "$0" -c "import isolate, sys; print(sys.version_info[:2])"', python],
+            env={**os.environ, **env},
+            timeout=60 * SLOW,
+        )
+        if check.returncode == 0 and check.stdout.strip() == str(sys.version_info[:2]):
+            return python, env
+        why.append(f"{python}: {(check.stderr.strip().splitlines() or [check.stdout])[-1]}")
+    return "; ".join(why)
+
+
+@pytest.fixture
+def nobody() -> tuple[str, dict[str, str]]:
+    """An interpreter the unprivileged user can run isolate with, and the environment it needs
+    (``PATH`` included); the test is skipped where there is none (not root, no setpriv)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    found = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
+    if isinstance(found, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found}")
+    python, env = found
+    return python, {"PATH": os.environ["PATH"], **env}
+
+
+#: Runs one episode of the spec given as JSON with the data given as JSON, and prints its
+#: outcome as JSON: a trainer of another user, in a process of its own.
+RUN_SPEC = """
+import anyio, json, sys
+import isolate
+
+async def main():
+    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+    outcome = await isolate.run_episode(spec, json.loads(sys.argv[2]))
+    print(json.dumps(json.loads(outcome.model_dump_json())))
+
+anyio.run(main)
+"""
 
 
 class Agents:

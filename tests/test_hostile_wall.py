@@ -32,7 +32,15 @@ import pytest
 import isolate
 from isolate._core import containment as _containment
 
-from .conftest import SLOW, Agents, episode_processes, wait_until
+from .conftest import (
+    NOBODY,
+    SLOW,
+    Agents,
+    as_nobody,
+    episode_processes,
+    unprivileged_python,
+    wait_until,
+)
 from .test_containment import COMBINATIONS, needs, tree
 
 pytestmark = [
@@ -829,8 +837,6 @@ async def test_the_agent_can_still_do_its_work(
 
 # --- an unprivileged trainer ------------------------------------------------------------------
 
-NOBODY = 65534
-
 PARENT = """
 import anyio, json, os, sys
 import isolate
@@ -868,34 +874,6 @@ async def main():
 
 anyio.run(main)
 """
-
-
-def as_nobody(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    command = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
-    return subprocess.run(command, capture_output=True, text=True, **kwargs)
-
-
-def unprivileged_python(repo: Path) -> tuple[str, dict[str, str]] | str:
-    """An interpreter the unprivileged user can run isolate with (and exec from its own
-    processes: the shim's spawn and probes have no capability to pass a closed directory), and
-    the environment that makes isolate importable there; or why there is none."""
-    site = next(iter(Path(sys.prefix).glob("lib/python*/site-packages")), None)
-    candidates = [(sys.executable, {})]
-    if site is not None:
-        for other in ("/usr/bin/python3", "/usr/local/bin/python3"):
-            candidates.append((other, {"PYTHONPATH": f"{repo}{os.pathsep}{site}"}))
-    why = []
-    for python, env in candidates:
-        # Exec'd by a process of that user, as the shim's parent does; imports isolate.
-        check = as_nobody(
-            ["sh", "-c", 'exec "$0" -c "import isolate, sys; print(sys.version_info[:2])"', python],
-            env={**os.environ, **env},
-            timeout=60 * SLOW,
-        )
-        if check.returncode == 0 and check.stdout.strip() == str(sys.version_info[:2]):
-            return python, env
-        why.append(f"{python}: {(check.stderr.strip().splitlines() or [check.stdout])[-1]}")
-    return "; ".join(why)
 
 
 def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> None:

@@ -21,38 +21,19 @@ import pytest
 
 import isolate
 
-from .conftest import SLOW, Agents, episode_processes, is_gone, wait_for
+from .conftest import (
+    AS_NOBODY,
+    NOBODY,
+    RUN_SPEC,
+    SLOW,
+    Agents,
+    episode_processes,
+    is_gone,
+    wait_for,
+)
 from .test_containment import needs
-from .test_hostile_wall import NOBODY, unprivileged_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux layers")
-
-#: Runs one episode of the spec given as JSON, and prints its outcome as JSON.
-PARENT = """
-import anyio, json, sys
-import isolate
-
-async def main():
-    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
-    outcome = await isolate.run_episode(spec, json.loads(sys.argv[2]))
-    print(json.dumps(json.loads(outcome.model_dump_json())))
-
-anyio.run(main)
-"""
-
-
-@pytest.fixture
-def nobody() -> tuple[list[str], str, dict[str, str]]:
-    """How to run a command as the unprivileged user: the argv prefix, a Python that can
-    import isolate there, and the environment it needs."""
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    found = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
-    if isinstance(found, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found}")
-    python, env = found
-    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    return prefix, python, {"PATH": os.environ["PATH"], **env}
 
 
 @pytest.fixture
@@ -93,7 +74,7 @@ def test_the_worker_dies_with_its_supervisor_when_the_parent_is_gone_too(
         containment=containment,
     )
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, spec.model_dump_json(), "{}"],
+        [sys.executable, "-c", RUN_SPEC, spec.model_dump_json(), "{}"],
         stdout=subprocess.DEVNULL,
     )
     try:
@@ -135,13 +116,13 @@ def run(data):
 
 @pytest.mark.parametrize("containment", ["pidns", "landlock", "session"])
 def test_every_process_of_the_shim_is_not_dumpable(
-    shared: Path, nobody: tuple[list[str], str, dict[str, str]], containment: str
+    shared: Path, nobody: tuple[str, dict[str, str]], containment: str
 ) -> None:
     # As an unprivileged trainer, the kernel gives the /proc files of a process that is not
     # dumpable to root: what a ptrace or a read of its memory would check first, seen here
     # without asking any other layer (the PID namespace, Landlock, capabilities) to refuse.
     needs(containment)
-    prefix, python, env = nobody
+    python, env = nobody
     (shared / "agent_root").mkdir()
     (shared / "agent_root" / "holder.py").write_text(textwrap.dedent(HOLDER))
     open_for_all(shared / "agent_root", shared / "agent_root" / "holder.py")
@@ -154,8 +135,9 @@ def test_every_process_of_the_shim_is_not_dumpable(
         timeout=60.0,
         env={"HOLDER_RUN": str(shared)},
     )
+    data = json.dumps({"dir": str(shared)})
     parent = subprocess.Popen(
-        [*prefix, python, "-c", PARENT, spec.model_dump_json(), json.dumps({"dir": str(shared)})],
+        [*AS_NOBODY, python, "-c", RUN_SPEC, spec.model_dump_json(), data],
         stdout=subprocess.PIPE,
         env=env,
         cwd=shared,
@@ -200,12 +182,12 @@ def run(data):
 
 
 def test_landlock_alone_refuses_reads_under_a_hidden_directory_and_writes_outside(
-    shared: Path, nobody: tuple[list[str], str, dict[str, str]]
+    shared: Path, nobody: tuple[str, dict[str, str]]
 ) -> None:
     # An unprivileged trainer at landlock: no PID namespace, and the worker may not make a
     # mount namespace, so no empty tmpfs covers the hidden directory; only Landlock's rules do.
     needs("landlock")
-    prefix, python, env = nobody
+    python, env = nobody
     secrets = shared / "secrets"
     secrets.mkdir()
     key = secrets / "key"
@@ -218,10 +200,10 @@ def test_landlock_alone_refuses_reads_under_a_hidden_directory_and_writes_outsid
     open_for_all(secrets, key, outside, shared / "agent_root", shared / "agent_root" / "reader.py")
     open_for_all(shared / "cwd")
     control = subprocess.run(
-        [*prefix, "cat", str(key)], capture_output=True, text=True, env=env, check=False
+        [*AS_NOBODY, "cat", str(key)], capture_output=True, text=True, env=env, check=False
     )
     assert control.stdout == "sk-landlock-alone\n"  # readable by the user without the sandbox
-    wrote = subprocess.run([*prefix, "sh", "-c", f"echo > {outside}"], env=env, check=False)
+    wrote = subprocess.run([*AS_NOBODY, "sh", "-c", f"echo > {outside}"], env=env, check=False)
     assert wrote.returncode == 0  # and this one writable
     spec = isolate.EpisodeSpec(
         agent_root=shared / "agent_root",
@@ -234,7 +216,7 @@ def test_landlock_alone_refuses_reads_under_a_hidden_directory_and_writes_outsid
     )
     data = {"key": str(key), "outside": str(outside)}
     done = subprocess.run(
-        [*prefix, python, "-c", PARENT, spec.model_dump_json(), json.dumps(data)],
+        [*AS_NOBODY, python, "-c", RUN_SPEC, spec.model_dump_json(), json.dumps(data)],
         capture_output=True,
         text=True,
         env=env,

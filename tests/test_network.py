@@ -34,12 +34,13 @@ from isolate._core import sandbox as _sandbox
 from .conftest import (
     SLOW,
     Agents,
+    as_nobody,
     episode_processes,
     remove_dead_parents_leaves,
+    unprivileged_python,
     wait_for,
     wait_until,
 )
-from .test_hostile_wall import as_nobody, unprivileged_python
 
 pytestmark = [
     pytest.mark.anyio,

@@ -28,10 +28,9 @@ import pytest
 
 import isolate
 
-from .conftest import SLOW, both_starts, episode_processes, wait_for
+from .conftest import AS_NOBODY, NOBODY, RUN_SPEC, SLOW, both_starts, episode_processes, wait_for
 from .test_cli import SCRIPTED, isolate_cli
 from .test_containment import COMBINATIONS, needs
-from .test_hostile_wall import NOBODY, as_nobody, unprivileged_python
 
 pytestmark = [
     pytest.mark.anyio,
@@ -346,126 +345,107 @@ async def test_an_episode_reaches_none_of_the_trainers_objects(
         standin.close()
 
 
-UNPRIVILEGED_PARENT = """
-import anyio, json, os, sys
-import isolate
-
-work, data = sys.argv[1], json.loads(sys.argv[2])
-
-async def main():
-    spec = isolate.EpisodeSpec(
-        agent_root=os.path.join(work, "agent_root"), entrypoint="attack:run",
-        containment=data.get("containment", "pidns"), timeout=60.0, kill_grace=1.0,
-        cwd=data["scratch"],
-        env={"PID_DIR": os.path.join(work, "pids")},
-    )
-    outcome = await isolate.run_episode(spec, data)
-    print(json.dumps(json.loads(outcome.model_dump_json())))
-
-anyio.run(main)
-"""
-
-
-def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(scratch: Path) -> None:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    repo = Path(isolate.__file__).resolve().parent.parent
-    found_python = unprivileged_python(repo)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
+def nobody_root(scratch: Path, module: str, code: str) -> Path:
+    """An agent root with ``module`` holding ``code``, and a PID_DIR beside it, that the
+    unprivileged user may use: ``scratch/work``."""
     work = scratch / "work"
     for sub in ("agent_root", "pids"):
         (work / sub).mkdir(parents=True)
-    (work / "agent_root" / "attack.py").write_text(ATTACK)
-    (work / "parent.py").write_text(UNPRIVILEGED_PARENT)
+    (work / "agent_root" / f"{module}.py").write_text(code)
     for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
         path.chmod(0o777)
-    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    standin = Standin(prefix, python, {"PATH": os.environ["PATH"], **env})
+    return work
+
+
+def run_as(
+    prefix: list[str], nobody: tuple[str, dict[str, str]], spec: isolate.EpisodeSpec, data: Any
+) -> dict[str, Any]:
+    """One episode of ``spec`` run by a trainer started with ``prefix`` (as nobody), ``ok``;
+    its outcome as JSON, once no process of it is left."""
+    python, env = nobody
+    done = subprocess.run(
+        [*prefix, python, "-c", RUN_SPEC, spec.model_dump_json(), json.dumps(data)],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(spec.cwd), **env},
+        cwd=spec.cwd,
+        timeout=120 * SLOW,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+    assert episode_processes(f"PID_DIR={spec.env['PID_DIR']}".encode()) == []
+    return outcome
+
+
+def nobody_spec(
+    work: Path, entrypoint: str, python: str, cwd: Path, **fields: Any
+) -> isolate.EpisodeSpec:
+    return isolate.EpisodeSpec(
+        agent_root=work / "agent_root",
+        entrypoint=entrypoint,
+        python=python,
+        timeout=60.0,
+        kill_grace=1.0,
+        cwd=cwd,
+        env={"PID_DIR": str(work / "pids")},
+        **fields,
+    )
+
+
+def test_an_unprivileged_trainers_episode_reaches_none_of_its_objects(
+    scratch: Path, nobody: tuple[str, dict[str, str]]
+) -> None:
+    work = nobody_root(scratch, "attack", ATTACK)
+    standin = Standin(AS_NOBODY, *nobody)
     key = 0x152_0000 + os.getpid() % 0xFFFF
     try:
-        data = attack_data(standin, scratch, key)
-        done = as_nobody(
-            [python, str(work / "parent.py"), str(work), json.dumps(data)],
-            cwd=work,
-            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-            timeout=120 * SLOW,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outcome = json.loads(done.stdout.splitlines()[-1])
-        assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
-        found = outcome["info"]
+        spec = nobody_spec(work, "attack:run", nobody[0], scratch, containment="pidns")
+        found = run_as(AS_NOBODY, nobody, spec, attack_data(standin, scratch, key))["info"]
         assert "shm read" not in found
         assert refused(found, root=False) == REFUSED
         assert key not in host_ipc_keys()
-        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
     finally:
         remove_ipc(key)
         standin.close()
 
 
 def test_an_episode_cannot_leave_for_its_unprivileged_trainers_delegated_cgroup(
-    scratch: Path,
+    scratch: Path, nobody: tuple[str, dict[str, str]]
 ) -> None:
     # The trainer runs as nobody in a cgroup delegated to it (its cgroup.procs is nobody's):
     # without a cgroup namespace, any process of nobody's below it may move itself up there,
     # out of its episode's leaf and its limits, and outlive the episode.
     needs("cgroup")
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    found_python = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
     delegated = own_cgroup() / f"isolate-test-delegated-{uuid.uuid4().hex[:12]}"
     delegated.mkdir()
-    work = scratch / "work"
+    # Into the delegated cgroup as root, then as nobody from there.
+    enter = ["sh", "-c", ENTER, str(delegated), *AS_NOBODY]
     try:
         for path in (delegated, *(delegated / n for n in DELEGATED_FILES)):
             os.chown(path, NOBODY, NOBODY)
         # The control: a process of nobody's in a cgroup below moves itself up.
-        prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
         control = subprocess.run(
-            ["sh", "-c", ENTER, str(delegated), *prefix, "sh", "-c", CONTROL_MOVE, "-"],
+            [*enter, "sh", "-c", CONTROL_MOVE, "-"],
             capture_output=True,
             text=True,
             timeout=30 * SLOW,
         )
         assert control.stdout.split() == ["moved"], control.stderr
-        for sub in ("agent_root", "pids"):
-            (work / sub).mkdir(parents=True)
-        (work / "agent_root" / "attack.py").write_text(ATTACK)
-        (work / "parent.py").write_text(UNPRIVILEGED_PARENT)
-        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
-            path.chmod(0o777)
+        work = nobody_root(scratch, "attack", ATTACK)
         standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
         key = 0x153_0000 + os.getpid() % 0xFFFF
         try:
             data = {
                 **attack_data(standin, scratch, key),
-                "containment": "cgroup+pidns",
                 "cgroup_procs": str(delegated / "cgroup.procs"),
                 "cgroup_dir": str(delegated),
             }
-            # Into the delegated cgroup as root, then the trainer as nobody from there.
-            command = [python, str(work / "parent.py"), str(work), json.dumps(data)]
-            done = subprocess.run(
-                ["sh", "-c", ENTER, str(delegated), *prefix, *command],
-                capture_output=True,
-                text=True,
-                cwd=work,
-                env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-                timeout=120 * SLOW,
-            )
-            assert done.returncode == 0, done.stderr[-3000:]
-            outcome = json.loads(done.stdout.splitlines()[-1])
-            assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+            spec = nobody_spec(work, "attack:run", nobody[0], work, containment="cgroup+pidns")
+            outcome = run_as(enter, nobody, spec, data)
             assert outcome["containment"] == "cgroup+pidns"
-            found = outcome["info"]
-            assert refused(found, root=False) == REFUSED
+            assert refused(outcome["info"], root=False) == REFUSED
             assert (delegated / "cgroup.procs").read_text() == ""  # nothing moved up
-            assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
         finally:
             remove_ipc(key)
             standin.close()
@@ -618,64 +598,27 @@ async def test_under_the_sandbox_the_trainers_files_are_a_read_only_view(
         standin.close()
 
 
-VIEW_PARENT = """
-import anyio, json, os, sys
-import isolate
-
-work, data = sys.argv[1], json.loads(sys.argv[2])
-
-async def main():
-    spec = isolate.EpisodeSpec(
-        agent_root=os.path.join(work, "agent_root"), entrypoint="view_attack:run",
-        containment="auto", timeout=60.0, kill_grace=1.0, cwd=os.path.join(work, "cwd"),
-        env={"PID_DIR": os.path.join(work, "pids")}, sandbox=isolate.Sandbox(),
-    )
-    outcome = await isolate.run_episode(spec, data)
-    print(json.dumps(json.loads(outcome.model_dump_json())))
-
-anyio.run(main)
-"""
-
-
 def test_an_unprivileged_trainers_sandbox_is_a_read_only_view(
-    scratch: Path, trainer_file: Path
+    scratch: Path, trainer_file: Path, nobody: tuple[str, dict[str, str]]
 ) -> None:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    found_python = unprivileged_python(Path(isolate.__file__).resolve().parent.parent)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
     # The trainer's own file and folder: nobody may chmod them, as their owner.
     os.chown(trainer_file, NOBODY, NOBODY)
     os.chown(trainer_file.parent, NOBODY, NOBODY)
-    work = scratch / "work"
-    for sub in ("agent_root", "pids", "cwd"):
-        (work / sub).mkdir(parents=True)
-    (work / "agent_root" / "view_attack.py").write_text(VIEW_ATTACK)
-    (work / "parent.py").write_text(VIEW_PARENT)
-    for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
-        path.chmod(0o777)
+    work = nobody_root(scratch, "view_attack", VIEW_ATTACK)
+    (work / "cwd").mkdir()
     os.chown(work / "cwd", NOBODY, NOBODY)
-    prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    standin = Standin(prefix, python, {"PATH": os.environ["PATH"], **env})
+    standin = Standin(AS_NOBODY, *nobody)
     before = metadata(trainer_file), metadata(trainer_file.parent)
     try:
         data = {"target": str(trainer_file), "pty": standin.held["pty"]}
-        done = as_nobody(
-            [python, str(work / "parent.py"), str(work), json.dumps(data)],
-            cwd=work,
-            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-            timeout=120 * SLOW,
+        spec = nobody_spec(
+            work, "view_attack:run", nobody[0], work / "cwd", sandbox=isolate.Sandbox()
         )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outcome = json.loads(done.stdout.splitlines()[-1])
-        assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+        info = run_as(AS_NOBODY, nobody, spec, data)["info"]
         # chown to another user is EPERM before the mount is looked at, for an unprivileged one.
-        assert outcome["info"] == {**VIEW_REFUSED, "chown": outcome["info"]["chown"]}
-        assert outcome["info"]["chown"] in ("EROFS", "EPERM")
+        assert info == {**VIEW_REFUSED, "chown": info["chown"]}
+        assert info["chown"] in ("EROFS", "EPERM")
         assert (metadata(trainer_file), metadata(trainer_file.parent)) == before
-        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
     finally:
         standin.close()
 
