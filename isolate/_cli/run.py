@@ -293,7 +293,9 @@ class _Status:
             tree = shim.children(recursive=True)
         except psutil.Error:
             shim, tree = None, []
-        for proc in [shim, *tree]:
+        # The deepest first: the shim's death takes its namespace's processes with it, and
+        # one that died that way before its own signal would not be counted.
+        for proc in [*reversed(tree), shim]:
             if proc is None:
                 continue
             try:
