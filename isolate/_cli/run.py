@@ -293,11 +293,15 @@ class _Status:
             tree = shim.children(recursive=True)
         except psutil.Error:
             shim, tree = None, []
-        # The deepest first: the shim's death takes its namespace's processes with it, and
-        # one that died that way before its own signal would not be counted.
-        for proc in [*reversed(tree), shim]:
-            if proc is None:
-                continue
+        procs = [p for p in [*reversed(tree), shim] if p is not None]
+        for proc in procs:
+            # All stopped first: none reacts to another's death (an agent's clean-up that ends
+            # when its children do), and none dies with the shim's namespace uncounted.
+            try:
+                proc.suspend()
+            except psutil.Error:
+                pass
+        for proc in procs:  # the deepest first, the shim last
             try:
                 proc.kill()  # psutil checks the pid was not reused
             except psutil.Error:
