@@ -27,12 +27,7 @@ import os
 
 CLONE_NEWNS = 0x20000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
-MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
-# statvfs flags with the same meaning as mount flags. A remount must repeat those the mount
-# has (in a user namespace they are locked: leaving one out is EPERM).
-_KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
-_KEPT += ((1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 0x4000, 0x40000
 
 
 def enter(plan, landlock, world, c_call):
@@ -97,14 +92,7 @@ def _mount_one(mount, op, path, world, c_call):
         problem = mount("/dev/null", path, None, MS_BIND)
     else:
         return "unknown mount operation"
-    if problem is not None:
-        return problem
-    kept = os.statvfs(path).f_flag
-    flags = MS_BIND | MS_REMOUNT | MS_RDONLY
-    for bit, flag in _KEPT:
-        if kept & bit:
-            flags |= flag
-    return mount(None, path, None, flags)
+    return problem or world.remount_read_only(mount, path)
 
 
 def _read_only_view(top, world, c_call):

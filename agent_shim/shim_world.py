@@ -41,6 +41,11 @@ LINKS = (
     ("ptmx", "pts/ptmx"),
 )
 QUIET = MS_NOSUID | MS_NODEV | MS_NOEXEC
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs flags with the same meaning as mount flags. A remount must repeat those the mount
+# has (in a user namespace they are locked: leaving one out is EPERM).
+_KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
+_KEPT += ((1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
 # mount_setattr(2), Linux 5.12: the same number on x86_64 and aarch64.
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, ENOSYS = 442, -100, 0x8000, 38
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
@@ -86,8 +91,7 @@ def guard_kernel_files(mount, c_call):
     for path in READ_ONLY_PROC:
         if os.path.lexists(path):
             target = path.encode()
-            problem = mount(target, target, None, MS_BIND)
-            problem = problem or mount(None, target, None, MS_BIND | MS_REMOUNT | QUIET | MS_RDONLY)
+            problem = mount(target, target, None, MS_BIND) or remount_read_only(mount, target)
             if problem is not None:
                 return problem
     for path in MASKED:
@@ -104,8 +108,19 @@ def guard_kernel_files(mount, c_call):
     problem = mount_setattr(c_call, "/sys", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
     if problem is not None and problem.endswith(os.strerror(ENOSYS)):
         # Before Linux 5.12: /sys itself; its submounts stay as they are.
-        return mount(None, b"/sys", None, MS_BIND | MS_REMOUNT | QUIET | MS_RDONLY)
+        return remount_read_only(mount, b"/sys")
     return problem
+
+
+def remount_read_only(mount, path):
+    """Make the mount at ``path`` read-only, repeating the flags it has; a problem or None.
+    ``mount``: a :func:`mounter`, or one like it taking ``path``'s type."""
+    kept = os.statvfs(path).f_flag
+    flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+    for bit, flag in _KEPT:
+        if kept & bit:
+            flags |= flag
+    return mount(None, path, None, flags)
 
 
 def mount_setattr(c_call, path, flags, attr_set, attr_clr):
