@@ -2,8 +2,8 @@
 
 Not part of the benchmark table. Four views:
 
-1. phases: timestamps around the launcher's steps (by wrapping methods of its parts in this
-   process only), median over N sequential no-op episodes;
+1. phases: timestamps around the launcher's stages (by wrapping its functions and methods of
+   its parts in this process only), median over N sequential no-op episodes;
 2. the child's imports: ``python -X importtime -I agent_shim/boot.py`` (no handshake: it stops
    right after its imports), top-level modules by cumulative time;
 3. whole episodes with other child programs (``_run_with_shim``), interleaved with the real
@@ -81,11 +81,11 @@ def _is_async(fn: Any) -> bool:
 
 
 def _instrument() -> None:
-    run = _launcher._Run
+    # The launcher's stages are module functions: wrapped there, they are called wrapped.
     _wrap(_launcher, "_prepare", "prepare", "prepared")  # the module's name for prepare()
-    _wrap(run, "_spawn", "spawn", "spawned")
+    _wrap(_launcher, "_spawn", "spawn", "spawned")
     _wrap(_child.Fresh, "wait_exit", None, "exit seen")
-    _wrap(run, "_close", "close", None)
+    _wrap(_launcher, "_close_child", "close", None)
     on_frame = _frames.Frames._frame
 
     def frame_stamp(self: Any, frame: Any) -> None:

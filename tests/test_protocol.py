@@ -1324,9 +1324,8 @@ def flood_frames(notes: list[str]) -> _frames.Frames:
         max_frame_bytes=1 << 20,
         max_info_bytes=1 << 16,
         containment="session",
+        network=None,
         note=notes.append,
-        on_hello=lambda: None,
-        on_net=lambda: None,
     )
 
 

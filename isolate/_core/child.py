@@ -11,7 +11,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -124,23 +123,21 @@ class Launch:
 
 
 def start(
-    launch: Launch,
-    template: _templates.Template | None,
-    episode_id: str,
-    on_template_gone: Callable[[str], None],
-) -> tuple[Child, int]:
+    launch: Launch, template: _templates.Template | None, episode_id: str
+) -> tuple[Child, int, str | None]:
     """Start the shim: forked from ``template`` when there is one and it forks, else fresh.
-    Returns the child and the parent's end of its socket; blocking (run it in a worker thread:
-    fork+exec of a big parent must not stall the event loop). ``on_template_gone`` gets the
-    reason a template could not fork; OSError from ``subprocess`` goes on."""
+    Returns the child, the parent's end of its socket, and why the template could not fork
+    (None when it did, or there was none); blocking (run it in a worker thread: fork+exec of a
+    big parent must not stall the event loop). OSError from ``subprocess`` goes on."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child: Fresh | _templates.Forked | None = None
+    gone = None
     try:
         if template is not None:
             try:
                 child = template.fork(episode_id, theirs.fileno())
             except _templates.TemplateGone as exc:
-                on_template_gone(str(exc))
+                gone = str(exc)
         if child is None:
             child = Fresh(
                 subprocess.Popen(
@@ -164,7 +161,7 @@ def start(
     channel = ours.detach()
     for fd in (channel, child.stderr_fd()):
         os.set_blocking(fd, False)
-    return child, channel
+    return child, channel, gone
 
 
 def move(child: Child, leaves: _containment.Leaves) -> None:
@@ -194,7 +191,7 @@ def into_template(
     if prep.leaves is not None:
         move(child, prep.leaves)
     old = prep.wall
-    if old is None or old.sandbox is None or template.wall.sandbox is None:
+    if old.sandbox is None or template.wall.sandbox is None:
         return prep
     try:
         wall = old.for_fork(req.spec, req.episode_id, template.wall)

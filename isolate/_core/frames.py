@@ -9,6 +9,7 @@ from collections.abc import Callable
 import anyio
 
 from . import protocol as proto
+from .netserve import EpisodeNetwork
 from .outcome import Cleanup
 from .redact import Redactor
 
@@ -42,21 +43,22 @@ class Frames:
         max_frame_bytes: int,
         max_info_bytes: int,
         containment: str,
+        network: EpisodeNetwork | None,
         note: Callable[[str], None],
-        on_hello: Callable[[], None],
-        on_net: Callable[[], str | None],
     ) -> None:
         self._nonce, self._redact, self._note = nonce, redact, note
         self._max_frame_bytes, self._max_info_bytes = max_frame_bytes, max_info_bytes
-        self._on_hello, self._on_net = on_hello, on_net
-        self.containment = containment  # what the shim must say it set up
+        self._containment = containment  # what the shim must say it set up
+        self._network = network  # takes the listeners that come with the ``net`` frame
         self.cap = proto.frame_cap(max_frame_bytes, max_info_bytes)
         self._splitter = proto.LineSplitter(self.cap)
         self.hello: proto.Hello | None = None
         self.hello_at: float | None = None  # time.monotonic() when it came
+        self.said_hello = anyio.Event()  # the shim is past its interpreter's start-up
         self.final: proto.Result | proto.Error | None = None
         self.done: proto.Done | None = None
-        #: How the agent's clean-up went, from its frame; "cut short" when it never said.
+        #: How the agent's clean-up went, from its frame; "cut short" when it never said
+        #: (:meth:`cut_short`).
         self.cleanup: Cleanup | None = None
         self.cleanup_seen = anyio.Event()
         self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
@@ -98,6 +100,12 @@ class Frames:
         if self._unnoted_violations:
             self._note(f"{self._unnoted_violations} more protocol violations")
             self._unnoted_violations = 0
+
+    def cut_short(self) -> None:
+        """The parent stopped waiting for the agent's clean-up frame: unless one came, the
+        clean-up is "cut short", and a later frame does not change that."""
+        if self.cleanup is None:
+            self.cleanup = "cut short"
 
     def violate(self, message: str) -> None:
         if len(self.violations) >= MAX_NOTED:
@@ -175,7 +183,10 @@ class Frames:
         elif isinstance(frame, proto.Sandboxed):
             self.sandbox_missing = frame.missing
         elif isinstance(frame, proto.Net):
-            problem = self._on_net()
+            if self._network is None:
+                problem: str | None = "a net frame, with no network asked for"
+            else:
+                problem = self._network.take()
             if problem is not None:
                 self.violate(problem)
         elif isinstance(frame, proto.Done):
@@ -186,9 +197,9 @@ class Frames:
     def _hello(self, frame: proto.Hello) -> None:
         if self.hello is not None:
             self.violate("a second hello frame")
-        elif frame.containment not in (None, self.containment):
-            level = f"{frame.containment!r}, not {self.containment!r}"
+        elif frame.containment not in (None, self._containment):
+            level = f"{frame.containment!r}, not {self._containment!r}"
             self.violate(f"the shim set up containment {level}")
         self.hello = frame
         self.hello_at = time.monotonic()
-        self._on_hello()
+        self.said_hello.set()

@@ -1,19 +1,31 @@
 """``run_episode``: one episode in one fresh process, and the whole tree back afterwards.
 
-The steps, each in a part of its own: admission (``admission``: the fd budget), preparation
-(``prepare``: paths, containment, sandbox, environment, handshake), the start (``child``: fresh
-or forked from a template), supervision (``supervise``, reading ``frames``), the verdict
-(``verdict``). :class:`_Run` holds them together, with the shielded clean-up in its
-``finally``.
+An episode is a pipeline of stages, each taking what the one before made and handing on a
+result that does not change afterwards:
+
+1. the arguments checked (``prepare.Request``);
+2. admitted (``admission``: its share of the fd budget, a :class:`~.admission.Ticket`);
+3. prepared (``prepare``: paths, containment, the wall, the network, a frozen ``Prepared``),
+   the log opened and the exec environment built (:class:`_st.Ready`);
+4. started (``child``: fresh, or forked from a template; the handshake under way), with the
+   frames reader and the supervisor made for it (:class:`_st.Started`);
+5. observed (``supervise`` reading ``frames``, each writing only what it owns);
+6. the verdict (``verdict``, a pure function of what was observed) and the outcome.
+
+What a stage holds (the admission ticket, the start gate, the leaves and the TMPDIR, the
+network, the child and its socket) goes on an exit stack as soon as it exists, and is released
+in reverse order, shielded from cancellation, before the verdict; the log and the ticket last,
+after the outcome is written into the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -21,22 +33,23 @@ from pydantic import SecretStr
 
 from . import admission as _admission
 from . import child as _child
-from . import protocol as _proto
 from . import sandbox as _sandbox
+from . import stages as _st
 from . import templates as _templates
 from . import verdict as _verdict
 from .config import EpisodeSpec
 from .episode_log import EpisodeLog
 from .errors import SetupProblem
 from .frames import Frames
-from .infra import infra_kind
-from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings
-from .prepare import Prepared, Request, exec_env
+from .outcome import EpisodeOutcome, ErrorInfo
+from .prepare import Prepared, Request, Unprepared, exec_env
 from .prepare import prepare as _prepare
 from .shim import boot_path
 from .supervise import Graces, Supervisor
 
 __all__ = ["run_episode"]
+
+_T = TypeVar("_T")
 
 
 async def run_episode(
@@ -70,7 +83,7 @@ async def run_episode(
     "cancelled after N s", unless a result came first) and the cancellation propagates.
     """
     req = Request.check(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
-    return await _Run(req).run(on_start, on_end)
+    return await _episode(req, boot_path(), on_start, on_end)
 
 
 async def _run_with_shim(
@@ -86,7 +99,7 @@ async def _run_with_shim(
 ) -> EpisodeOutcome:
     """Like :func:`run_episode` with another child program; for protocol tests and benches."""
     req = Request.check(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
-    return await _Run(req, shim).run(on_start, None)
+    return await _episode(req, shim, on_start, None)
 
 
 _STARTING: RunVar[anyio.CapacityLimiter] = RunVar("isolate_starting")
@@ -102,313 +115,272 @@ def _starting_gate() -> anyio.CapacityLimiter:
         return gate
 
 
-class _Run:
-    """One episode, from checked arguments to outcome: admit, prepare, start, supervise,
-    conclude, and whatever happens, clean up.
+class _Slot:
+    """A place at the start gate, held from the spawn to the shim's hello; released once.
 
-    What the child sends enters at two places only, and is scrubbed of the secrets there,
-    before anything keeps it: stderr in the supervisor, stdout in ``proto.parse_line`` (a
-    frame is built from the scrubbed object). Frames, log and outcome hold only scrubbed
-    data, so a field added to a frame is scrubbed without anyone thinking of it.
-    """
+    At most a few children between spawn and hello at once: 200 interpreters starting
+    together on 2 cores starve the event loop for seconds (p99 lag 1.1 s)."""
 
-    def __init__(self, req: Request, shim: Path | None = None) -> None:
-        self.req, self.spec = req, req.spec
-        self.shim = boot_path() if shim is None else shim
-        self.started = time.monotonic()
-        self.spawned = self.started  # the timeout counts from here
-        limits = self.spec.limits
-        self.log = EpisodeLog(self.spec.stderr_tail_bytes, limits.log_bytes if limits else None)
-        self.prep = Prepared()
-        self.frames = Frames(
-            nonce=req.nonce,
-            redact=req.redact,
-            max_frame_bytes=self.spec.max_frame_bytes,
-            max_info_bytes=self.spec.max_info_bytes,
-            containment=self.prep.containment,
-            note=self.log.note,
-            on_hello=self._open_gate,
-            on_net=lambda: self.prep.take_net(),  # a fork's, once handed on
-        )
-        self.env: dict[str, str] | None = None  # the shim's exec environment, once built
-        self.ticket: _admission.Ticket | None = None  # this episode's share of the fd budget
-        self.gate: anyio.CapacityLimiter | None = None  # held from spawn to hello
-        self.start_wait_s = 0.0
-        self.asked_template = False
-        self.template: _templates.Template | None = None  # the one it was forked from
-        self.preload_refused: str | None = None  # why preload gave no template
-        self.child: _child.Child | None = None
-        self.channel: int | None = None  # our end of the socket that is the child's stdin+stdout
-        self.supervisor: Supervisor | None = None  # once the child is started
-        self.cancelled_at: float | None = None  # when the caller's cancellation arrived
-        self.cancelled_in_time = False  # a final frame had come by then
-        self.outcome: EpisodeOutcome | None = None  # once concluded
+    def __init__(self) -> None:
+        self._gate: anyio.CapacityLimiter | None = None
 
-    async def run(
-        self,
-        on_start: Callable[[int], object] | None,
-        on_end: Callable[[EpisodeOutcome], object] | None,
-    ) -> EpisodeOutcome:
-        try:
-            outcome = await self._run(on_start)
-        finally:
-            self.log.close()  # last: _finish writes its summary line into it
-            if self.ticket is not None:
-                self.ticket.release()  # every fd of the episode is closed now
-            # Also when a cancellation propagates: the caller still learns how the episode ended.
-            if on_end is not None and self.outcome is not None:
-                on_end(self.outcome)
-        return outcome
-
-    async def _run(self, on_start: Callable[[int], object] | None) -> EpisodeOutcome:
-        try:
-            try:
-                await self._set_up()
-            except SetupProblem as exc:
-                return self._finish("setup_error", ErrorInfo(type="SetupError", message=str(exc)))
-            if self.supervisor is None or self.child is None:
-                message = f"no template was ready within {self.spec.timeout:g} s"
-                return self._finish("timeout", ErrorInfo(type="EpisodeTimeout", message=message))
-            if on_start is not None:
-                on_start(self.child.pid)
-            await self.supervisor.run(self.spawned + self.spec.timeout)
-        except BaseException as exc:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                # The caller's cancellation ends the episode as a deadline would.
-                self.cancelled_at = time.monotonic()
-                self.cancelled_in_time = self.frames.final is not None
-            if self.supervisor is not None:
-                with anyio.CancelScope(shield=True):
-                    await self.supervisor.abort()
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._release()
-            if self.cancelled_at is not None:
-                self._conclude()  # for on_end: the cancellation goes on
-        return self._conclude()
-
-    # --- set-up -----------------------------------------------------------------------------
-
-    async def _set_up(self) -> None:
-        """Admission, preparation and the start; raises :class:`SetupProblem`."""
-        # Wait for this episode's fds to fit the open-file limit, instead of hitting EMFILE.
-        ticket = await _admission.admit(self.req.episode_id, _admission.episode_fds(self.spec))
-        self.ticket = ticket
-        await anyio.to_thread.run_sync(_prepare, self.req, self.shim, self.prep, self.log.note)
-        self.frames.containment = self.prep.containment
-        while True:  # a full fd table means: wait for room, retry
-            try:
-                if not await self._start():
-                    return  # no template in time: no process
-            except OSError as exc:
-                if not _admission.exhausted(exc):
-                    raise SetupProblem(
-                        f"cannot start interpreter {self.spec.python!r}: {exc.strerror or exc}"
-                    ) from None
-                self._open_gate()
-                problem = await ticket.starved(exc, self.spec.timeout)
-                if problem is not None:
-                    raise SetupProblem(problem) from None
-                continue
-            self.spawned = time.monotonic()
-            ticket.started()
-            return
-
-    async def _start(self) -> bool:
-        """Open the log, find the template, spawn the shim; False when no template came in
-        time. OSError goes on (EMFILE: the caller waits for room and calls again)."""
-        await anyio.to_thread.run_sync(self._open_log)
-        assert self.env is not None
-        if self.spec.preload and not self.asked_template:
-            self.asked_template = True  # once: a retry after EMFILE does not ask again
-            with anyio.move_on_after(self.spec.timeout) as scope:
-                self.template = await _templates.acquire(
-                    self.spec,
-                    self.env,
-                    self.prep.agent_root,
-                    self.prep.containment,
-                    self.log.note,
-                    self._fresh_because,
-                )
-            if scope.cancelled_caught:
-                return False
-        # At most a few children between spawn and hello at once: 200 interpreters starting
-        # together on 2 cores starve the event loop for seconds (p99 lag 1.1 s).
-        gate, waited = _starting_gate(), time.monotonic()
+    async def take(self) -> None:
+        gate = _starting_gate()
         await gate.acquire_on_behalf_of(self)
-        self.gate = gate  # only once held: a cancelled wait has nothing to release
-        self.start_wait_s += time.monotonic() - waited
-        await anyio.to_thread.run_sync(self._spawn)
-        return True
+        self._gate = gate  # only once held: a cancelled wait has nothing to release
 
-    def _open_log(self) -> None:
-        if self.spec.log_dir is not None:
-            self.log.open(self.spec.log_dir, self.req.episode_id)
-        if self.env is None:  # once, after the log is open: its first line names what is withheld
-            self.env, withheld = exec_env(self.req, self.prep)
-            if withheld is not None:
-                self.log.note(withheld)
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.release_on_behalf_of(self)
+            self._gate = None
 
-    def _spawn(self) -> None:
-        """Start the shim and hand it its episode; blocking, in a worker thread. Raises
-        SetupProblem (with the child killed)."""
-        assert self.env is not None
-        launch = _child.Launch(self.spec.python, self.shim, self.env, self.spec.cwd)
-        template = self.template
-        child, self.channel = _child.start(
-            launch, template, self.req.episode_id, self._template_gone
+
+# --- the pipeline -----------------------------------------------------------------------------
+
+
+async def _episode(
+    req: Request,
+    shim: Path,
+    on_start: Callable[[int], object] | None,
+    on_end: Callable[[EpisodeOutcome], object] | None,
+) -> EpisodeOutcome:
+    """The stages of one episode, then ``on_end``; the caller's cancellation goes on after."""
+    limits = req.spec.limits
+    log = EpisodeLog(req.spec.stderr_tail_bytes, limits.log_bytes if limits else None)
+    ep = _st.Episode(req, shim, time.monotonic(), log, [])
+    with contextlib.ExitStack() as kept:  # after the outcome: the log, and the fd budget
+        kept.callback(log.close)
+        outcome, cancelled = await _stages(ep, on_start, kept)
+    if on_end is not None:
+        on_end(outcome)  # also when a cancellation goes on: the caller learns how it ended
+    if cancelled is not None:
+        raise cancelled.exc
+    return outcome
+
+
+async def _stages(
+    ep: _st.Episode, on_start: Callable[[int], object] | None, kept: contextlib.ExitStack
+) -> tuple[EpisodeOutcome, _st.Cancelled | None]:
+    """Admit, prepare, start, observe; release what they hold; the outcome. A set-up problem
+    ends it before the release, as its own outcome; an unexpected error goes on."""
+    held = contextlib.AsyncExitStack()  # released before the verdict, shielded
+    held.callback(lambda: ep.log.keep_stderr(ep.req.redact.flush(), final=True))
+    reached: _st.Reached = None
+    cancelled = None
+    try:
+        # Wait for this episode's fds to fit the open-file limit, instead of hitting EMFILE.
+        reached = ticket = await _admission.admit(
+            ep.req.episode_id, _admission.episode_fds(ep.spec)
         )
-        self.child = child
-        if template is not None and self.template is not None:
-            self.log.note(f"forked from {template.name} (pid {child.pid})")
-        self.prep = _child.into_template(self.req, self.prep, child, template)
-        rest, tree = _child.hand_over(self.req, self.prep, self.env, child, self.channel)
-        graces = Graces(self.spec.timeout, self.spec.kill_grace, self.spec.cancel_grace)
-        self.supervisor = Supervisor(
-            child=child,
-            channel=self.channel,
-            tree=tree,
-            handshake=rest,
-            frames=self.frames,
-            log=self.log,
-            redact=self.req.redact,
-            graces=graces,
-            leaves=self.prep.leaves,
-            network=self.prep.network,
-        )
+        kept.callback(ticket.release)  # every fd of the episode is closed by then
+        reached = ready = await _ready(ep, ticket, held)
+        started = await _start(ep, ready, held)
+        if started is None:
+            message = f"no template was ready within {ep.spec.timeout:g} s"
+            late = ErrorInfo(type="EpisodeTimeout", message=message)
+            return _st.outcome(ep, _st.Seen.of(reached), "timeout", late), None
+        reached = started
+        cancelled = await _observe(ep, started, on_start)
+    except SetupProblem as exc:
+        problem = ErrorInfo(type="SetupError", message=str(exc))
+        shown = exc.containment if isinstance(exc, Unprepared) else "session"
+        seen = _st.Seen.of(reached, exc)
+        return _st.outcome(ep, seen, "setup_error", problem, containment=shown), None
+    except anyio.get_cancelled_exc_class() as exc:
+        cancelled = _st.Cancelled(time.monotonic(), False, exc)  # before the start: no frame
+    finally:
+        with anyio.CancelScope(shield=True):
+            await held.aclose()
+    seen = _st.Seen.of(reached)
+    observed = _st.observed(ep, seen, cancelled)
+    status, error, reward, info, reason = _verdict.conclude(observed)
+    return _st.outcome(ep, seen, status, error, (reward, info, reason), observed), cancelled
 
-    def _template_gone(self, reason: str) -> None:
-        # The next episode starts a new template; this one need not wait for it.
-        self.log.note(f"{reason}; this episode starts fresh")
-        self._fresh_because(reason)
-        self.template = None
 
-    def _fresh_because(self, reason: str) -> None:
-        self.preload_refused = self.req.redact.text(reason)
+async def _ready(
+    ep: _st.Episode, ticket: _admission.Ticket, held: contextlib.AsyncExitStack
+) -> _st.Ready:
+    """Prepare, in a worker thread; its leaves, TMPDIR and network go on ``held``. Raises
+    :class:`SetupProblem`."""
+    prep = await anyio.to_thread.run_sync(_prepare, ep.req, ep.shim, ep.log.note)
+    held.push_async_callback(_release_wall, ep, prep)
+    held.callback(prep.close_network, ep.log.note)
+    return _st.Ready(ticket, prep)
 
-    def _open_gate(self) -> None:
-        """Let the next episode start: this one is past its interpreter's start-up."""
-        if self.gate is not None:
-            self.gate.release_on_behalf_of(self)
-            self.gate = None
 
-    # --- clean-up ---------------------------------------------------------------------------
+async def _start(
+    ep: _st.Episode, ready: _st.Ready, held: contextlib.AsyncExitStack
+) -> _st.Started | None:
+    """The log opened and the exec environment built, the template (when preloading), a place
+    at the start gate, then the spawn; None when no template came in time. Raises
+    :class:`SetupProblem`."""
+    env = await _retrying(
+        ep, ready.ticket, lambda: anyio.to_thread.run_sync(_open_log, ep, ready.prep)
+    )
+    template = None
+    if ep.spec.preload:
+        with anyio.move_on_after(ep.spec.timeout) as scope:
+            template = await _templates.acquire(
+                ep.spec,
+                env,
+                ready.prep.agent_root,
+                ready.prep.containment,
+                ep.log.note,
+                lambda reason: ep.refused.append(ep.req.redact.text(reason)),
+            )
+        if scope.cancelled_caught:
+            return None
+    frames = Frames(
+        nonce=ep.req.nonce,
+        redact=ep.req.redact,
+        max_frame_bytes=ep.spec.max_frame_bytes,
+        max_info_bytes=ep.spec.max_info_bytes,
+        containment=ready.prep.containment,
+        network=ready.prep.network,
+        note=ep.log.note,
+    )
+    waited = 0.0
 
-    async def _release(self) -> None:
-        """Close what the parent holds, remove the leaves and the sandbox's TMPDIR."""
-        self._open_gate()
-        self._close()
-        leaves = self.prep.leaves
-        if leaves is not None:
-            problem = self.supervisor.leaves_problem if self.supervisor is not None else None
-            if leaves.dirs:  # not yet removed by the supervisor
-                problem = await anyio.to_thread.run_sync(leaves.remove)
+    async def spawn() -> _st.Started:
+        nonlocal waited
+        slot, since = _Slot(), time.monotonic()
+        await slot.take()
+        held.callback(slot.release)
+        waited += time.monotonic() - since
+        try:
+            return await anyio.to_thread.run_sync(
+                _spawn, ep, ready, (env, template), frames, (slot, waited), held
+            )
+        except OSError:
+            slot.release()  # while it waits for room, others may start
+            raise
+
+    started = await _retrying(ep, ready.ticket, spawn)
+    ready.ticket.started()
+    return started
+
+
+async def _retrying(
+    ep: _st.Episode, ticket: _admission.Ticket, attempt: Callable[[], Awaitable[_T]]
+) -> _T:
+    """``attempt()``, again after each failure for a full fd table, once there is room; any
+    other OSError, and a wait for room that is given up, is a :class:`SetupProblem`."""
+    while True:
+        try:
+            return await attempt()
+        except OSError as exc:
+            if not _admission.exhausted(exc):
+                raise SetupProblem(
+                    f"cannot start interpreter {ep.spec.python!r}: {exc.strerror or exc}"
+                ) from None
+            problem = await ticket.starved(exc, ep.spec.timeout)
             if problem is not None:
-                self.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
-        if self.prep.sandbox is not None:
-            await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, self.prep.sandbox.tmpdir)
-
-    def _close(self) -> None:
-        self.frames.note_counts()  # when stdout never reached its EOF
-        if self.channel is not None:
-            os.close(self.channel)
-            self.channel = None
-        if self.child is not None:
-            self.child.close()
-        self.log.keep_stderr(self.req.redact.flush(), final=True)
-        self.prep.close_network(self.log.note)
-
-    # --- the outcome ------------------------------------------------------------------------
-
-    def _conclude(self) -> EpisodeOutcome:
-        observed = self._observed()
-        status, error, reward, info, reason = _verdict.conclude(observed)
-        return self._finish(status, error, reward, info, reason, observed)
-
-    def _observed(self) -> _verdict.Observed:
-        child, sup, frames = self.child, self.supervisor, self.frames
-        if self.cancelled_at is not None:
-            timed_out = not self.cancelled_in_time
-        else:
-            timed_out = sup is not None and sup.timed_out
-        return _verdict.Observed(
-            python=self.spec.python,
-            timeout=self.spec.timeout,
-            limits=self.spec.limits,
-            violations=tuple(frames.violations),
-            hello=frames.hello,
-            final=frames.final,
-            done=frames.done,
-            timed_out=timed_out,
-            cancelled_after=(
-                self.cancelled_at - self.started if self.cancelled_at is not None else None
-            ),
-            returncode=child.returncode if child is not None else None,
-            status_known=child.status_known if child is not None else True,
-            last_line=_verdict.last_line(self.log.tail.value()),
-            oom_kills=sup.oom_kills if sup is not None else None,
-            pids_limit_hits=sup.pids_limit_hits if sup is not None else 0,
-        )
-
-    def _finish(
-        self,
-        status: Status,
-        error: ErrorInfo | None,
-        reward: float | dict[str, float] | None = None,
-        info: Any = None,
-        reason: str | None = None,
-        observed: _verdict.Observed | None = None,
-    ) -> EpisodeOutcome:
-        child, sup, frames = self.child, self.supervisor, self.frames
-        exit_code, sig = (
-            _verdict.exit_of(observed or self._observed()) if child is not None else (None, None)
-        )
-        killed = sup.killed if sup is not None else 0
-        if frames.done is not None and not (sup is not None and sup.swept_live):
-            killed += frames.done.killed
-        hello = frames.hello
-        outcome = EpisodeOutcome(
-            status=status,
-            reward=reward,
-            info=info,
-            exit_code=exit_code,
-            signal=sig,
-            pid=child.pid if child is not None else None,
-            duration_s=time.monotonic() - self.started,
-            stderr_tail=self.log.tail.value().decode("utf-8", "replace"),
-            log_path=self.log.path,
-            error=error,
-            killed=killed,
-            episode_id=self.req.episode_id,
-            containment=(hello.containment or "session") if hello else self.prep.containment,
-            reason=reason,
-            oom_kills=sup.oom_kills if sup is not None else None,
-            timings=self._timings(),
-            cleanup=frames.cleanup,
-            sandbox=self.prep.report(self.frames.sandbox_missing, self.req.redact),
-            start="template" if self.template is not None else "fresh",
-            preload_refused=self.preload_refused,
-            infra=_infra_of(status, frames.final, error),
-        )
-        self.log.summary(outcome.summary())
-        self.outcome = outcome
-        return outcome
-
-    def _timings(self) -> Timings:
-        hello_at = self.frames.hello_at
-        return Timings(
-            admission_s=self.ticket.wait_s if self.ticket is not None else 0.0,
-            start_wait_s=self.start_wait_s,
-            start_s=hello_at - self.spawned if hello_at is not None else None,
-        )
+                raise SetupProblem(problem) from None
 
 
-def _infra_of(
-    status: Status, final: _proto.Result | _proto.Error | None, error: ErrorInfo | None
-) -> str | None:
-    """The outcome's ``infra``: only an ``agent_error`` can be the infrastructure's."""
-    if status != "agent_error":
-        return None
-    at_call = isinstance(final, _proto.Error) and final.at_call
-    return infra_kind(error, at_call)
+def _open_log(ep: _st.Episode, prep: Prepared) -> dict[str, str]:
+    """Open the log, then build the exec environment: the log's first line names what it
+    withholds. Blocking; OSError for a full fd table goes on."""
+    if ep.spec.log_dir is not None:
+        ep.log.open(ep.spec.log_dir, ep.req.episode_id)
+    env, withheld = exec_env(ep.req, prep)
+    if withheld is not None:
+        ep.log.note(withheld)
+    return env
+
+
+def _spawn(
+    ep: _st.Episode,
+    ready: _st.Ready,
+    how: tuple[dict[str, str], _templates.Template | None],
+    frames: Frames,
+    gate: tuple[_Slot, float],
+    held: contextlib.AsyncExitStack,
+) -> _st.Started:
+    """Start the shim and hand it its episode; blocking, in a worker thread. What it makes
+    goes on ``held`` at once. ``gate``: its place at the start gate, and how long it waited
+    for it; ``how``: the exec environment, and the template to fork from. Raises
+    :class:`~.stages.StartFailed` (with the child killed)."""
+    (env, template), (slot, waited) = how, gate
+    launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
+    child, channel, gone = _child.start(launch, template, ep.req.episode_id)
+    held.callback(_close_child, frames, child, channel)
+    if gone is not None:
+        # The next episode starts a new template; this one need not wait for it.
+        ep.log.note(f"{gone}; this episode starts fresh")
+        ep.refused.append(ep.req.redact.text(gone))
+    elif template is not None:
+        ep.log.note(f"forked from {template.name} (pid {child.pid})")
+    try:
+        prep = _child.into_template(ep.req, ready.prep, child, template)
+        if prep is not ready.prep and prep.sandbox is not None:
+            held.push_async_callback(_remove_tmpdir, prep.sandbox.tmpdir)  # the fork's own
+        rest, tree = _child.hand_over(ep.req, prep, env, child, channel)
+    except SetupProblem as exc:
+        raise _st.StartFailed(str(exc), child) from None
+    spec = ep.spec
+    supervisor = Supervisor(
+        child=child,
+        channel=channel,
+        tree=tree,
+        handshake=rest,
+        frames=frames,
+        log=ep.log,
+        redact=ep.req.redact,
+        graces=Graces(spec.timeout, spec.kill_grace, spec.cancel_grace),
+        leaves=prep.leaves,
+        network=prep.network,
+        at_hello=slot.release,
+    )
+    forked = isinstance(child, _templates.Forked)
+    return _st.Started(ready, prep, child, forked, frames, supervisor, time.monotonic(), waited)
+
+
+async def _observe(
+    ep: _st.Episode, started: _st.Started, on_start: Callable[[int], object] | None
+) -> _st.Cancelled | None:
+    """Supervise the started episode to its end; the caller's cancellation, when it came
+    (the episode is then ended as a deadline would end it). An unexpected error goes on,
+    once the tree is torn down."""
+    supervisor = started.supervisor
+    try:
+        if on_start is not None:
+            on_start(started.child.pid)
+        await supervisor.run(started.spawned + ep.spec.timeout)
+    except BaseException as exc:
+        cancelled = None
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            cancelled = _st.Cancelled(time.monotonic(), started.frames.final is not None, exc)
+        with anyio.CancelScope(shield=True):
+            await supervisor.abort()
+        if cancelled is None:
+            raise
+        return cancelled
+    leaves, problem = started.prep.leaves, supervisor.leaves_problem
+    if leaves is not None and problem is not None and not leaves.dirs:  # else the release says
+        ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
+    return None
+
+
+# --- the release ------------------------------------------------------------------------------
+
+
+def _close_child(frames: Frames, child: _child.Child, channel: int) -> None:
+    frames.note_counts()  # when stdout never reached its EOF
+    os.close(channel)
+    child.close()
+
+
+async def _release_wall(ep: _st.Episode, prep: Prepared) -> None:
+    """Remove the leaves (unless the supervisor did) and the sandbox's TMPDIR."""
+    leaves = prep.leaves
+    if leaves is not None and leaves.dirs:  # not yet removed by the supervisor
+        problem = await anyio.to_thread.run_sync(leaves.remove)
+        if problem is not None:
+            ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
+    if prep.sandbox is not None:
+        await _remove_tmpdir(prep.sandbox.tmpdir)
+
+
+async def _remove_tmpdir(path: str) -> None:
+    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, path)

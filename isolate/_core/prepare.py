@@ -9,7 +9,7 @@ import os
 import re
 import secrets as _secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,38 +88,36 @@ def default_episode_id(data: Any) -> str:
     return f"{stem}.{_secrets.token_hex(4)}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare` made, filled step by step: after a :class:`SetupProblem` it holds
-    what must still be removed (the wall's leaves and TMPDIR)."""
+    """What :func:`prepare` made: the checked paths, the resolved containment and the wall
+    built for it. Its wall's leaves and TMPDIR, and its network, are the caller's to remove."""
 
-    agent_root: str | None = None
-    containment: str = "session"  # the combination, once resolved
-    rlimits: dict[str, list[int]] = field(default_factory=dict)
-    wall: _wall.Wall | None = None
-    network: EpisodeNetwork | None = None
+    agent_root: str | None
+    wall: _wall.Wall
+    network: EpisodeNetwork | None
+    rlimits: dict[str, list[int]]  # the wall's, with the fd limit the child gets
+
+    @property
+    def containment(self) -> str:
+        """The combination of layers, resolved."""
+        return self.wall.containment
 
     @property
     def layers(self) -> tuple[str, ...]:
-        return _containment.layers(self.containment)
+        return self.wall.layers
 
     @property
     def userns(self) -> bool | None:
-        return self.wall.userns if self.wall is not None else None
+        return self.wall.userns
 
     @property
     def leaves(self) -> _containment.Leaves | None:
-        return self.wall.leaves if self.wall is not None else None
+        return self.wall.leaves
 
     @property
     def sandbox(self) -> _sandbox.PreparedSandbox | None:
-        return self.wall.sandbox if self.wall is not None else None
-
-    def take_net(self) -> str | None:
-        """The worker's ``net`` frame came: take its listeners; a violation, or None."""
-        if self.network is None:
-            return "a net frame, with no network asked for"
-        return self.network.take()
+        return self.wall.sandbox
 
     def close_network(self, note: Callable[[str], None]) -> None:
         """Close the listeners and the proxy's connections; say what was refused."""
@@ -138,16 +136,43 @@ class Prepared:
         return self.sandbox.report(shown, _sandbox.landlock_abi(), refused)
 
 
-def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None]) -> None:
+class Unprepared(SetupProblem):
+    """:func:`prepare` could not make what the episode needs; ``containment`` is the
+    combination resolved by then (``"session"`` when it failed before), for the outcome."""
+
+    def __init__(self, message: str, containment: str) -> None:
+        super().__init__(message)
+        self.containment = containment
+
+
+def prepare(req: Request, shim: Path, note: Callable[[str], None]) -> Prepared:
     """Check what can be checked before spawning, pick the containment, make the leaves and the
-    sandbox; blocking. Raises :class:`SetupProblem`."""
+    sandbox; blocking. Raises :class:`Unprepared`, with nothing of its own left behind."""
     spec = req.spec
+    containment = "session"
+    try:
+        agent_root = _check_paths(spec, shim)
+        # The combination, kept for the outcome even when its wall cannot be made.
+        containment, _ = _containment.resolve(spec.containment, spec.limits)
+        wall = _wall.make(spec, req.episode_id, containment)
+    except SetupProblem as exc:
+        raise Unprepared(str(exc), containment) from None
+    network = None
+    if wall.sandbox is not None and wall.sandbox.plan.network is not None:
+        network = EpisodeNetwork(wall.sandbox.plan.network, note)
+    rlimits = {name: list(pair) for name, pair in wall.rlimits.items()}
+    return Prepared(agent_root, wall, network, _admission.child_rlimits(rlimits))
+
+
+def _check_paths(spec: EpisodeSpec, shim: Path) -> str | None:
+    """The agent root, absolute; raises :class:`SetupProblem` for a path that cannot work."""
+    agent_root = None
     if spec.agent_root is not None:
         root = spec.agent_root.expanduser().absolute()
         if not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
             raise SetupProblem(f"agent root {root} {what}")
-        prep.agent_root = str(root)
+        agent_root = str(root)
     if spec.cwd is not None and not spec.cwd.is_dir():
         raise SetupProblem(f"working directory {spec.cwd} does not exist")
     if os.sep in spec.python:
@@ -158,13 +183,7 @@ def prepare(req: Request, shim: Path, prep: Prepared, note: Callable[[str], None
             raise SetupProblem(f"interpreter {spec.python} is not an executable file")
     if not shim.is_file():
         raise SetupProblem(f"shim {shim} is missing from the installation")
-    # The combination, kept for the outcome even when its wall cannot be made.
-    prep.containment, _ = _containment.resolve(spec.containment, spec.limits)
-    prep.wall = _wall.make(spec, req.episode_id, prep.containment)
-    if prep.wall.sandbox is not None and prep.wall.sandbox.plan.network is not None:
-        prep.network = EpisodeNetwork(prep.wall.sandbox.plan.network, note)
-    rlimits = {name: list(pair) for name, pair in prep.wall.rlimits.items()}
-    prep.rlimits = _admission.child_rlimits(rlimits)
+    return agent_root
 
 
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
@@ -177,8 +196,7 @@ def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
         secret_values=req.secret_values(),
         delivered=req.secret_env,  # in the handshake, never in the exec environment
     )
-    if prep.wall is not None:  # the sandbox's TMPDIR: the only place it may write
-        env.update(prep.wall.temp_env())
+    env.update(prep.wall.temp_env())  # the sandbox's TMPDIR: the only place it may write
     return env, describe_withheld(withheld) if withheld else None
 
 
@@ -211,7 +229,7 @@ def handshake(
     wall = prep.wall
     # A template fork's sandbox, carved from the template's: the template's mounts are its
     # forks', and a fork can make none of its own.
-    carved = wall if wall is not None and wall.in_template else None
+    carved = wall if wall.in_template else None
     if prep.sandbox is not None:
         none_of_its_own = {"mounts": [], "unshare_mounts": False} if carved is not None else {}
         public["sandbox"] = {**prep.sandbox.handshake, **none_of_its_own}

@@ -75,10 +75,12 @@ class Supervisor:
         graces: Graces,
         leaves: _containment.Leaves | None,
         network: EpisodeNetwork | None,
+        at_hello: Callable[[], object],
     ) -> None:
         self.child, self.channel, self.tree = child, channel, tree
         self.frames, self.log, self.redact, self.graces = frames, log, redact, graces
         self.leaves, self.network = leaves, network
+        self._at_hello = at_hello  # once the shim said hello: its start-up is over
         self.handshake = handshake  # what is still to be written of it
         self.timed_out = False
         self.killed = 0  # what the parent's sweeps killed
@@ -96,6 +98,7 @@ class Supervisor:
         stdout_eof, stderr_eof = anyio.Event(), anyio.Event()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._write_handshake)
+            tg.start_soon(self._hello_seen)
             self._pumps(tg, stdout_eof, stderr_eof)
             if self.network is not None:
                 tg.start_soon(self.network.serve)
@@ -202,10 +205,9 @@ class Supervisor:
                 tg.start_soon(exited)
                 await self.frames.cleanup_seen.wait()
                 tg.cancel_scope.cancel()
-        if self.frames.cleanup is None:
-            # The shim did not say within the grace, or was killed (a second Ctrl-C) before it
-            # could: the agent was asked to clean up and was not seen to finish.
-            self.frames.cleanup = "cut short"
+        # Unless the shim said within the grace: it was killed (a second Ctrl-C) before it
+        # could, or did not answer; the agent was asked to clean up and was not seen to finish.
+        self.frames.cut_short()
 
     def _ask_cancel(self) -> bool:
         """Write the cancel request, when there is an agent to cancel; True once written."""
@@ -229,6 +231,10 @@ class Supervisor:
         self._cancel_until = time.monotonic() + grace + _CANCEL_MARGIN_S
         self.log.note(f"cancelling the agent; it has {grace:g} s to clean up")
         return True
+
+    async def _hello_seen(self) -> None:
+        await self.frames.said_hello.wait()
+        self._at_hello()
 
     # --- the pipes --------------------------------------------------------------------------
 
