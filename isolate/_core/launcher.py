@@ -147,7 +147,7 @@ async def _episode(
     """The stages of one episode, then ``on_end``; the caller's cancellation goes on after."""
     limits = req.spec.limits
     log = EpisodeLog(req.spec.stderr_tail_bytes, limits.log_bytes if limits else None)
-    ep = _st.Episode(req, shim, time.monotonic(), log, [])
+    ep = _st.Episode(req, shim, time.monotonic(), log)
     with contextlib.ExitStack() as kept:  # after the outcome: the log, and the fd budget
         kept.callback(log.close)
         outcome, cancelled = await _stages(ep, on_start, kept)
@@ -174,12 +174,13 @@ async def _stages(
         )
         kept.callback(ticket.release)  # every fd of the episode is closed by then
         reached = ready = await _ready(ep, ticket, held)
-        started = await _start(ep, ready, held)
-        if started is None:
+        chosen = await _choose(ep, ready)
+        if chosen is None:
             message = f"no template was ready within {ep.spec.timeout:g} s"
             late = ErrorInfo(type="EpisodeTimeout", message=message)
             return _st.outcome(ep, _st.Seen.of(reached), "timeout", late), None
-        reached = started
+        reached = chosen
+        reached = started = await _start(ep, chosen, held)
         cancelled = await _observe(ep, started, on_start)
     except SetupProblem as exc:
         problem = ErrorInfo(type="SetupError", message=str(exc))
@@ -208,35 +209,43 @@ async def _ready(
     return _st.Ready(ticket, prep)
 
 
-async def _start(
-    ep: _st.Episode, ready: _st.Ready, held: contextlib.AsyncExitStack
-) -> _st.Started | None:
-    """The log opened and the exec environment built, the template (when preloading), a place
-    at the start gate, then the spawn; None when no template came in time. Raises
-    :class:`SetupProblem`."""
+async def _choose(ep: _st.Episode, ready: _st.Ready) -> _st.Chosen | None:
+    """Open the log, build the exec environment, and with ``preload`` find the template;
+    None when no template came in time. Raises :class:`SetupProblem`."""
     env = await _retrying(
         ep, ready.ticket, lambda: anyio.to_thread.run_sync(_open_log, ep, ready.prep)
     )
-    template = None
-    if ep.spec.preload:
-        with anyio.move_on_after(ep.spec.timeout) as scope:
-            template = await _templates.acquire(
-                ep.spec,
-                env,
-                ready.prep.agent_root,
-                ready.prep.containment,
-                ep.log.note,
-                lambda reason: ep.refused.append(ep.req.redact.text(reason)),
-            )
-        if scope.cancelled_caught:
-            return None
+    if not ep.spec.preload:
+        return _st.Chosen(ready, env, None, None)
+    refused: list[str] = []
+    with anyio.move_on_after(ep.spec.timeout) as scope:
+        template = await _templates.acquire(
+            ep.spec,
+            env,
+            ready.prep.agent_root,
+            ready.prep.containment,
+            ep.log.note,
+            refused.append,
+        )
+    if scope.cancelled_caught:
+        return None
+    why = ep.req.redact.text(refused[-1]) if refused else None
+    return _st.Chosen(ready, env, template, why)
+
+
+async def _start(
+    ep: _st.Episode, chosen: _st.Chosen, held: contextlib.AsyncExitStack
+) -> _st.Started:
+    """``Frames`` built, a place at the start gate, then the spawn. Raises
+    :class:`SetupProblem`."""
+    prep = chosen.ready.prep
     frames = Frames(
         nonce=ep.req.nonce,
         redact=ep.req.redact,
         max_frame_bytes=ep.spec.max_frame_bytes,
         max_info_bytes=ep.spec.max_info_bytes,
-        containment=ready.prep.containment,
-        network=ready.prep.network,
+        containment=prep.containment,
+        network=prep.network,
         note=ep.log.note,
     )
     waited = 0.0
@@ -248,15 +257,13 @@ async def _start(
         held.callback(slot.release)
         waited += time.monotonic() - since
         try:
-            return await anyio.to_thread.run_sync(
-                _spawn, ep, ready, (env, template), frames, (slot, waited), held
-            )
+            return await anyio.to_thread.run_sync(_spawn, ep, chosen, frames, (slot, waited), held)
         except OSError:
             slot.release()  # while it waits for room, others may start
             raise
 
-    started = await _retrying(ep, ready.ticket, spawn)
-    ready.ticket.started()
+    started = await _retrying(ep, chosen.ready.ticket, spawn)
+    chosen.ready.ticket.started()
     return started
 
 
@@ -291,24 +298,23 @@ def _open_log(ep: _st.Episode, prep: Prepared) -> dict[str, str]:
 
 def _spawn(
     ep: _st.Episode,
-    ready: _st.Ready,
-    how: tuple[dict[str, str], _templates.Template | None],
+    chosen: _st.Chosen,
     frames: Frames,
     gate: tuple[_Slot, float],
     held: contextlib.AsyncExitStack,
 ) -> _st.Started:
     """Start the shim and hand it its episode; blocking, in a worker thread. What it makes
     goes on ``held`` at once. ``gate``: its place at the start gate, and how long it waited
-    for it; ``how``: the exec environment, and the template to fork from. Raises
-    :class:`~.stages.StartFailed` (with the child killed)."""
-    (env, template), (slot, waited) = how, gate
+    for it. Raises :class:`~.stages.StartFailed` (with the child killed)."""
+    (slot, waited), env, template, ready = gate, chosen.env, chosen.template, chosen.ready
+    refused = chosen.refused
     launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
     child, channel, gone = _child.start(launch, template, ep.req.episode_id)
     held.callback(_close_child, frames, child, channel)
     if gone is not None:
         # The next episode starts a new template; this one need not wait for it.
         ep.log.note(f"{gone}; this episode starts fresh")
-        ep.refused.append(ep.req.redact.text(gone))
+        refused = ep.req.redact.text(gone)
     elif template is not None:
         ep.log.note(f"forked from {template.name} (pid {child.pid})")
     try:
@@ -333,7 +339,8 @@ def _spawn(
         at_hello=slot.release,
     )
     forked = isinstance(child, _templates.Forked)
-    return _st.Started(ready, prep, child, forked, frames, supervisor, time.monotonic(), waited)
+    spawned = time.monotonic()
+    return _st.Started(chosen, prep, child, forked, frames, supervisor, spawned, waited, refused)
 
 
 async def _observe(

@@ -13,6 +13,7 @@ from typing import Any
 from . import admission as _admission
 from . import child as _child
 from . import protocol as _proto
+from . import templates as _templates
 from . import verdict as _verdict
 from .config import EpisodeSpec
 from .episode_log import EpisodeLog
@@ -27,13 +28,12 @@ from .supervise import Supervisor
 @dataclass(frozen=True)
 class Episode:
     """What every stage reads: the request, the child program, when the episode began, and
-    the two sinks only the start stage and the log's own methods write to."""
+    the log (written through its own methods)."""
 
     req: Request
     shim: Path
     began: float
     log: EpisodeLog
-    refused: list[str]  # why preload gave no template (scrubbed), the last one counts
 
     @property
     def spec(self) -> EpisodeSpec:
@@ -49,10 +49,21 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Chosen:
+    """How the shim will start: the log open, its exec environment built, and the template to
+    fork it from (None: fresh)."""
+
+    ready: Ready
+    env: dict[str, str]
+    template: _templates.Template | None
+    refused: str | None  # why preload gave no template (scrubbed)
+
+
+@dataclass(frozen=True)
 class Started:
     """The shim running, fresh or forked, its handshake under way."""
 
-    ready: Ready
+    chosen: Chosen
     prep: Prepared  # what it runs with: a fork's wall is carved under its template's
     child: _child.Child
     forked: bool
@@ -60,6 +71,7 @@ class Started:
     supervisor: Supervisor
     spawned: float  # time.monotonic() at the start: the timeout counts from here
     start_wait_s: float  # at the start gate
+    refused: str | None  # why it did not start from a template (scrubbed), if one was asked
 
 
 @dataclass(frozen=True)
@@ -72,7 +84,7 @@ class Cancelled:
 
 
 #: How far an episode got: the last stage's result (None: not even admitted).
-Reached = _admission.Ticket | Ready | Started | None
+Reached = _admission.Ticket | Ready | Chosen | Started | None
 
 
 class StartFailed(SetupProblem):
@@ -94,14 +106,19 @@ class Seen:
     prep: Prepared | None = None
     child: _child.Child | None = None
     started: Started | None = None
+    refused: str | None = None
 
     @classmethod
     def of(cls, reached: Reached, failed: SetupProblem | None = None) -> Seen:
         if isinstance(reached, Started):
-            return cls(reached.ready.ticket, reached.prep, reached.child, reached)
+            ready = reached.chosen.ready
+            return cls(ready.ticket, reached.prep, reached.child, reached, reached.refused)
         child = failed.child if isinstance(failed, StartFailed) else None
+        if isinstance(reached, Chosen):
+            ready = reached.ready
+            return cls(ready.ticket, ready.prep, child, refused=reached.refused)
         if isinstance(reached, Ready):
-            return cls(reached.ticket, reached.prep, child)
+            return cls(reached.ticket, reached.prep)
         return cls(reached)
 
 
@@ -180,7 +197,7 @@ def outcome(
         cleanup=frames.cleanup if frames is not None else None,
         sandbox=prep.report(missing, ep.req.redact) if prep is not None else None,
         start="template" if started is not None and started.forked else "fresh",
-        preload_refused=ep.refused[-1] if ep.refused else None,
+        preload_refused=seen.refused,
         infra=_infra_of(status, final, error),
     )
     ep.log.summary(made.summary())
