@@ -110,6 +110,8 @@ class Seen:
 
     @classmethod
     def of(cls, reached: Reached, failed: SetupProblem | None = None) -> Seen:
+        """From the last stage reached; ``failed``: the set-up problem that ended the episode
+        there, which holds the child when one was made (and killed)."""
         if isinstance(reached, Started):
             ready = reached.chosen.ready
             return cls(ready.ticket, reached.prep, reached.child, reached, reached.refused)
@@ -123,6 +125,8 @@ class Seen:
 
 
 def observed(ep: Episode, seen: Seen, cancelled: Cancelled | None) -> _verdict.Observed:
+    """Everything the verdict depends on; ``cancelled``: the caller's cancellation, which
+    counts as the deadline unless a final frame had come by then."""
     started, child = seen.started, seen.child
     frames = started.frames if started is not None else None
     sup = started.supervisor if started is not None else None
