@@ -257,7 +257,7 @@ async def _start(
         held.callback(slot.release)
         waited += time.monotonic() - since
         try:
-            return await anyio.to_thread.run_sync(_spawn, ep, chosen, frames, (slot, waited), held)
+            return await anyio.to_thread.run_sync(_spawn, ep, chosen, frames, slot, waited, held)
         except OSError:
             slot.release()  # while it waits for room, others may start
             raise
@@ -300,13 +300,15 @@ def _spawn(
     ep: _st.Episode,
     chosen: _st.Chosen,
     frames: Frames,
-    gate: tuple[_Slot, float],
+    slot: _Slot,
+    waited: float,
     held: contextlib.AsyncExitStack,
 ) -> _st.Started:
     """Start the shim and hand it its episode; blocking, in a worker thread. What it makes
-    goes on ``held`` at once. ``gate``: its place at the start gate, and how long it waited
-    for it. Raises :class:`~.stages.StartFailed` (with the child killed)."""
-    (slot, waited), env, template, ready = gate, chosen.env, chosen.template, chosen.ready
+    goes on ``held`` at once. ``slot``: its place at the start gate, given back at hello;
+    ``waited``: how long it waited for one. Raises :class:`~.stages.StartFailed` (with the
+    child killed)."""
+    env, template, ready = chosen.env, chosen.template, chosen.ready
     refused = chosen.refused
     launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
     child, channel, gone = _child.start(launch, template, ep.req.episode_id)
