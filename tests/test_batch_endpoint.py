@@ -208,6 +208,56 @@ def test_an_endpoint_that_does_not_answer_stops_the_batch_before_any_record(
     assert not list(agents.pids.iterdir())
 
 
+def test_isolate_run_checks_the_endpoint_before_it_starts(agents: Agents, endpoint: Any) -> None:
+    """The check batch makes, for one episode: a ``--base-url``, a record's ``base_url`` and
+    a replayed bundle's endpoint that do not answer stop ``isolate run`` in one line, exit 2,
+    nothing started; ``--no-endpoint-check`` starts anyway."""
+    (agents.root / "cli_agent.py").write_text(textwrap.dedent(AGENT))
+    one = agents.tmp / "one.json"
+    one.write_text(json.dumps(record(agents, "u-1")))
+    gone = endpoint()
+    url, port = gone.url, gone.port
+    gone.stop()
+    argv = ["run", str(one), "--agent-root", str(agents.root), "--entrypoint", "cli_agent:net"]
+    argv += ["--log-dir", str(agents.logs), "--kill-grace", "0.2"]
+    proc = isolate_cli(*argv, "--base-url", url)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"isolate: error: --base-url {url} does not answer (no connection: Connection refused); "
+        "nothing was run (--no-endpoint-check starts anyway)"
+    ]
+    assert proc.stdout == ""
+    assert not agents.logs.exists()
+    assert not list(agents.pids.iterdir())
+
+    own = agents.tmp / "own.json"
+    own.write_text(json.dumps({**record(agents, "u-2"), "base_url": url}))
+    proc = isolate_cli(*[str(own) if a == str(one) else a for a in argv])
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f'isolate: error: the record\'s "base_url" {url} does not answer (no connection: '
+        "Connection refused); nothing was run (--no-endpoint-check starts anyway)"
+    ]
+
+    proc = isolate_cli(*argv, "--base-url", url, "--no-endpoint-check")
+    assert proc.returncode == 10, proc.stderr  # the agent ran, and could not reach it
+    assert json.loads(proc.stdout)["infra"] == "endpoint unreachable"
+
+    back = endpoint(port=port)  # the endpoint is back, where it was
+    proc = isolate_cli(*argv, "--base-url", url)
+    assert proc.returncode == 0, proc.stderr
+    assert (back.paths[0], back.pings()) == ("/v1", ["u-1"])  # the check, then the episode
+    bundle = proc.stderr.split("isolate run --replay ")[1].split()[0]
+    back.stop()
+    replay = isolate_cli("run", "--replay", bundle)
+    assert replay.returncode == 2
+    assert replay.stderr.splitlines() == [
+        f"isolate: error: the bundle's override_base_url {url} does not answer (no "
+        "connection: Connection refused); nothing was run (--no-endpoint-check starts anyway)"
+    ]
+    assert back.pings() == ["u-1"]
+
+
 @pytest.mark.parametrize(
     ("entry", "extra", "why"),
     [
