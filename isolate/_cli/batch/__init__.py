@@ -104,6 +104,14 @@ def _run_options(run: argparse._ArgumentGroup) -> None:
         help="extra attempts for infrastructure failures (a Ray worker or node lost, the "
         "driver stopped mid-attempt), apart from --retries (default 3)",
     )
+    run.add_argument(
+        "--infra-runs",
+        type=count,
+        default=3,
+        metavar="N",
+        help="runs of this results file that an endpoint or entrypoint-signature failure may "
+        "end for a record before it is final (default 3)",
+    )
     run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
     run.add_argument(
         "--rerun",
@@ -274,7 +282,9 @@ def batch_command(args: argparse.Namespace) -> int:
 
     _check_options(args)
     rerun = frozenset((args.rerun or "").split(",")) - {""}
-    policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra, rerun)
+    policy = RetryPolicy(
+        args.retries, args.retry_timeouts, args.retries_infra, rerun, args.infra_runs
+    )
     plan = RecordPlan(args)
     records = _load(args, plan)
     try:
