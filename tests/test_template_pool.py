@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import anyio
@@ -13,10 +16,18 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
+from isolate._core import sandbox as _sandbox
 from isolate._core import templates as _templates
 
-from .conftest import Agents, episode_processes, is_gone, wait_for, wait_until
-from .test_templates import template_processes
+from .conftest import (
+    Agents,
+    episode_processes,
+    is_gone,
+    remove_dead_parents_leaves,
+    wait_for,
+    wait_until,
+)
+from .test_templates import TEMP_AGENT, template_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -175,3 +186,44 @@ async def test_park_says_why_no_template_can_be_used(agents: Agents) -> None:
     with pytest.raises(isolate.IsolateError, match="park: no template for this spec: cannot"):
         await isolate.park(spec, 2)
     await wait_until(lambda: not template_processes(agents))
+
+
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+async def test_sandboxed_episodes_from_parked_forks(agents: Agents) -> None:
+    spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
+    await isolate.park(spec, 2)
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(3)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        assert outcome.info["env"] == outcome.info["tempfile"]  # its own, not the template's
+    assert len({o.info["env"] for o in outcomes}) == 3
+
+
+PARENT = """
+import anyio, isolate, os, sys
+async def main():
+    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+    await isolate.park(spec, 2)
+    open(sys.argv[2], "w").close()
+    await anyio.sleep(300)
+anyio.run(main)
+"""
+
+
+def test_the_parents_death_ends_its_parked_forks(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    ready = agents.tmp / "parked"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json(), str(ready)]
+    )
+    try:
+        wait_for(ready.exists, 20.0, "the forks to be parked")
+        seen = episode_processes(f"PID_DIR={agents.pids}".encode())
+        assert len(seen) >= 5  # the template (three processes) and two parked forks
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in seen), 3.0, "all to die")
+    finally:
+        parent.kill()
+        parent.wait()
+    remove_dead_parents_leaves()
