@@ -334,9 +334,10 @@ async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
 
 def _resize(template: Template, n: int, name: str) -> Pool:
     """Keep ``n`` forks of ``template`` parked; blocking. Its fds are counted by the caller."""
-    pool = template.pool
-    if pool is None:
-        pool = template.pool = Pool(template)
+    with _lock:  # one pool per template, however many ask at once
+        pool = template.pool
+        if pool is None:
+            pool = template.pool = Pool(template)
     pool.resize(n)
     return pool
 
