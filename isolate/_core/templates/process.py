@@ -335,6 +335,10 @@ class Template:
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = _send_episode(hand, *episode)
             pid, pidfd = self._forked(mine)
+            if episode is not None and err is None:  # its hand-over could not be sent
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+                raise TemplateGone(f"template {self.name}: the fork took no hand-over")
             forked = Forked(pid, pidfd, mine, hand if err is None else None, self)
             if err is not None:
                 hand.close()
