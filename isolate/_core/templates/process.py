@@ -59,6 +59,13 @@ def pidfd_pid(pidfd: int) -> int | None:
     return None
 
 
+def _readable(fd: int, seconds: float) -> bool:
+    """Whether ``fd`` is readable within ``seconds`` (poll: the fd may be past 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
 def _send_episode(hand: socket.socket, episode_id: str, channel: int) -> int | None:
     """Hand a parked fork its episode: the read end of its new stderr pipe, or None if the
     fork is gone."""
@@ -141,7 +148,7 @@ class Forked:
 
     def _exited(self) -> bool:
         if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], 0)[0])
+            return _readable(self.pidfd, 0)
         return exited(self.pid)
 
     async def wait_exit(self) -> None:
@@ -268,7 +275,7 @@ class Template:
 
     def alive(self) -> bool:
         if self.importer_fd is not None:
-            return not select.select([self.importer_fd], [], [], 0)[0]
+            return not _readable(self.importer_fd, 0)
         return self.popen.poll() is None
 
     def death(self) -> str:
@@ -277,7 +284,7 @@ class Template:
         while self.status is None and self.life.fileno() >= 0:
             # Its parent sends it once it has reaped it: just after the pidfd said so.
             left = end - time.monotonic()
-            if left <= 0 or not select.select([self.life], [], [], left)[0]:
+            if left <= 0 or not _readable(self.life.fileno(), left):
                 break
             try:
                 message, fds = receive_message(self.life)
@@ -399,7 +406,7 @@ class Template:
             self._signal_importer(signal.SIGSTOP)
             self._kill_leftovers()
             self._signal_importer(signal.SIGKILL)
-            select.select([self.importer_fd], [], [], _CLOSE_GRACE_S)
+            _readable(self.importer_fd, _CLOSE_GRACE_S)
         self.control.close()
         if self.leaves is not None:
             end = time.monotonic() + _CLOSE_GRACE_S
@@ -426,7 +433,7 @@ class Template:
         it started, double-forked or not, is below it."""
         with self._forks_lock:
             forks = {forked.pid for forked in self.forks}
-        if self.importer_fd is None or select.select([self.importer_fd], [], [], 0)[0]:
+        if self.importer_fd is None or _readable(self.importer_fd, 0):
             return  # it is gone: its number may name another process now
         end = time.monotonic() + _CLOSE_GRACE_S
         while time.monotonic() < end:
@@ -471,7 +478,7 @@ class Template:
             # id) names no other process.
             outer = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
             try:
-                if outer is None or not select.select([outer], [], [], grace)[0]:
+                if outer is None or not _readable(outer, grace):
                     self.popen.send_signal(signal.SIGKILL)
                 rest = ProcessTree(None, self.popen.pid, None, None)
                 end = time.monotonic() + _CLOSE_GRACE_S
