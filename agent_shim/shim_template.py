@@ -13,10 +13,13 @@ packet:
   or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
   containable, not importable, or not safe to fork (a thread running, a process the import
   started still alive, a socket open);
-- parent -> template: ``{"t": "fork", "episode_id"}`` carrying three fds (SCM_RIGHTS): the
-  episode's channel (its stdin and stdout, one socket), its stderr pipe and a reply socket;
+- parent -> template: ``{"t": "park"}`` carrying two fds (SCM_RIGHTS), a reply socket and a
+  hand-over socket: the template forks, and the fork parks (a session of its own, waiting);
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
-  the episode is reaped ``{"t": "exit", "status"}`` (a wait status).
+  the fork is reaped ``{"t": "exit", "status"}`` (a wait status);
+- parent -> parked fork, on the hand-over socket: ``{"t": "episode", "episode_id"}`` carrying
+  two fds: the episode's channel (its stdin and stdout, one socket) and its stderr pipe; or
+  EOF (the parent closed it, or is gone): the parked fork exits. Every fork is parked first.
 
 The import is the agent's code: it runs inside the wall a fresh episode gets, entered before
 it. Three processes, of which only the last ever holds the agent's code:
@@ -30,10 +33,11 @@ it. Three processes, of which only the last ever holds the agent's code:
 - the importer joins its cgroup leaf, enters the Landlock domain, the sandbox and the syscall
   filter, drops its capabilities, and only then imports.
 
-A fork puts the channel on fds 0 and 1 and the pipe on 2, starts its own session, and from
+A fork, once handed its episode, puts the channel on fds 0 and 1 and the pipe on 2, and from
 there runs shim.main(), the code of a fresh start: its own handshake (secrets never pass
-through here), supervisor, worker and teardown. It stays in the template's PID namespace,
-where the parent moves it into its own cgroup leaf before the handshake; its worker enters a
+through here, and the handshake comes only after the hand-over), supervisor, worker and
+teardown. It stays in the template's PID namespace, where the parent moves it into its own
+cgroup leaf before the handshake (a parked one, before its hand-over); its worker enters a
 Landlock domain of its own, so that no episode reaches another.
 """
 
@@ -398,10 +402,10 @@ def loop(control, shim_main, random_state, process_table):
                         except OSError:
                             pass
                 return
-            if message.get("t") == "fork" and len(fds) == 3:
-                reply = socket.socket(fileno=fds[2])
+            if message.get("t") == "park" and len(fds) == 2:
+                reply, hand = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
                 others = own + list(replies.values())
-                pid = fork(message, fds[:2], reply, others, shim_main, random_state)
+                pid = fork(hand, reply, others, shim_main, random_state)
                 if pid is not None:
                     replies[pid] = reply
             else:
@@ -423,14 +427,13 @@ def loop(control, shim_main, random_state, process_table):
                 reply.close()
 
 
-def fork(message, pipes, reply, own, shim_main, random_state):
-    """Fork one episode; here, report its pid (and a pidfd) on its reply socket. None if the
-    fork failed (the reply says why)."""
+def fork(hand, reply, own, shim_main, random_state):
+    """Fork a parked process that waits for its episode on ``hand``; here, report its pid (and
+    a pidfd) on its reply socket. None if the fork failed (the reply says why)."""
     try:
         pid = os.fork()
     except OSError as exc:
-        for fd in pipes:
-            os.close(fd)
+        hand.close()
         try:
             send(reply, {"t": "error", "reason": "fork: %s" % (exc.strerror or exc)})
         except OSError:
@@ -440,27 +443,26 @@ def fork(message, pipes, reply, own, shim_main, random_state):
     if pid == 0:
         code = 1
         try:
-            code = episode(message, pipes, own + [reply], shim_main, random_state)
+            code = park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback
 
             traceback.print_exc()
         leave(code)
-    for fd in pipes:
-        os.close(fd)
+    hand.close()
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     try:
         send(reply, {"t": "forked", "pid": pid}, [pidfd] if pidfd is not None else ())
     except OSError:
-        pass  # the parent gave up on this episode; it sees EOF on its stdin and ends
+        pass  # the parent gave up on it; it sees EOF on its hand-over socket and ends
     finally:
         if pidfd is not None:
             os.close(pidfd)
     return pid
 
 
-def episode(message, pipes, own, shim_main, random_state):
-    """In the fork: become a fresh start's shim, then run shim.main()."""
+def park(hand, own, shim_main, random_state):
+    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF)."""
     os.setsid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -469,13 +471,27 @@ def episode(message, pipes, own, shim_main, random_state):
             os.close(item)
         else:
             item.close()
+    try:
+        message, fds = receive(hand)
+    except (OSError, ValueError):
+        message, fds = None, []
+    hand.close()
+    if message is None or message.get("t") != "episode" or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        return 0 if message is None else 1
+    return episode(message, fds, shim_main, random_state)
+
+
+def episode(message, pipes, shim_main, random_state):
+    """In a parked fork, handed its episode: become a fresh start's shim, run shim.main()."""
     channel, stderr = pipes
     for target, fd in ((0, channel), (1, channel), (2, stderr)):
         os.dup2(fd, target)
     for fd in pipes:
         if fd > 2:
             os.close(fd)
-    os.environ[EPISODE_ENV] = message["episode_id"]  # what the agent's processes inherit
+    os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
     random = sys.modules.get("random")
     if random is not None and hash(random.getstate()) == random_state:
         random.seed()  # Python reseeds at fork; should that ever not happen, we do

@@ -6,6 +6,9 @@ writes at its steps give one timeline per no-op episode, on one clock, for the p
 template, the fork and the fork's worker alike; the phases are the medians over N episodes
 (after three to warm up). ``--agent`` names a module to import in the template too (say
 ``litellm``, installed in this interpreter): forks and exits cost with the size of the image.
+``--park N`` keeps N forks parked (``isolate.park``), refilled before each episode: the
+episode takes one, and has no template fork or cgroup move of its own (those phases are then
+missing, and the total is the median of the episodes' own).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import anyio
 
 import isolate
 from isolate._core import child as _child
+from isolate._core import templates as _templates
 from isolate._core.templates import process as _process
 
 TRACING = Path("/sys/kernel/tracing")
@@ -60,10 +64,10 @@ def _instrument(mark: Marks) -> None:
 
     def marked_fork(self: Any, *a: Any, **k: Any) -> Any:
         mark("request")
-        try:
-            return fork(self, *a, **k)
-        finally:
-            mark("reply")
+        forked = fork(self, *a, **k)
+        mark("reply")
+        mark(f"fork {forked.pid}")  # a parked one was not forked after the request
+        return forked
 
     def marked_move(*a: Any, **k: Any) -> Any:
         mark("move")
@@ -109,6 +113,10 @@ def _episodes(trace: str) -> list[dict[str, float]]:
         if event == "tracing_mark_write":
             if rest == "start":
                 steps, fork_pid, worker_pid = {"start": at}, None, None
+            elif rest.startswith("fork ") and steps is not None:
+                if fork_pid != int(rest[5:]):  # a parked fork; what forked was the refill
+                    fork_pid = int(rest[5:])
+                    steps.pop("forked", None)
             elif steps is not None:
                 steps.setdefault(rest, at)
                 if rest == "end":
@@ -134,7 +142,15 @@ def _episodes(trace: str) -> list[dict[str, float]]:
     return found
 
 
-async def _run(n: int, root: Path) -> tuple[str, list[dict[str, float]]]:
+async def _refilled(n: int) -> None:
+    while n:
+        (template,) = _templates.started_templates()
+        if template.pool is not None and len(template.pool.parked) >= n:
+            return
+        await anyio.sleep(0.005)
+
+
+async def _run(n: int, root: Path, park: int) -> tuple[str, list[dict[str, float]]]:
     spec = isolate.EpisodeSpec(
         agent_root=root,
         entrypoint="noop_agent:run",
@@ -146,11 +162,14 @@ async def _run(n: int, root: Path) -> tuple[str, list[dict[str, float]]]:
     mark = Marks()
     for _ in range(3):
         outcome = await isolate.run_episode(spec, {})
+    if park:
+        await isolate.park(spec, park)
     _instrument(mark)
     (TRACING / "trace").write_text("")
     _tracing(True)
     try:
         for _ in range(n):
+            await _refilled(park)
             mark("start")
             outcome = await isolate.run_episode(spec, {})
             mark("end")
@@ -167,6 +186,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.profile_template")
     p.add_argument("-n", type=int, default=30, help="episodes measured (30)")
     p.add_argument("--agent", default="", help="a module the template imports as well")
+    p.add_argument("--park", type=int, default=0, help="forks kept parked (isolate.park)")
     args = p.parse_args()
     if not (TRACING / "trace_marker").exists():
         raise SystemExit(
@@ -177,14 +197,17 @@ def main() -> None:
         head = f"import {args.agent}\n" if args.agent else ""
         (root / "noop_agent.py").write_text(head + "def run(data, **kwargs):\n    return 1.0\n")
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        containment, episodes = anyio.run(_run, args.n, root)
-    complete = [e for e in episodes if all(a in e and b in e for _, a, b in PHASES)]
+        containment, episodes = anyio.run(_run, args.n, root, args.park)
+    gone = {"forked", "move", "moved"} if args.park else set()  # no fork, no move: parked
+    needed = [(a, b) for _, a, b in PHASES if not {a, b} & gone]
+    complete = [e for e in episodes if all(a in e and b in e for a, b in needed)]
     agent = args.agent or "none"
     print(f"## A template fork's no-op episode, {started}, containment {containment}")
-    print(f"agent module imported: {agent}; {len(complete)} of {args.n} episodes complete")
+    print(f"agent module imported: {agent}; parked: {args.park}")
+    print(f"{len(complete)} of {args.n} episodes complete")
     print(f"(median ms; python {sys.version.split()[0]})\n")
     for name, a, b in PHASES:
-        if complete:
+        if complete and (a, b) in needed:
             value = statistics.median((e[b] - e[a]) * 1000 for e in complete)
             print(f"{name:50s} {value:8.2f}")
 

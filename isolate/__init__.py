@@ -25,7 +25,7 @@ from ._core.launcher import run_episode
 from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
 from ._core.sandbox_config import Sandbox, SandboxReport
 from ._core.shim import shim_path
-from ._core.templates import close_templates
+from ._core.templates import close_templates, park
 
 __all__ = [
     "AgentError",
@@ -49,6 +49,7 @@ __all__ = [
     "Status",
     "Timings",
     "close_templates",
+    "park",
     "run_episode",
     "shim_path",
 ]

@@ -44,6 +44,7 @@ EXPORTED = [
     "Status",
     "Timings",
     "close_templates",
+    "park",
     "run_episode",
     "shim_path",
 ]

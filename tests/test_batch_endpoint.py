@@ -31,6 +31,16 @@ def net(data, override_base_url):
 def plain(data):
     return 1.0
 
+def some_net(data, override_base_url):
+    if (data.get("behaviour") or {}).get("net"):
+        return net(data, override_base_url)
+    return 1.0
+
+def dials(data):
+    import socket
+    socket.create_connection(("127.0.0.1", data["behaviour"]["port"]), timeout=5).close()
+    return 1.0
+
 def needs(data, needed):
     return 1.0
 
@@ -190,6 +200,84 @@ def test_records_the_endpoint_failed_are_infra_and_a_rerun_runs_exactly_them_onc
     assert json.loads(report.stdout)["counts"] == {"ok": 5}
 
 
+def test_a_batch_run_while_the_endpoint_was_down_reruns_exactly_its_records_once(
+    agents: Agents, endpoint: Any
+) -> None:
+    lines = [
+        record(agents, "n-0", net=True),
+        record(agents, "n-1"),
+        record(agents, "n-2", net=True),
+    ]
+    records = write_records(agents.tmp / "records.jsonl", lines)
+    out = agents.tmp / "results.jsonl"
+    down = endpoint()
+    url, port = down.url, down.port
+    down.stop()
+    args = args_for(
+        agents, records, out, "some_net", "--base-url", url, "--retries-infra", "0",
+        "--concurrency", "1",
+    )  # fmt: skip
+    proc = isolate_cli(*args, "--no-endpoint-check", env=cli_env(), timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert [(e["instance_id"], e["infra_kind"], e["final"]) for e in results(out)] == [
+        ("n-0", "endpoint unreachable", False),
+        ("n-1", None, True),
+        ("n-2", "endpoint unreachable", False),
+    ]
+    assert "not final    2 endpoint unreachable: not the agent's" in proc.stdout
+
+    up = endpoint(port=port)
+    proc = isolate_cli(*args, env=cli_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 of 3 instances already have a final result in" in proc.stderr
+    assert sorted(up.pings()) == ["n-0", "n-2"]
+    assert [(e["instance_id"], e["status"], e["final"]) for e in results(out)[3:]] == [
+        ("n-0", "ok", True),
+        ("n-2", "ok", True),
+    ]
+    proc = isolate_cli(*args, env=cli_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 of 3 instances already have a final result" in proc.stderr
+    assert (len(results(out)), sorted(up.pings())) == (5, ["n-0", "n-2"])
+
+
+def test_an_agent_that_raises_connection_refused_itself_is_final_after_the_cap(
+    agents: Agents,
+) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        port = closed.getsockname()[1]
+        records = write_records(agents.tmp / "records.jsonl", [record(agents, "c-1", port=port)])
+        out = agents.tmp / "results.jsonl"
+        args = args_for(agents, records, out, "dials", "--retries-infra", "0")
+        for run in (1, 2, 3):
+            proc = isolate_cli(*args)
+            assert proc.returncode == (0 if run == 3 else 1), proc.stderr
+            [entry] = results(out)[run - 1 :]
+            assert (entry["status"], entry["infra_kind"]) == ("agent_error", "endpoint unreachable")
+            assert (entry["infra_runs"], entry["final"]) == (run, run == 3)
+        gave = "1 gave up after infrastructure failures in 3 runs (--infra-runs): final with "
+        assert f"gave up      {gave}their last status; --rerun infra runs again" in proc.stdout
+        assert "not final" not in proc.stdout
+        proc = isolate_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert "1 of 1 instances already have a final result" in proc.stderr
+        assert len(results(out)) == 3
+        report = isolate_cli("report", str(out))
+        assert gave + "their last status  (1)" in report.stdout
+        as_json = json.loads(isolate_cli("report", str(out), "--json").stdout)
+        [group] = as_json["failures"]
+        assert [r["gave_up_after_runs"] for r in group["results"]] == [3]
+
+        proc = isolate_cli(*args, "--rerun", "infra")  # asked for by name: once more
+        assert proc.returncode == 0, proc.stderr
+        [entry] = results(out)[3:]
+        assert (entry["infra_runs"], entry["final"]) == (4, True)
+        few = isolate_cli(*args, "--infra-runs", "0")
+        assert few.returncode == 2
+        assert "--infra-runs: must be a whole number of at least 1" in few.stderr
+
+
 def test_an_endpoint_that_does_not_answer_stops_the_batch_before_any_record(
     agents: Agents, endpoint: Any
 ) -> None:
@@ -206,6 +294,56 @@ def test_an_endpoint_that_does_not_answer_stops_the_batch_before_any_record(
     ]
     assert not out.exists()
     assert not list(agents.pids.iterdir())
+
+
+def test_isolate_run_checks_the_endpoint_before_it_starts(agents: Agents, endpoint: Any) -> None:
+    """The check batch makes, for one episode: a ``--base-url``, a record's ``base_url`` and
+    a replayed bundle's endpoint that do not answer stop ``isolate run`` in one line, exit 2,
+    nothing started; ``--no-endpoint-check`` starts anyway."""
+    (agents.root / "cli_agent.py").write_text(textwrap.dedent(AGENT))
+    one = agents.tmp / "one.json"
+    one.write_text(json.dumps(record(agents, "u-1")))
+    gone = endpoint()
+    url, port = gone.url, gone.port
+    gone.stop()
+    argv = ["run", str(one), "--agent-root", str(agents.root), "--entrypoint", "cli_agent:net"]
+    argv += ["--log-dir", str(agents.logs), "--kill-grace", "0.2"]
+    proc = isolate_cli(*argv, "--base-url", url)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"isolate: error: --base-url {url} does not answer (no connection: Connection refused); "
+        "nothing was run (--no-endpoint-check starts anyway)"
+    ]
+    assert proc.stdout == ""
+    assert not agents.logs.exists()
+    assert not list(agents.pids.iterdir())
+
+    own = agents.tmp / "own.json"
+    own.write_text(json.dumps({**record(agents, "u-2"), "base_url": url}))
+    proc = isolate_cli(*[str(own) if a == str(one) else a for a in argv])
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f'isolate: error: the record\'s "base_url" {url} does not answer (no connection: '
+        "Connection refused); nothing was run (--no-endpoint-check starts anyway)"
+    ]
+
+    proc = isolate_cli(*argv, "--base-url", url, "--no-endpoint-check")
+    assert proc.returncode == 10, proc.stderr  # the agent ran, and could not reach it
+    assert json.loads(proc.stdout)["infra"] == "endpoint unreachable"
+
+    back = endpoint(port=port)  # the endpoint is back, where it was
+    proc = isolate_cli(*argv, "--base-url", url)
+    assert proc.returncode == 0, proc.stderr
+    assert (back.paths[0], back.pings()) == ("/v1", ["u-1"])  # the check, then the episode
+    bundle = proc.stderr.split("isolate run --replay ")[1].split()[0]
+    back.stop()
+    replay = isolate_cli("run", "--replay", bundle)
+    assert replay.returncode == 2
+    assert replay.stderr.splitlines() == [
+        f"isolate: error: the bundle's override_base_url {url} does not answer (no "
+        "connection: Connection refused); nothing was run (--no-endpoint-check starts anyway)"
+    ]
+    assert back.pings() == ["u-1"]
 
 
 @pytest.mark.parametrize(

@@ -438,7 +438,8 @@ def test_clean_up_runs_at_ctrl_c_of_isolate_run(agents: Agents) -> None:
     record.write_text(json.dumps({"instance_id": "ctrl-c", "econfig": {"env": spec.env}}))
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "LOG_DIR")}
     args = ["--agent-root", str(agents.root), "--entrypoint", spec.entrypoint]
-    args += ["--base-url", "http://127.0.0.1:9/v1", "--log-dir", str(agents.logs)]
+    args += ["--base-url", "http://127.0.0.1:9/v1", "--no-endpoint-check"]
+    args += ["--log-dir", str(agents.logs)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "isolate", "run", str(record), *args],
         stdin=subprocess.DEVNULL,

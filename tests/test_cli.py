@@ -73,6 +73,7 @@ def run_args(agents: Agents, record: Path, *extra: str) -> list[str]:
         str(SCRIPTED),
         "--base-url",
         URL,
+        "--no-endpoint-check",  # URL is a closed port: the scripted agent never calls it
         "--log-dir",
         str(agents.logs),
         "--kill-grace",
@@ -205,7 +206,7 @@ def test_there_is_no_api_key_option(agents: Agents) -> None:
         (
             # The key is read last, once the rest of the command is known to be right.
             ["run", "{record}", "--agent-root", str(SCRIPTED), "--base-url", URL]
-            + ["--api-key-env", "NOT_SET_ANYWHERE"],
+            + ["--no-endpoint-check", "--api-key-env", "NOT_SET_ANYWHERE"],
             "not set",
         ),
         (["run", "--replay", "{tmp}", "--agent-type", "cc"], "drop --agent-type"),
@@ -275,6 +276,7 @@ def test_replay_reruns_the_bundle_with_a_new_key(agents: Agents) -> None:
         "run",
         "--replay",
         str(bundle),
+        "--no-endpoint-check",
         "--log-dir",
         str(agents.logs),
         "--api-key-env",
@@ -295,7 +297,9 @@ def test_replay_without_a_key_option_says_it_uses_dummy(agents: Agents) -> None:
     assert first.returncode == 0, first.stderr
     assert "dummy" not in first.stderr
     [bundle] = bundles(agents)
-    replay = isolate_cli("run", "--replay", str(bundle), "--log-dir", str(agents.logs))
+    replay = isolate_cli(
+        "run", "--replay", str(bundle), "--no-endpoint-check", "--log-dir", str(agents.logs)
+    )
     assert replay.returncode == 0, replay.stderr
     assert (
         "isolate: no API key given (--api-key-file, --api-key-env, OPENAI_API_KEY) and stdin "

@@ -52,6 +52,7 @@ def test_run_passes_the_environment_and_secret_env(agents: Agents) -> None:
         "run",
         "--replay",
         str(bundle),
+        "--no-endpoint-check",
         "--log-dir",
         str(agents.logs),
         env=cli_env(E2B_API_KEY=again),

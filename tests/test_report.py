@@ -218,6 +218,7 @@ def test_last_line_wins_and_what_is_not_final(tmp_path: Path) -> None:
             "message": "s",
             "log_path": None,
             "episode_id": None,
+            "gave_up_after_runs": None,
         }
     ]
     assert found["nodes"] == {

@@ -489,6 +489,7 @@ def refused_preload_args(agents: Agents) -> list[str]:
         "agent_refused:run",
         "--base-url",
         URL,
+        "--no-endpoint-check",  # URL is a closed port: this agent never calls it
         "--preload",
         "--log-dir",
         str(agents.logs),
@@ -540,7 +541,6 @@ def test_batch_says_once_why_preload_gave_no_template_and_counts_starts(agents: 
         *refused_preload_args(agents),
         "--api-key-env",
         "BATCH_KEY",
-        "--no-endpoint-check",  # URL is a closed port: this agent never calls it
         env=cli_env(BATCH_KEY="sk-batch-preload"),
     )
     assert done.returncode == 0, done.stderr

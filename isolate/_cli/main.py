@@ -25,6 +25,7 @@ from .options import (
     EXIT_USAGE,
     UsageError,
     agent_options,
+    endpoint_check_option,
     key_options,
     port_number,
     positive_seconds,
@@ -63,6 +64,7 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--replay", type=Path, metavar="DIR", help="re-run a replay bundle")
     agent_options(run)
     key_options(run)
+    endpoint_check_option(run)
     run.add_argument(
         "--status-interval",
         type=positive_seconds,

@@ -167,6 +167,15 @@ def agent_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def endpoint_check_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-endpoint-check``, of ``run`` and ``batch`` alike."""
+    parser.add_argument(
+        "--no-endpoint-check",
+        action="store_true",
+        help="start without checking that the endpoint (--base-url) answers",
+    )
+
+
 def key_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "api key (never on the command line; order: file, env name, OPENAI_API_KEY, prompt, "

@@ -36,6 +36,7 @@ from .options import (
     read_secret_env,
     read_secrets,
 )
+from .signature import check_endpoint
 
 # How often the status line is redrawn on a terminal, and a plain line printed elsewhere (s).
 TTY_TICK_S = 0.5
@@ -62,6 +63,9 @@ class PreparedRun:
         """The keyword the key is passed as; None: the entrypoint takes none."""
         self.secret_vars: dict[str, str] = {}
         """``--secret``: keyword -> the environment variable of its value."""
+        self.endpoint: tuple[str, str] | None = None
+        """The model endpoint the episode is given, and where it comes from (a flag, the
+        record, the bundle); None: none."""
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
@@ -90,6 +94,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         names_env = read_secret_env(names)
         prep = PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
         prep.key_as, prep.secret_vars = key_as, secret_vars
+        url = kwargs.get("override_base_url")
+        if isinstance(url, str) and url:
+            prep.endpoint = (url, "the bundle's override_base_url")
         specs = [f"{name}={var}" for name, var in secret_vars.items()]
         prep.secrets = read_secrets(specs, sys.stdin)
         return prep
@@ -116,6 +123,10 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     prep = PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
     prep.secrets, prep.key_as = plan.secrets, plan.key_as(spec)
     prep.secret_vars = plan.secret_vars
+    if plan.base_url:
+        prep.endpoint = (plan.base_url, "--base-url")
+    elif isinstance(record.get("base_url"), str) and record["base_url"]:
+        prep.endpoint = (record["base_url"], 'the record\'s "base_url"')
     return prep
 
 
@@ -181,6 +192,8 @@ def _write_json(path: Path, value: Any) -> None:
 
 async def run_command(args: argparse.Namespace) -> int:
     prep = prepare_run(args)
+    if prep.endpoint is not None and not args.no_endpoint_check:
+        await anyio.to_thread.run_sync(check_endpoint, *prep.endpoint)
     # Asked for only now: not for an entrypoint that takes no key, nor before a usage error.
     key = read_api_key(args, sys.stdin) if prep.key_as is not None else None
     episode_id = prep.episode_id

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.shim import shim_path
+from .options import UsageError
 
 #: Seconds the import of an entrypoint may take in the probe.
 PROBE_TIMEOUT_S = 60.0
-#: Seconds the endpoint has to answer before a batch starts.
+#: Seconds the endpoint has to answer before a run or a batch starts.
 ENDPOINT_TIMEOUT_S = 5.0
 
 # Runs under the agent's interpreter (stdlib only, 3.9+); answers in one JSON line on a
@@ -160,3 +161,14 @@ def endpoint_problem(url: str, timeout: float = ENDPOINT_TIMEOUT_S) -> str | Non
         return f"no connection: {text}"
     except (OSError, ValueError) as exc:  # a timeout, a reset mid-answer, a bad URL
         return f"no answer: {getattr(exc, 'strerror', None) or exc or type(exc).__name__}"
+
+
+def check_endpoint(url: str, where: str = "--base-url") -> None:
+    """Refuse to start a run or a batch whose endpoint (given as ``where``) does not answer:
+    its episodes would only fail for it. Raises :class:`UsageError`, one line."""
+    problem = endpoint_problem(url)
+    if problem is not None:
+        raise UsageError(
+            f"{where} {url} does not answer ({problem}); nothing was run "
+            "(--no-endpoint-check starts anyway)"
+        )

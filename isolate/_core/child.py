@@ -181,7 +181,8 @@ def move(child: Child, leaves: _containment.Leaves) -> None:
 def into_template(
     req: Request, prep: Prepared, child: Child, template: _templates.Template | None
 ) -> Prepared:
-    """A template's fork goes into its leaf (before it may start anything) and gets its
+    """A template's fork goes into its leaf (before it may start anything; a parked fork is
+    in leaves of its own already, which the episode takes instead of its own) and gets its
     sandbox under the template's, whose mounts are the fork's; the TMPDIR made for it before
     is removed. Returns what the episode runs with: ``prep`` itself for a fresh shim, or one
     with the fork's wall. Blocking; raises :class:`SetupProblem`, with the child killed."""
@@ -189,7 +190,12 @@ def into_template(
         return prep
     assert template is not None
     if prep.leaves is not None:
-        move(child, prep.leaves)
+        if child.leaves is None:
+            move(child, prep.leaves)
+        else:  # parked in leaves made ahead: the episode adopts them, no move
+            made, adopted, child.leaves = prep.leaves, child.leaves, None
+            prep = dataclasses.replace(prep, wall=dataclasses.replace(prep.wall, leaves=adopted))
+            made.remove()
     old = prep.wall
     if old.sandbox is None or template.wall.sandbox is None:
         return prep

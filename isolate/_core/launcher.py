@@ -321,8 +321,8 @@ def _spawn(
         ep.log.note(f"forked from {template.name} (pid {child.pid})")
     try:
         prep = _child.into_template(ep.req, ready.prep, child, template)
-        if prep is not ready.prep and prep.sandbox is not None:
-            held.push_async_callback(_remove_tmpdir, prep.sandbox.tmpdir)  # the fork's own
+        if prep is not ready.prep:  # a fork's: its own TMPDIR, maybe leaves it adopted
+            held.push_async_callback(_release_wall, ep, prep)
         rest, tree = _child.hand_over(ep.req, prep, env, child, channel)
     except SetupProblem as exc:
         raise _st.StartFailed(str(exc), child) from None
@@ -388,8 +388,4 @@ async def _release_wall(ep: _st.Episode, prep: Prepared) -> None:
         if problem is not None:
             ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
     if prep.sandbox is not None:
-        await _remove_tmpdir(prep.sandbox.tmpdir)
-
-
-async def _remove_tmpdir(path: str) -> None:
-    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, path)
+        await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, prep.sandbox.tmpdir)

@@ -24,6 +24,7 @@ from ..options import (
     UsageError,
     agent_options,
     check_log_dir,
+    endpoint_check_option,
     key_options,
     positive_seconds,
     read_api_key,
@@ -71,6 +72,7 @@ def add_batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     agent_options(batch)
     key_options(batch)
+    endpoint_check_option(batch)
     ray = batch.add_argument_group(f"ray (needs Ray: {install_hint('ray')})")
     ray.add_argument("--backend", choices=("local", "ray"), default="local")
     ray.add_argument("--ray-address", help="an existing cluster (default: start a local one)")
@@ -102,6 +104,14 @@ def _run_options(run: argparse._ArgumentGroup) -> None:
         help="extra attempts for infrastructure failures (a Ray worker or node lost, the "
         "driver stopped mid-attempt), apart from --retries (default 3)",
     )
+    run.add_argument(
+        "--infra-runs",
+        type=count,
+        default=3,
+        metavar="N",
+        help="runs of this results file that an endpoint or entrypoint-signature failure may "
+        "end for a record before it is final (default 3)",
+    )
     run.add_argument("--retry-timeouts", action="store_true", help="retry timeouts too")
     run.add_argument(
         "--rerun",
@@ -109,11 +119,6 @@ def _run_options(run: argparse._ArgumentGroup) -> None:
         metavar="KINDS",
         help="run once more the records whose final result is one of KINDS, comma-separated: "
         "agent_error, crashed, timeout, protocol_error, ok, or infra (any infrastructure failure)",
-    )
-    run.add_argument(
-        "--no-endpoint-check",
-        action="store_true",
-        help="start without checking that the endpoint (--base-url) answers",
     )
     run.add_argument(
         "--skip-invalid", action="store_true", help="skip invalid records instead of stopping"
@@ -277,7 +282,9 @@ def batch_command(args: argparse.Namespace) -> int:
 
     _check_options(args)
     rerun = frozenset((args.rerun or "").split(",")) - {""}
-    policy = RetryPolicy(args.retries, args.retry_timeouts, args.retries_infra, rerun)
+    policy = RetryPolicy(
+        args.retries, args.retry_timeouts, args.retries_infra, rerun, args.infra_runs
+    )
     plan = RecordPlan(args)
     records = _load(args, plan)
     try:
@@ -430,21 +437,10 @@ def _key(args: argparse.Namespace, plan: RecordPlan) -> Any:
     """Before a run: the endpoint checked (unless told not to), then the key read, when the
     entrypoint takes one (else None)."""
     if plan.base_url and args.backend == "local" and not args.no_endpoint_check:
-        _check_endpoint(plan.base_url)
+        from ..signature import check_endpoint
+
+        check_endpoint(plan.base_url)
     return read_api_key(args, sys.stdin) if plan.wants_key else None
-
-
-def _check_endpoint(url: str) -> None:
-    """Refuse to start a batch whose endpoint does not answer: each of its episodes would
-    only fail for it."""
-    from ..signature import endpoint_problem
-
-    problem = endpoint_problem(url)
-    if problem is not None:
-        raise UsageError(
-            f"--base-url {url} does not answer ({problem}); nothing was run "
-            "(--no-endpoint-check starts anyway)"
-        )
 
 
 def _start_ray(args: argparse.Namespace, ray_backend: Any) -> int | None:

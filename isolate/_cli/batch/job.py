@@ -203,6 +203,9 @@ class RecordPlan:
         """The keywords ``spec``'s entrypoint gets: the workflow's that it accepts, then
         ``--kwargs``. ValueError for a call it cannot take."""
         accepts = self._accepts(spec)
+        # Without url_needed, a record may still give the endpoint: the call is checked as
+        # if it did.
+        later = [] if with_url or url_needed else ["override_base_url"]
         if not with_url:
             if url_needed and accepts is not None and accepts.requires("override_base_url"):
                 raise ValueError(
@@ -214,7 +217,8 @@ class RecordPlan:
         kwargs.update(self.extra_kwargs)
         if accepts is not None:
             key = [KEY_KEYWORD] if accepts.accepts(KEY_KEYWORD) else []
-            problem = accepts.problem([*kwargs, *self.secrets, *key])
+            later = [k for k in later if accepts.accepts(k) and k not in kwargs]
+            problem = accepts.problem([*kwargs, *self.secrets, *key, *later])
             if problem is not None:
                 raise ValueError(problem)
         return kwargs

@@ -27,6 +27,7 @@ from .runmeta import meta_path, read_meta
 from .selection import PassAtK, pass_at_ks, pass_lines
 from .view import (
     counted,
+    gave_up_words,
     mean_reward,
     percentile,
     resolved,
@@ -287,6 +288,12 @@ def _failure(entry: dict[str, Any]) -> dict[str, Any]:
         "message": error.get("message") if error else None,
         "log_path": entry.get("log_path"),
         "episode_id": entry.get("episode_id"),
+        # An episode's own infrastructure error that is final: the runs it ended (--infra-runs).
+        "gave_up_after_runs": (
+            int(entry.get("infra_runs") or 0)
+            if is_final(entry) and entry.get("infra_kind")
+            else None
+        ),
     }
 
 
@@ -298,6 +305,9 @@ def _group_title(group: dict[str, Any]) -> str:
         parts.append(str(group["signal"]))
     if group.get("infra"):
         parts.append(f"infra: {group['infra']}")
+    gave = [r["gave_up_after_runs"] for r in group["results"] if r.get("gave_up_after_runs")]
+    if gave:
+        parts.append(gave_up_words(len(gave), max(gave)))
     detail = ", ".join(parts) or "no error recorded"
     return f"  {group['status']}  {detail}  ({group['count']})"
 

@@ -46,6 +46,10 @@ class RetryPolicy:
 
     rerun: frozenset[str] = frozenset()
     """``--rerun``: the statuses (and ``infra``) whose final results run once more."""
+    infra_runs: int = 3
+    """``--infra-runs``: the runs of a results file an episode's own infrastructure error
+    (``infra_kind``: its endpoint, its entrypoint's signature) may end for a unit before that
+    result is final: an agent that raises such errors itself is not run again forever."""
 
     def again(
         self,
@@ -71,14 +75,24 @@ class RetryPolicy:
         """Whether an instance whose latest result line is ``last`` needs no more attempts.
         A ``setup_error`` is the run's configuration, not the instance: it runs again; so does
         an episode that the infrastructure failed (``infra_kind``: its endpoint, its
-        entrypoint's signature), which says nothing of the agent."""
-        if last is None or last["status"] == "setup_error" or last.get("infra_kind"):
+        entrypoint's signature), which says nothing of the agent, unless it ended
+        ``infra_runs`` runs (:meth:`gave_up`)."""
+        if last is None or last["status"] == "setup_error":
             return False
+        if last.get("infra_kind"):
+            return self.gave_up(last)
         return not self.again(
             last["status"],
             last["attempt"],
             infra=bool(last.get("infra")),
             infra_failures=int(last.get("infra_failures") or 0),
+        )
+
+    def gave_up(self, last: dict[str, Any]) -> bool:
+        """Whether ``last``, an episode's own infrastructure error, is final: the runs that
+        ended with one for its unit (``infra_runs`` of the line) reached the cap."""
+        return bool(last.get("infra_kind")) and int(last.get("infra_runs") or 0) >= (
+            self.infra_runs
         )
 
     def wanted(self, last: dict[str, Any] | None) -> bool:
@@ -195,6 +209,7 @@ class Scheduler:
             last = self.results.last.get((record.instance_id, sample))
             attempt = last["attempt"] if last else 0
             infra_failures = int(last.get("infra_failures") or 0) if last else 0
+            infra_runs = int(last.get("infra_runs") or 0) if last else 0
             again = True
             while again:
                 attempt += 1
@@ -211,6 +226,7 @@ class Scheduler:
                             attempt,
                             driver_cut(cut[0], how),
                             infra_failures + 1,
+                            infra_runs,
                         )
                         with anyio.CancelScope(shield=True):
                             await self._write(entry)
@@ -223,8 +239,9 @@ class Scheduler:
                     attempt,
                     fields,
                     infra_failures,
+                    infra_runs,
                 )
-                again = self.policy.again(
+                again = not entry["final"] and self.policy.again(
                     entry["status"],
                     attempt,
                     infra=entry["infra"],
@@ -272,8 +289,11 @@ def line_of(
     attempt: int,
     fields: dict[str, Any],
     infra_failures: int,
+    infra_runs: int = 0,
 ) -> dict[str, Any]:
-    """The result line of attempt number ``attempt`` at ``unit``."""
+    """The result line of attempt number ``attempt`` at ``unit``; ``infra_runs``: the runs
+    before this one that an episode's own infrastructure error ended for the unit (the line
+    counts this run too when it is one)."""
     entry: dict[str, Any] = {"instance_id": unit[0]}
     if with_sample:
         entry["sample"] = unit[1]
@@ -281,6 +301,7 @@ def line_of(
     entry.update(fields)
     infra = bool(fields.get("infra") or fields.get("infra_kind"))
     entry.update(infra=infra, infra_failures=infra_failures)
+    entry["infra_runs"] = infra_runs + bool(entry.get("infra_kind"))
     # Final exactly when a rerun would skip it: a setup error is not (the run's configuration
     # failed, and the next run tries again).
     entry["final"] = policy.done(entry)
@@ -351,6 +372,7 @@ def record_lost(results: Results, log_dir: Path, policy: RetryPolicy) -> int:
             (last["attempt"] if last else 0) + 1,
             fields,
             infra_failures,
+            int(last.get("infra_runs") or 0) if last else 0,
         )
         entry["recovered"] = True
         results.append(entry)

@@ -367,7 +367,21 @@ def _infra_facts(
     if left:
         text = ", ".join(f"{n} {kind}" for kind, n in sorted(left.items()))
         facts.append(("not final", f"{text}: not the agent's; the next run runs them again"))
+    gave = [int(e.get("infra_runs") or 0) for e in entries if e.get("infra_kind")]
+    if gave:
+        facts.append(
+            ("gave up", gave_up_words(len(gave), max(gave)) + "; --rerun infra runs again")
+        )
     return facts
+
+
+def gave_up_words(count: int, runs: int) -> str:
+    """What ``count`` final results of an episode's own infrastructure error say: the runs
+    (at most ``runs``) that ended with one before the batch gave up on them."""
+    return (
+        f"{count} gave up after infrastructure failures in {runs} runs (--infra-runs): "
+        "final with their last status"
+    )
 
 
 def _facts(units: list[Unit], entries: list[dict[str, Any]]) -> list[tuple[str, str]]:

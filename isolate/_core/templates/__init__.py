@@ -15,15 +15,20 @@ it starts wait for it. A template that cannot be used (not importable, a thread 
 import, a socket open) is refused for its key until :func:`close_templates`: its episodes start
 fresh, with the reason in their logs. One that dies is replaced by the next episode.
 
-The parts: ``process`` (one template and its forks), ``registry`` (the templates of this
-process, by key).
+With :func:`park`, a template keeps forks parked ahead of demand, each in a cgroup leaf of its
+own, waiting for its hand-over (``pool``).
+
+The parts: ``process`` (one template and its forks), ``pool`` (its parked forks),
+``registry`` (the templates of this process, by key).
 """
 
+from .pool import MAX_PARKED, Pool
 from .process import Forked, Template, TemplateGone, pidfd_pid
 from .registry import (
     acquire,
     close_all,
     close_templates,
+    park,
     preload_list,
     probe,
     remedy,
@@ -33,11 +38,14 @@ from .registry import (
 
 __all__ = [
     "Forked",
+    "MAX_PARKED",
+    "Pool",
     "Template",
     "TemplateGone",
     "acquire",
     "close_all",
     "close_templates",
+    "park",
     "pidfd_pid",
     "preload_list",
     "probe",

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import anyio
 import psutil
@@ -21,11 +21,15 @@ import psutil
 from agent_shim.shim_wire import receive_message, send_message
 
 from .. import admission as _admission
+from .. import containment as _containment
 from .. import sandbox as _sandbox
 from .. import wall as _wall
 from ..outcome import describe_exit, signal_name
 from ..procfs import exited, parent_pid
 from ..tree import ProcessTree
+
+if TYPE_CHECKING:
+    from .pool import Pool
 
 #: A template answers a fork request within milliseconds; one that does not is stuck (seconds).
 _FORK_TIMEOUT_S = 10.0
@@ -55,6 +59,27 @@ def pidfd_pid(pidfd: int) -> int | None:
     return None
 
 
+def _readable(fd: int, seconds: float) -> bool:
+    """Whether ``fd`` is readable within ``seconds`` (poll: the fd may be past 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
+
+
+def _send_episode(hand: socket.socket, episode_id: str, channel: int) -> int | None:
+    """Hand a parked fork its episode: the read end of its new stderr pipe, or None if the
+    fork is gone."""
+    err_r, err_w = os.pipe()
+    try:
+        send_message(hand, {"t": "episode", "episode_id": episode_id}, [channel, err_w])
+    except OSError:
+        os.close(err_r)
+        return None
+    finally:
+        os.close(err_w)
+    return err_r
+
+
 class Forked:
     """The parent's handle on one episode forked from a template (a ``child.Child``). Its exit
     status comes from the template, the fork's parent, on the fork's reply socket."""
@@ -64,15 +89,19 @@ class Forked:
         pid: int,
         pidfd: int | None,
         reply: socket.socket,
-        err: int,
+        hand: socket.socket | None,
         template: Template | None = None,
     ) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.reply = reply
+        #: Its hand-over socket, until it is handed its episode (EOF there: it exits).
+        self.hand = hand
         self.template = template
         # Its stdin and stdout are the launcher's channel socket, as for a fresh start.
-        self.stderr: IO[bytes] = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
+        self.stderr: IO[bytes] | None = None
+        #: A parked fork's cgroup leaves, made and entered ahead; the episode adopts them.
+        self.leaves: _containment.Leaves | None = None
         self.returncode: int | None = None
         #: False when the template died before it could report the exit status.
         self.status_known = True
@@ -80,7 +109,23 @@ class Forked:
         reply.setblocking(False)
 
     def stderr_fd(self) -> int:
+        assert self.stderr is not None
         return self.stderr.fileno()
+
+    def hand_over(self, episode_id: str, channel: int) -> None:
+        """Send the parked fork its episode: ``channel`` and a new stderr pipe; blocking.
+        Raises :class:`TemplateGone` if it is gone."""
+        assert self.hand is not None
+        err = _send_episode(self.hand, episode_id, channel)
+        if err is None:
+            raise TemplateGone(f"the parked fork {self.pid} is gone")
+        self.hand.close()
+        self.hand = None
+        self.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
+
+    def parked_dead(self) -> bool:
+        """Whether this parked fork has exited (killed from outside, say)."""
+        return self._exited()
 
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal) once known, else None."""
@@ -103,7 +148,7 @@ class Forked:
 
     def _exited(self) -> bool:
         if self.pidfd is not None:
-            return bool(select.select([self.pidfd], [], [], 0)[0])
+            return _readable(self.pidfd, 0)
         return exited(self.pid)
 
     async def wait_exit(self) -> None:
@@ -141,7 +186,14 @@ class Forked:
         return self.returncode
 
     def close(self) -> None:
-        self.stderr.close()
+        if self.stderr is not None:
+            self.stderr.close()
+        if self.hand is not None:  # parked, never handed over: EOF there ends it
+            self.hand.close()
+            self.hand = None
+        if self.leaves is not None:  # a parked fork's: killed, emptied, removed
+            self.leaves.remove()
+            self.leaves = None
         if self.returncode is None:
             self.poll()
         self.reply.close()
@@ -181,6 +233,8 @@ class Template:
         self.importer_fd: int | None = None
         self.status: int | None = None
         self.forks: set[Forked] = set()
+        #: Forks parked ahead of demand (``isolate.park``), once asked for.
+        self.pool: Pool | None = None
         self.closing = False
         self._finished = False
         self._forks_lock = threading.Lock()
@@ -221,7 +275,7 @@ class Template:
 
     def alive(self) -> bool:
         if self.importer_fd is not None:
-            return not select.select([self.importer_fd], [], [], 0)[0]
+            return not _readable(self.importer_fd, 0)
         return self.popen.poll() is None
 
     def death(self) -> str:
@@ -230,7 +284,7 @@ class Template:
         while self.status is None and self.life.fileno() >= 0:
             # Its parent sends it once it has reaped it: just after the pidfd said so.
             left = end - time.monotonic()
-            if left <= 0 or not select.select([self.life], [], [], left)[0]:
+            if left <= 0 or not _readable(self.life.fileno(), left):
                 break
             try:
                 message, fds = receive_message(self.life)
@@ -255,38 +309,48 @@ class Template:
 
     def fork(self, episode_id: str, channel: int) -> Forked:
         """Fork one episode whose stdin and stdout are ``channel`` (the child's end of the
-        launcher's socket); blocking. Raises :class:`TemplateGone`."""
-        err_r, err_w = os.pipe()
+        launcher's socket): a parked fork from the pool when one is there, else one parked now
+        with its hand-over sent right behind the request; blocking. Raises
+        :class:`TemplateGone`."""
+        while self.pool is not None:
+            parked = self.pool.take()
+            if parked is None:
+                break
+            try:
+                parked.hand_over(episode_id, channel)
+                return parked
+            except TemplateGone:
+                parked.kill()
+                parked.close()
+        return self.park((episode_id, channel))
+
+    def park(self, episode: tuple[str, int] | None = None) -> Forked:
+        """A new fork, parked; with ``episode`` (id, channel) handed over at once. Blocking;
+        raises :class:`TemplateGone`."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        hand, its_hand = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        err: int | None = None
         ok = False
         try:
             try:
-                message = {"t": "fork", "episode_id": episode_id}
-                send_message(self.control, message, [channel, err_w, theirs.fileno()])
+                send_message(self.control, {"t": "park"}, [theirs.fileno(), its_hand.fileno()])
             except OSError as exc:
                 raise TemplateGone(f"template {self.name} is gone ({exc.strerror})") from None
             finally:
-                os.close(err_w)
                 theirs.close()
-            mine.settimeout(_FORK_TIMEOUT_S)
-            try:
-                reply, fds = receive_message(mine)
-            except (OSError, ValueError):
-                reply, fds = None, []
-            if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
-                for fd in fds:
-                    os.close(fd)
-                why = reply.get("reason") if reply else None
-                raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
-            pidfd = fds[0] if fds else None
-            for fd in fds[1:]:
-                os.close(fd)
-            pid = pidfd_pid(pidfd) if pidfd is not None else None
-            if pid is None or parent_pid(pid) != self.importer:
-                if pidfd is not None:
-                    os.close(pidfd)
-                raise TemplateGone(f"template {self.name} named no fork of its own")
-            forked = Forked(pid, pidfd, mine, err_r, self)
+                its_hand.close()
+            if episode is not None:  # read by the fork once it is there: no round trip more
+                err = _send_episode(hand, *episode)
+            pid, pidfd = self._forked(mine)
+            if episode is not None and err is None:  # its hand-over could not be sent
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+                raise TemplateGone(f"template {self.name}: the fork took no hand-over")
+            forked = Forked(pid, pidfd, mine, hand if err is None else None, self)
+            if err is not None:
+                hand.close()
+                forked.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
+                err = None
             with self._forks_lock:
                 self.forks.add(forked)
             ok = True
@@ -294,26 +358,55 @@ class Template:
         finally:
             if not ok:
                 mine.close()
-                os.close(err_r)
+                hand.close()
+                if err is not None:
+                    os.close(err)
+
+    def _forked(self, reply_socket: socket.socket) -> tuple[int, int]:
+        """The template's answer to a park request: the fork's pid and pidfd. Raises
+        :class:`TemplateGone`."""
+        reply_socket.settimeout(_FORK_TIMEOUT_S)
+        try:
+            reply, fds = receive_message(reply_socket)
+        except (OSError, ValueError):
+            reply, fds = None, []
+        if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
+            for fd in fds:
+                os.close(fd)
+            why = reply.get("reason") if reply else None
+            raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
+        pidfd = fds[0] if fds else None
+        for fd in fds[1:]:
+            os.close(fd)
+        pid = pidfd_pid(pidfd) if pidfd is not None else None
+        if pid is None or pidfd is None or parent_pid(pid) != self.importer:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise TemplateGone(f"template {self.name} named no fork of its own")
+        return pid, pidfd
 
     def release_fds(self) -> None:
         """Give its fd back to the budget; in the event loop, once it is closed."""
         if self.fds is not None:
             self.fds.release()
             self.fds = None
+        if self.pool is not None:
+            self.pool.release_fds()
 
     def close(self, grace: float = _CLOSE_GRACE_S) -> None:
         """End the importer (EOF on its control socket, then SIGKILL after ``grace`` seconds)
         and everything left in its leaf, and remove the leaf; blocking. Episodes forked from
         it run on (each has a leaf of its own); its PID namespace, its outer process and its
         sandbox's TMPDIR go when the last of them has ended."""
+        if self.pool is not None:
+            self.pool.close()  # its parked forks first: they are forks, spared below
         if self.importer_fd is not None:
             # Nothing of the agent's is worth a graceful end: stopped, so that nothing new
             # appears below it, then killed with all it started but its forks.
             self._signal_importer(signal.SIGSTOP)
             self._kill_leftovers()
             self._signal_importer(signal.SIGKILL)
-            select.select([self.importer_fd], [], [], _CLOSE_GRACE_S)
+            _readable(self.importer_fd, _CLOSE_GRACE_S)
         self.control.close()
         if self.leaves is not None:
             end = time.monotonic() + _CLOSE_GRACE_S
@@ -340,7 +433,7 @@ class Template:
         it started, double-forked or not, is below it."""
         with self._forks_lock:
             forks = {forked.pid for forked in self.forks}
-        if self.importer_fd is None or select.select([self.importer_fd], [], [], 0)[0]:
+        if self.importer_fd is None or _readable(self.importer_fd, 0):
             return  # it is gone: its number may name another process now
         end = time.monotonic() + _CLOSE_GRACE_S
         while time.monotonic() < end:
@@ -385,7 +478,7 @@ class Template:
             # id) names no other process.
             outer = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
             try:
-                if outer is None or not select.select([outer], [], [], grace)[0]:
+                if outer is None or not _readable(outer, grace):
                     self.popen.send_signal(signal.SIGKILL)
                 rest = ProcessTree(None, self.popen.pid, None, None)
                 end = time.monotonic() + _CLOSE_GRACE_S

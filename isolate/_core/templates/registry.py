@@ -14,12 +14,13 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
+from pydantic import SecretStr
 
 from agent_shim.shim_wire import EPISODE_ENV, json_file, receive_message, send_message
 
@@ -29,8 +30,9 @@ from .. import sandbox as _sandbox
 from .. import wall as _wall
 from ..config import EpisodeSpec
 from ..env import episode_env
-from ..errors import SetupProblem
+from ..errors import ArgumentError, IsolateError, SetupProblem
 from ..shim import boot_path
+from .pool import MAX_PARKED, PARKED_FDS, Pool
 from .process import Template
 
 
@@ -46,6 +48,8 @@ class _Entry:
     refused: str | None = None
     restarts: int = 0
     closed: bool = False
+    parked: int = 0
+    """How many forks its template keeps parked (``isolate.park``), a new one too."""
 
 
 _lock = threading.Lock()
@@ -163,6 +167,9 @@ async def acquire(
             _refused(refused, note, refused_because)
             return None
         note(f"template {name} started (pid {template.pid})")
+        if entry.parked:  # a new template after one that died: its pool too
+            pool = await anyio.to_thread.run_sync(_resize, template, entry.parked, name)
+            pool.hold = _admission.hold_fds(PARKED_FDS * entry.parked, f"{name}'s parked forks")
         return template
 
 
@@ -323,6 +330,66 @@ async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
             await anyio.to_thread.run_sync(template.close)
         template.release_fds()
     return refused, seconds
+
+
+def _resize(template: Template, n: int, name: str) -> Pool:
+    """Keep ``n`` forks of ``template`` parked; blocking. Its fds are counted by the caller."""
+    with _lock:  # one pool per template, however many ask at once
+        pool = template.pool
+        if pool is None:
+            pool = template.pool = Pool(template)
+    pool.resize(n)
+    return pool
+
+
+async def park(
+    spec: EpisodeSpec,
+    n: int,
+    *,
+    secrets: Mapping[str, str | SecretStr] | None = None,
+    secret_env: Mapping[str, str | SecretStr] | None = None,
+) -> int:
+    """Keep ``n`` forks of ``spec``'s template parked ahead of demand, and wait until they
+    are: an episode of ``spec`` then starts with a hand-over (see docs/templates.md). Starts
+    the template if need be. The pool is refilled in the background after each hand-over, up
+    to ``n``; ``n=0`` empties it. ``secrets`` and ``secret_env``: those the episodes will get
+    (only their names and values matter: an inherited variable that holds one is withheld,
+    which changes the template). Returns how many are parked.
+
+    Raises :class:`ArgumentError` for a bad ``n`` (not an int from 0 to 1024) or a spec
+    without ``preload``, and :class:`IsolateError` when no template can be used for ``spec``
+    (the reason its episodes would start fresh) or a fork cannot be parked.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PARKED:
+        raise ArgumentError(f"park: n must be an int from 0 to {MAX_PARKED}, got {n!r}")
+    if not spec.preload:
+        raise ArgumentError("park: the spec has no preload, so its episodes fork no template")
+    given = [*(secrets or {}).values(), *(secret_env or {}).values()]
+    values = [v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in given]
+    env, _ = episode_env(
+        spec.inherit_env, spec.env, "parked", secret_values=values, delivered=secret_env or {}
+    )
+    root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
+    try:
+        found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+    except SetupProblem as exc:
+        raise IsolateError(f"park: {exc}") from None
+    why: list[str] = []
+    template = await acquire(spec, env, root, found[0], lambda text: None, why.append)
+    if template is None:
+        raise IsolateError(f"park: no template for this spec: {why[0] if why else 'refused'}")
+    with _lock:
+        for entry in _entries.values():
+            if entry.template is template:
+                entry.parked = n
+    pool = await anyio.to_thread.run_sync(_resize, template, n, template.name)
+    pool.release_fds()
+    pool.hold = _admission.hold_fds(PARKED_FDS * n, f"{template.name}'s parked forks")
+    while not pool.filled() and pool.problem is None:  # noqa: ASYNC110 - its thread fills it
+        await anyio.sleep(0.005)
+    if pool.problem is not None and not pool.filled():
+        raise IsolateError(f"park: cannot park a fork of {template.name}: {pool.problem}")
+    return min(n, len(pool.parked))
 
 
 def remedy(refused: str) -> str | None:

@@ -1,0 +1,153 @@
+"""Episodes from parked forks (``isolate.park``) against forks made on demand:
+``python -m bench.pool [--python P] [--imports CODE] [-n N] [--burst B] [--rounds R]``.
+
+Not part of the benchmark table. One template, at the default containment; the arms alternate
+in rounds. Figures: the no-op launch round trip (``run_episode`` to its return, one at a time,
+medians of N; with the pool refilled before each), and a burst of B one-second episodes
+started at once: the time from the first request until all have started (their first line)
+and until all have returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+
+import isolate
+from isolate._core import templates as _templates
+
+AGENT = """
+import time
+%s
+def run(data):
+    first_line = time.time()
+    time.sleep(data.get("sleep", 0.0))
+    return 1.0, {"first_line": first_line}
+"""
+
+
+async def _filled(n: int) -> None:
+    """Until the template's pool holds ``n`` again (refilled after hand-overs)."""
+    while True:
+        templates = _templates.started_templates()
+        pool = templates[0].pool if templates else None
+        if pool is None or len(pool.parked) >= n:
+            return
+        await anyio.sleep(0.005)
+
+
+async def _round_trips(spec: isolate.EpisodeSpec, n: int, parked: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        await _filled(parked)
+        started = time.monotonic()
+        outcome = await isolate.run_episode(spec, {})
+        times.append((time.monotonic() - started) * 1000)
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    return times
+
+
+async def _burst(spec: isolate.EpisodeSpec, n: int) -> tuple[float, float]:
+    """(seconds until all ``n`` started, until all returned) for ``n`` one-second episodes."""
+    firsts: list[float] = []
+    t0 = time.time()
+
+    async def one() -> None:
+        outcome = await isolate.run_episode(spec, {"sleep": 1.0})
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        firsts.append(outcome.info["first_line"])
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(n):
+            tg.start_soon(one)
+    return max(firsts) - t0, time.time() - t0
+
+
+def _kib(pid: int, path: str, field: str) -> int:
+    for line in Path(f"/proc/{pid}/{path}").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]]:
+    """What one of ``n`` parked forks costs: its own pages (USS; PSS would share the image's
+    out among the forks), and its page tables (KiB)."""
+    await isolate.park(spec, n)
+    (template,) = _templates.started_templates()
+    assert template.pool is not None
+    pids = [f.pid for f in template.pool.parked]
+    uss = [
+        _kib(pid, "smaps_rollup", "Private_Clean") + _kib(pid, "smaps_rollup", "Private_Dirty")
+        for pid in pids
+    ]
+    pte = [_kib(pid, "status", "VmPTE") for pid in pids]
+    await isolate.park(spec, 0)
+    return {
+        f"parked fork ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
+        f"parked fork ({n} parked): page tables, KiB": [statistics.mean(pte)],
+    }
+
+
+async def _main(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="bench-pool."))
+    (root / "agent.py").write_text(textwrap.dedent(AGENT % args.imports))
+    spec = isolate.EpisodeSpec(
+        agent_root=root,
+        entrypoint="agent:run",
+        python=args.python,
+        preload=True,
+        timeout=600,
+        env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    figures: dict[str, list[float]] = {}
+    try:
+        for _ in range(3):  # warm: the template starts
+            await isolate.run_episode(spec, {})
+        for r in range(args.rounds):
+            for arm in ("no pool", "pool") if r % 2 == 0 else ("pool", "no pool"):
+                parked = 4 if arm == "pool" else 0
+                await isolate.park(spec, parked)
+                rt = await _round_trips(spec, args.n, parked)
+                figures.setdefault(f"{arm}: launch round trip, ms", []).append(
+                    statistics.median(rt)
+                )
+                await isolate.park(spec, args.burst if arm == "pool" else 0)
+                started, returned = await _burst(spec, args.burst)
+                figures.setdefault(f"{arm}: burst {args.burst}, all started, s", []).append(started)
+                figures.setdefault(f"{arm}: burst {args.burst}, all returned, s", []).append(
+                    returned
+                )
+        figures.update(await _footprint(spec, 16))
+    finally:
+        await isolate.close_templates()
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.2f}, python {args.python}, imports {args.imports!r}"
+    )
+    for name, values in sorted(figures.items()):
+        shown = ", ".join(f"{v:.3g}" for v in values)
+        print(f"{name}: median {statistics.median(values):.3g} (rounds {shown})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.pool")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--imports", default="", help="code the agent's module runs at import")
+    parser.add_argument("-n", type=int, default=20, help="round trips per arm and round")
+    parser.add_argument("--burst", type=int, default=32, help="episodes in a burst")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    anyio.run(_main, args)
+
+
+if __name__ == "__main__":
+    main()

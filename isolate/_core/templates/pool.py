@@ -1,0 +1,189 @@
+"""Forks of one template parked ahead of demand (``isolate.park``): each forked, moved into a
+cgroup leaf of its own made ahead with the episodes' limits, and waiting for its hand-over, so
+that an episode's start is a hand-over: no fork and no cgroup move on its critical path.
+
+A parked fork holds no secret and has run none of an episode's code: its handshake comes after
+the hand-over, as a fork's does. A thread of the pool's own refills it after hand-overs up to
+its size, replaces a parked fork that died, and, should the template die, kills the parked
+forks and removes their leaves; :meth:`Pool.close` does the same at ``close_templates()``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from collections import deque
+
+from .. import admission as _admission
+from .. import containment as _containment
+from ..errors import SetupProblem
+from .process import Forked, Template, TemplateGone
+
+#: The most forks one template keeps parked: each holds a copy of its page tables (~1 MiB for a
+#: 200 MB image) and three of the parent's fds.
+MAX_PARKED = 1024
+#: What a parked fork holds of the parent's fds: its pidfd, reply and hand-over sockets.
+PARKED_FDS = 3
+#: After a failed park, how long the pool waits before it tries again (seconds).
+_RETRY_S = 1.0
+
+
+class _Closed(Exception):
+    """The pool is closed, or its template gone: its thread ends."""
+
+
+class Pool:
+    """The parked forks of one template, kept at ``target`` by a thread of its own."""
+
+    def __init__(self, template: Template) -> None:
+        self.template = template
+        self.target = 0
+        self.parked: deque[Forked] = deque()
+        self.closed = False
+        #: Why the last park failed, until one succeeds.
+        self.problem: str | None = None
+        self.hold: _admission.Hold | None = None
+        self._dead: list[Forked] = []
+        self._changed = threading.Condition()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="isolate-park", daemon=True)
+        self._thread.start()
+
+    def resize(self, n: int) -> None:
+        """Keep ``n`` forks parked from now on; blocking (parked ones beyond ``n`` end)."""
+        with self._changed:
+            self.target = n
+            extra = [self.parked.pop() for _ in range(max(0, len(self.parked) - n))]
+        self._wake()
+        for forked in extra:
+            _end(forked)
+
+    def take(self) -> Forked | None:
+        """A live parked fork, or None; the pool refills behind it."""
+        found = None
+        with self._changed:
+            while self.parked and found is None:
+                forked = self.parked.popleft()
+                if forked.parked_dead():
+                    self._dead.append(forked)  # the pool's thread removes its leaf
+                else:
+                    found = forked
+        self._wake()
+        return found
+
+    def filled(self) -> bool:
+        with self._changed:
+            return self.closed or len(self.parked) >= self.target
+
+    def release_fds(self) -> None:
+        """Give the pool's fds back to the budget; in the event loop."""
+        if self.hold is not None:
+            self.hold.release()
+            self.hold = None
+
+    def close(self) -> None:
+        """Kill the parked forks and remove their leaves; blocking."""
+        with self._changed:
+            self.closed = True
+            gone = list(self.parked) + self._dead
+            self.parked.clear()
+            self._dead = []
+            self._changed.notify_all()
+        self._wake()
+        for forked in gone:
+            _end(forked)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_RETRY_S + 2.0)
+
+    def _wake(self) -> None:
+        with self._changed:
+            if self._wake_w < 0:
+                return  # its thread has ended
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # woken already
+
+    def _run(self) -> None:
+        suspects: set[int] = set()
+        try:
+            while True:
+                suspects = self._step(suspects)
+        except _Closed:
+            pass
+        finally:
+            self.close()
+            with self._changed:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
+
+    def _step(self, suspects: set[int]) -> set[int]:
+        """Replace the dead (``suspects``: pidfds that were readable), park one if short, else
+        wait for a change; the pidfds readable now. Raises _Closed."""
+        with self._changed:
+            if self.closed:
+                raise _Closed
+            dead, self._dead = self._dead, []
+            dead += [f for f in self.parked if f.pidfd in suspects and f.parked_dead()]
+            for forked in dead:
+                if forked in self.parked:
+                    self.parked.remove(forked)
+            short = len(self.parked) < self.target
+            fds = [f.pidfd for f in self.parked if f.pidfd is not None]
+        for forked in dead:
+            _end(forked)
+        if not self.template.alive() or self.template.closing:
+            raise _Closed  # the template died: its parked forks go with the pool
+        if short and self.problem is None:
+            self._park_one()
+            return set()
+        poller = select.poll()
+        for fd in [self._wake_r, *fds]:
+            poller.register(fd, select.POLLIN)
+        if self.template.importer_fd is not None:
+            poller.register(self.template.importer_fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(_RETRY_S * 1000 if short else None)}
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        if short:
+            self.problem = None  # try again
+        return ready
+
+    def _park_one(self) -> None:
+        template, leaves = self.template, None
+        try:
+            if template.leaves is not None:
+                leaves = _containment.Leaves(
+                    _containment.cgroups(), "parked", template.leaves.writes
+                )
+                leaves.create()
+            forked = template.park()
+        except (SetupProblem, TemplateGone) as exc:
+            if leaves is not None:
+                leaves.remove()
+            with self._changed:
+                self.problem = str(exc)
+                self._changed.notify_all()
+            return
+        forked.leaves = leaves
+        problem = leaves.move(forked.pid) if leaves is not None else None
+        with self._changed:
+            keep = problem is None and not self.closed and len(self.parked) < self.target
+            if keep:
+                self.parked.append(forked)
+            self.problem = problem
+            self._changed.notify_all()
+        if not keep:
+            _end(forked)
+
+
+def _end(forked: Forked) -> None:
+    """Kill a parked fork, close what the parent holds of it, remove its leaves."""
+    forked.kill()
+    forked.close()

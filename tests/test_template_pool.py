@@ -1,0 +1,229 @@
+"""Forks of a template parked ahead of demand (``isolate.park``): an episode's start is a
+hand-over. What a parked fork holds, how the pool refills, and how its forks end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+from isolate._core import containment as _containment
+from isolate._core import sandbox as _sandbox
+from isolate._core import templates as _templates
+
+from .conftest import (
+    Agents,
+    episode_processes,
+    is_gone,
+    remove_dead_parents_leaves,
+    wait_for,
+    wait_until,
+)
+from .test_templates import TEMP_AGENT, template_processes
+
+pytestmark = pytest.mark.anyio
+
+SECRET = "sk-parked-3f9a1c7d5e"
+
+AGENT = """
+import os
+def run(data, key=None):
+    return 1.0, {"pid": os.getpid(), "cgroup": open("/proc/self/cgroup").read(),
+                 "key": os.environ.get("API_KEY", "")}
+"""
+
+
+def pool() -> _templates.Pool:
+    (template,) = _templates.started_templates()
+    assert template.pool is not None
+    return template.pool
+
+
+def parked() -> list[_templates.Forked]:
+    return list(pool().parked)
+
+
+def parked_leaves() -> list[Path]:
+    return [d for f in parked() if f.leaves is not None for d in f.leaves.dirs.values()]
+
+
+def has_cgroups() -> bool:
+    return _containment.layer_problem("cgroup") is None
+
+
+async def test_episodes_take_parked_forks_and_the_pool_refills(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    assert await isolate.park(spec, 3) == 3
+    before = {f.pid for f in parked()}
+    assert len(before) == 3
+    started: list[int] = []
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, {}, on_start=started.append))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+    assert [(o.status, o.start, o.killed) for o in outcomes] == [("ok", "template", 0)] * 3
+    assert set(started) == before  # each took a parked fork
+    if has_cgroups():  # in the leaf it was parked in, not the template's
+        assert all("/parked." in o.info["cgroup"] for o in outcomes)
+        assert not any("/template." in o.info["cgroup"] for o in outcomes)
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 3))
+    assert not {f.pid for f in parked()} & before
+
+
+async def test_a_parked_fork_holds_no_secret_and_no_handshake(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 2)
+    outcome = await isolate.run_episode(
+        spec, {}, secrets={"key": SECRET}, secret_env={"API_KEY": SECRET}
+    )
+    assert (outcome.status, outcome.start, outcome.info["key"]) == ("ok", "template", "[secret]")
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
+    (template,) = _templates.started_templates()
+    for forked in parked():
+        environ = await anyio.Path(f"/proc/{forked.pid}/environ").read_bytes()
+        cmdline = await anyio.Path(f"/proc/{forked.pid}/cmdline").read_bytes()
+        assert SECRET.encode() not in environ + cmdline
+        # Tagged as its template, not as any episode; no channel yet (stdin is /dev/null,
+        # where a handed-over fork's is its episode's socket), and no worker below it.
+        assert f"{isolate.EPISODE_ENV}={template.name}".encode() in environ.split(b"\0")
+        assert os.readlink(f"/proc/{forked.pid}/fd/0") == "/dev/null"
+        assert psutil.Process(forked.pid).children() == []
+        assert os.getsid(forked.pid) == forked.pid  # a session of its own already
+
+
+async def test_close_templates_kills_parked_forks_and_removes_their_leaves(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 3)
+    procs = [psutil.Process(f.pid) for f in parked()]
+    leaves = parked_leaves()
+    assert len(leaves) == (3 if has_cgroups() else 0)
+    await isolate.close_templates()
+    assert all(is_gone(p.pid, p.create_time()) for p in procs)
+    assert not any(leaf.exists() for leaf in leaves)
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: not episode_processes(f"PID_DIR={agents.pids}".encode()))
+    )
+
+
+async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 1)
+    (victim,) = parked()
+    os.kill(victim.pid, signal.SIGKILL)
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    # The episode that would have taken it takes another, or a fork of its own.
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: [f.pid for f in parked()] not in ([], [victim.pid]))
+    )
+    assert not parked()[0].parked_dead()
+
+
+async def test_a_template_that_dies_takes_its_parked_forks_and_the_next_refills(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 2)
+    procs = [psutil.Process(f.pid) for f in parked()]
+    leaves = parked_leaves()
+    (importer,) = template_processes(agents)
+    importer.kill()
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
+    )
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: not any(p.exists() for p in leaves)))
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert "starting a new one (restart 1)" in outcome.stderr_tail
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
+
+
+async def test_park_zero_empties_the_pool(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 2)
+    procs = [psutil.Process(f.pid) for f in parked()]
+    assert await isolate.park(spec, 0) == 0
+    assert parked() == []
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template")
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _templates.MAX_PARKED + 1])
+async def test_a_bad_size_is_refused_before_anything_starts(agents: Agents, n: object) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    with pytest.raises(isolate.ArgumentError, match="park: n must be an int from 0 to 1024"):
+        await isolate.park(spec, n)  # type: ignore[arg-type]
+    assert _templates.started_templates() == []
+
+
+async def test_park_needs_a_spec_with_preload(agents: Agents) -> None:
+    spec = agents.spec(AGENT)
+    with pytest.raises(isolate.ArgumentError, match="no preload"):
+        await isolate.park(spec, 2)
+    assert _templates.started_templates() == []
+
+
+async def test_park_says_why_no_template_can_be_used(agents: Agents) -> None:
+    spec = agents.spec("raise ImportError('nope')\ndef run(data):\n    return 1.0\n", preload=True)
+    with pytest.raises(isolate.IsolateError, match="park: no template for this spec: cannot"):
+        await isolate.park(spec, 2)
+    await wait_until(lambda: not template_processes(agents))
+
+
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+async def test_sandboxed_episodes_from_parked_forks(agents: Agents) -> None:
+    spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
+    await isolate.park(spec, 2)
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(3)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        assert outcome.info["env"] == outcome.info["tempfile"]  # its own, not the template's
+    assert len({o.info["env"] for o in outcomes}) == 3
+
+
+PARENT = """
+import anyio, isolate, os, sys
+async def main():
+    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+    await isolate.park(spec, 2)
+    open(sys.argv[2], "w").close()
+    await anyio.sleep(300)
+anyio.run(main)
+"""
+
+
+def test_the_parents_death_ends_its_parked_forks(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    ready = agents.tmp / "parked"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json(), str(ready)]
+    )
+    try:
+        wait_for(ready.exists, 20.0, "the forks to be parked")
+        seen = episode_processes(f"PID_DIR={agents.pids}".encode())
+        assert len(seen) >= 5  # the template (three processes) and two parked forks
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in seen), 3.0, "all to die")
+    finally:
+        parent.kill()
+        parent.wait()
+    remove_dead_parents_leaves()
