@@ -189,6 +189,7 @@ def into_template(
     if not isinstance(child, _templates.Forked):
         return prep
     assert template is not None
+    adopted = None
     if prep.leaves is not None:
         if child.leaves is None:
             move(child, prep.leaves)
@@ -204,6 +205,8 @@ def into_template(
     except SetupProblem:
         child.kill()
         child.wait()
+        if adopted is not None:  # the caller holds only the leaves made for the episode
+            adopted.remove()
         raise
     _sandbox.remove_tmpdir(old.sandbox.tmpdir)
     return dataclasses.replace(prep, wall=wall)
