@@ -5,12 +5,15 @@ result that does not change afterwards:
 
 1. the arguments checked (``prepare.Request``);
 2. admitted (``admission``: its share of the fd budget, a :class:`~.admission.Ticket`);
-3. prepared (``prepare``: paths, containment, the wall, the network, a frozen ``Prepared``),
-   the log opened and the exec environment built (:class:`_st.Ready`);
-4. started (``child``: fresh, or forked from a template; the handshake under way), with the
-   frames reader and the supervisor made for it (:class:`_st.Started`);
-5. observed (``supervise`` reading ``frames``, each writing only what it owns);
-6. the verdict (``verdict``, a pure function of what was observed) and the outcome.
+3. prepared (``prepare``: paths, containment, the wall, the network, a frozen ``Prepared``;
+   ``stages.Ready``);
+4. chosen: the log opened, the exec environment built, the template found when preloading
+   (``stages.Chosen``);
+5. started (``child``: fresh, or forked from a template; the handshake under way), with the
+   frames reader and the supervisor made for it (``stages.Started``);
+6. observed (``supervise`` reading ``frames``, each writing only what it owns);
+7. the verdict (``verdict``, a pure function of what was observed) and the outcome
+   (``stages.outcome``).
 
 What a stage holds (the admission ticket, the start gate, the leaves and the TMPDIR, the
 network, the child and its socket) goes on an exit stack as soon as it exists, and is released
