@@ -55,7 +55,6 @@ import _isolate_shim_wire as wire
 
 shim = sys.modules["_isolate_shim"]
 
-EPISODE_ENV = wire.EPISODE_ENV
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
@@ -268,7 +267,7 @@ def enter_wall(wall, control, life):
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
-    for part in ("cancel", "seccomp", "sandbox", "landlock", "world"):
+    for part in ("cancel", "seccomp", "sandbox", "landlock", "world", "parked"):
         shim.load_part(part)
     import resource  # noqa: F401 - the worker sets the episode's rlimits with it
 
@@ -443,7 +442,7 @@ def fork(hand, reply, own, shim_main, random_state):
     if pid == 0:
         code = 1
         try:
-            code = park(hand, own + [reply], shim_main, random_state)
+            code = shim.load_part("parked").park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback
 
@@ -459,42 +458,3 @@ def fork(hand, reply, own, shim_main, random_state):
         if pidfd is not None:
             os.close(pidfd)
     return pid
-
-
-def park(hand, own, shim_main, random_state):
-    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF)."""
-    os.setsid()
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for item in own:
-        if isinstance(item, int):
-            os.close(item)
-        else:
-            item.close()
-    try:
-        message, fds = receive(hand)
-    except (OSError, ValueError):
-        message, fds = None, []
-    hand.close()
-    if message is None or message.get("t") != "episode" or len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        return 0 if message is None else 1
-    return episode(message, fds, shim_main, random_state)
-
-
-def episode(message, pipes, shim_main, random_state):
-    """In a parked fork, handed its episode: become a fresh start's shim, run shim.main()."""
-    channel, stderr = pipes
-    for target, fd in ((0, channel), (1, channel), (2, stderr)):
-        os.dup2(fd, target)
-    for fd in pipes:
-        if fd > 2:
-            os.close(fd)
-    os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
-    random = sys.modules.get("random")
-    if random is not None and hash(random.getstate()) == random_state:
-        random.seed()  # Python reseeds at fork; should that ever not happen, we do
-    sys.argv[1:] = []
-    code = shim_main()
-    return code if isinstance(code, int) else 0
