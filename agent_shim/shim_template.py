@@ -17,9 +17,11 @@ packet:
   hand-over socket: the template forks, and the fork parks (a session of its own, waiting);
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
   the fork is reaped ``{"t": "exit", "status"}`` (a wait status);
-- parent -> parked fork, on the hand-over socket: ``{"t": "episode", "episode_id"}`` carrying
-  two fds: the episode's channel (its stdin and stdout, one socket) and its stderr pipe; or
-  EOF (the parent closed it, or is gone): the parked fork exits. Every fork is parked first.
+- parent -> parked fork, on the hand-over socket: ``{"t": "moved"}`` once it is in its cgroup
+  leaf (it forks its worker ahead then: shim_parked.py); ``{"t": "episode", "episode_id"}``
+  carrying two fds: the episode's channel (its stdin and stdout, one socket) and its stderr
+  pipe; or EOF (the parent closed it, or is gone): the parked fork exits. Every fork is parked
+  first.
 
 The import is the agent's code: it runs inside the wall a fresh episode gets, entered before
 it. Three processes, of which only the last ever holds the agent's code:
@@ -35,10 +37,11 @@ it. Three processes, of which only the last ever holds the agent's code:
 
 A fork, once handed its episode, puts the channel on fds 0 and 1 and the pipe on 2, and from
 there runs shim.main(), the code of a fresh start: its own handshake (secrets never pass
-through here, and the handshake comes only after the hand-over), supervisor, worker and
-teardown. It stays in the template's PID namespace, where the parent moves it into its own
-cgroup leaf before the handshake (a parked one, before its hand-over); its worker enters a
-Landlock domain of its own, so that no episode reaches another.
+through here, and the handshake comes only after the hand-over), supervisor, worker (a parked
+fork's is forked ahead, in its leaf, and gets the handshake from it) and teardown. It stays
+in the template's PID namespace, where the parent moves it into its own cgroup leaf before
+the handshake (a parked one, before its hand-over); its worker enters a Landlock domain of
+its own, so that no episode reaches another.
 """
 
 import gc
@@ -410,7 +413,7 @@ def loop(control, shim_main, random_state, process_table):
             else:
                 for fd in fds:
                     os.close(fd)
-        while replies:
+        while True:  # its forks, and orphans of this subreaper: a dead parked fork's worker
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:

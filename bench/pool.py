@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import anyio
+import psutil
 
 import isolate
 from isolate._core import templates as _templates
@@ -79,21 +80,29 @@ def _kib(pid: int, path: str, field: str) -> int:
 
 
 async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]]:
-    """What one of ``n`` parked forks costs: its own pages (USS; PSS would share the image's
-    out among the forks), and its page tables (KiB)."""
+    """What one of ``n`` parked forks costs with its worker forked ahead: their own pages
+    (USS; PSS would share the image's out among the forks), and their page tables (KiB)."""
     await isolate.park(spec, n)
     (template,) = _templates.started_templates()
     assert template.pool is not None
-    pids = [f.pid for f in template.pool.parked]
+    pairs = []
+    for forked in template.pool.parked:
+        fork = psutil.Process(forked.pid)
+        while not fork.children():  # noqa: ASYNC110 - forked once the fork is in its leaf
+            await anyio.sleep(0.005)
+        pairs.append([forked.pid] + [c.pid for c in fork.children()])
     uss = [
-        _kib(pid, "smaps_rollup", "Private_Clean") + _kib(pid, "smaps_rollup", "Private_Dirty")
-        for pid in pids
+        sum(
+            _kib(pid, "smaps_rollup", "Private_Clean") + _kib(pid, "smaps_rollup", "Private_Dirty")
+            for pid in pids
+        )
+        for pids in pairs
     ]
-    pte = [_kib(pid, "status", "VmPTE") for pid in pids]
+    pte = [sum(_kib(pid, "status", "VmPTE") for pid in pids) for pids in pairs]
     await isolate.park(spec, 0)
     return {
-        f"parked fork ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
-        f"parked fork ({n} parked): page tables, KiB": [statistics.mean(pte)],
+        f"parked pair ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
+        f"parked pair ({n} parked): page tables, KiB": [statistics.mean(pte)],
     }
 
 
