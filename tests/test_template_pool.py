@@ -243,8 +243,13 @@ async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents) -> 
     spec = agents.spec(AGENT, preload=True)
     await isolate.park(spec, 1)
     (victim,) = parked()
+    _, worker = await anyio.to_thread.run_sync(pair, victim)
     os.kill(victim.pid, signal.SIGKILL)
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    # Its worker forked ahead dies with it.
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: is_gone(worker.pid, worker.create_time()))
+    )
     # The episode that would have taken it takes another, or a fork of its own.
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
@@ -358,3 +363,16 @@ async def test_a_large_handshake_reaches_the_worker_forked_ahead_whole(agents: A
     outcome = await isolate.run_episode(spec, {"x": "y" * (3 << 20)})  # many packets
     assert (outcome.status, outcome.start, outcome.info["n"]) == ("ok", "template", 3 << 20)
     assert outcome.info["pid"] == ahead
+
+
+PY39 = os.path.expanduser("~/.pyenv/versions/3.9.18/bin/python3.9")
+
+
+@pytest.mark.skipif(not os.path.exists(PY39), reason=f"{PY39} is not installed")
+async def test_a_parked_pair_under_python_3_9(agents: Agents) -> None:
+    spec = agents.spec(MARKED, preload=True, python=PY39)
+    await isolate.park(spec, 1)
+    _, worker = await anyio.to_thread.run_sync(pair, parked()[0])
+    ahead = innermost_pid(worker.pid)
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start, outcome.info["pid"]) == ("ok", "template", ahead)
