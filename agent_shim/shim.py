@@ -15,7 +15,8 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
    episode's cgroups before creating any process; with ``pidns``, fork PID 1 of a new PID
    namespace (with a private /proc), which carries on as the supervisor while this process
    only relays SIGTERM and its exit.
-6. Fork the worker (``shim_worker.py``), which enters its Landlock domain (with ``landlock``:
+6. Fork the worker (``shim_worker.py``; a parked fork of a template forked it ahead and hands it
+   the handshake here: ``shim_parked.py``), which enters its Landlock domain (with ``landlock``:
    from then on nothing it runs can signal or ptrace a process outside), sets the episode's
    rlimits, imports and calls the entrypoint and writes a ``result`` or ``error`` frame. The
    supervisor (``shim_supervisor.py``) reaps orphans, enforces its own deadline, watches the
@@ -391,7 +392,8 @@ def flush_std_streams():
             pass
 
 
-def main():
+def main(ahead=None):
+    """``ahead``: in a parked fork of a template, its worker forked ahead (shim_parked.py)."""
     if sys.argv[1:2] == ["--probe-pidns"]:
         return load_part("probe").pidns(sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
@@ -441,7 +443,10 @@ def main():
         channel.send("error", kind="setup", type=kind, message=problem)
         return 2
     supervisor = part.Supervisor(parent_fd, pending)
-    worker = fork_worker(hs, channel, supervisor)
+    worker = ahead.hand(raw, frames_fd, supervisor.exit_w) if ahead is not None else None
+    del raw
+    if worker is None:  # none forked ahead, or it is gone
+        worker = fork_worker(hs, channel, supervisor)
     for name in ("secrets", "secret_env", "data"):
         hs.pop(name, None)
     reaper = subreaper or os.getpid() == 1  # PID 1 of a namespace needs no prctl
@@ -465,8 +470,17 @@ def parse_handshake(raw):
 
 def fork_worker(hs, channel, supervisor):
     """Fork the worker, which runs the agent and never returns here; its pid."""
-    worker = load_part("worker")
+    worker = before_worker_fork()
     me = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        worker.run(hs, channel, me, supervisor)  # exits
+    return pid
+
+
+def before_worker_fork():
+    """Load what the worker needs before it is forked; the worker part."""
+    worker = load_part("worker")
     if sys.platform.startswith("linux"):
         # What the worker's hardening needs, loaded once here, not in every fork's fresh pages.
         load_part("seccomp")
@@ -477,10 +491,7 @@ def fork_worker(hs, channel, supervisor):
     # the supervisor's heap it shares. The agent's objects, all made after the fork, are
     # collected as usual.
     gc.freeze()
-    pid = os.fork()
-    if pid == 0:
-        worker.run(hs, channel, me, supervisor)  # exits
-    return pid
+    return worker
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ packet:
   hand-over socket: the template forks, and the fork parks (a session of its own, waiting);
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
   the fork is reaped ``{"t": "exit", "status"}`` (a wait status);
-- parent -> parked fork, on the hand-over socket: ``{"t": "episode", "episode_id"}`` carrying
-  two fds: the episode's channel (its stdin and stdout, one socket) and its stderr pipe; or
-  EOF (the parent closed it, or is gone): the parked fork exits. Every fork is parked first.
+- parent -> parked fork, on the hand-over socket: ``{"t": "moved"}`` once it is in its cgroup
+  leaf (it forks its worker ahead then: shim_parked.py); ``{"t": "episode", "episode_id"}``
+  carrying two fds: the episode's channel (its stdin and stdout, one socket) and its stderr
+  pipe; or EOF (the parent closed it, or is gone): the parked fork exits. Every fork is parked
+  first.
 
 The import is the agent's code: it runs inside the wall a fresh episode gets, entered before
 it. Three processes, of which only the last ever holds the agent's code:
@@ -35,10 +37,11 @@ it. Three processes, of which only the last ever holds the agent's code:
 
 A fork, once handed its episode, puts the channel on fds 0 and 1 and the pipe on 2, and from
 there runs shim.main(), the code of a fresh start: its own handshake (secrets never pass
-through here, and the handshake comes only after the hand-over), supervisor, worker and
-teardown. It stays in the template's PID namespace, where the parent moves it into its own
-cgroup leaf before the handshake (a parked one, before its hand-over); its worker enters a
-Landlock domain of its own, so that no episode reaches another.
+through here, and the handshake comes only after the hand-over), supervisor, worker (a parked
+fork's is forked ahead, in its leaf, and gets the handshake from it) and teardown. It stays
+in the template's PID namespace, where the parent moves it into its own cgroup leaf before
+the handshake (a parked one, before its hand-over); its worker enters a Landlock domain of
+its own, so that no episode reaches another.
 """
 
 import gc
@@ -55,7 +58,6 @@ import _isolate_shim_wire as wire
 
 shim = sys.modules["_isolate_shim"]
 
-EPISODE_ENV = wire.EPISODE_ENV
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
@@ -268,7 +270,7 @@ def enter_wall(wall, control, life):
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
-    for part in ("cancel", "seccomp", "sandbox", "landlock", "world"):
+    for part in ("cancel", "seccomp", "sandbox", "landlock", "world", "parked"):
         shim.load_part(part)
     import resource  # noqa: F401 - the worker sets the episode's rlimits with it
 
@@ -411,7 +413,7 @@ def loop(control, shim_main, random_state, process_table):
             else:
                 for fd in fds:
                     os.close(fd)
-        while replies:
+        while True:  # its forks, and orphans of this subreaper: a dead parked fork's worker
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -443,7 +445,7 @@ def fork(hand, reply, own, shim_main, random_state):
     if pid == 0:
         code = 1
         try:
-            code = park(hand, own + [reply], shim_main, random_state)
+            code = shim.load_part("parked").park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback
 
@@ -459,42 +461,3 @@ def fork(hand, reply, own, shim_main, random_state):
         if pidfd is not None:
             os.close(pidfd)
     return pid
-
-
-def park(hand, own, shim_main, random_state):
-    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF)."""
-    os.setsid()
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for item in own:
-        if isinstance(item, int):
-            os.close(item)
-        else:
-            item.close()
-    try:
-        message, fds = receive(hand)
-    except (OSError, ValueError):
-        message, fds = None, []
-    hand.close()
-    if message is None or message.get("t") != "episode" or len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        return 0 if message is None else 1
-    return episode(message, fds, shim_main, random_state)
-
-
-def episode(message, pipes, shim_main, random_state):
-    """In a parked fork, handed its episode: become a fresh start's shim, run shim.main()."""
-    channel, stderr = pipes
-    for target, fd in ((0, channel), (1, channel), (2, stderr)):
-        os.dup2(fd, target)
-    for fd in pipes:
-        if fd > 2:
-            os.close(fd)
-    os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
-    random = sys.modules.get("random")
-    if random is not None and hash(random.getstate()) == random_state:
-        random.seed()  # Python reseeds at fork; should that ever not happen, we do
-    sys.argv[1:] = []
-    code = shim_main()
-    return code if isinstance(code, int) else 0

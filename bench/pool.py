@@ -3,9 +3,10 @@
 
 Not part of the benchmark table. One template, at the default containment; the arms alternate
 in rounds. Figures: the no-op launch round trip (``run_episode`` to its return, one at a time,
-medians of N; with the pool refilled before each), and a burst of B one-second episodes
-started at once: the time from the first request until all have started (their first line)
-and until all have returned.
+medians of N, and its part until the entrypoint's first line; with the pool refilled before
+each, each parked fork's worker forked), and a burst of B one-second episodes started at once,
+from a pool of B so filled: the time from the first request until all have started (their
+first line) and until all have returned.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import anyio
+import psutil
 
 import isolate
 from isolate._core import templates as _templates
@@ -35,24 +37,34 @@ def run(data):
 
 
 async def _filled(n: int) -> None:
-    """Until the template's pool holds ``n`` again (refilled after hand-overs)."""
+    """Until the template's pool holds ``n`` again (refilled after hand-overs), each parked
+    fork with its worker forked ahead."""
     while True:
         templates = _templates.started_templates()
         pool = templates[0].pool if templates else None
-        if pool is None or len(pool.parked) >= n:
+        if pool is None or (len(pool.parked) >= n and all(map(_has_worker, list(pool.parked)))):
             return
         await anyio.sleep(0.005)
 
 
-async def _round_trips(spec: isolate.EpisodeSpec, n: int, parked: int) -> list[float]:
-    times = []
+def _has_worker(forked: _templates.Forked) -> bool:
+    try:
+        return bool(psutil.Process(forked.pid).children())
+    except psutil.Error:
+        return False
+
+
+async def _round_trips(spec: isolate.EpisodeSpec, n: int, parked: int) -> tuple[float, float]:
+    """Medians, in ms, of the round trip and of its part until the entrypoint's first line."""
+    times, firsts = [], []
     for _ in range(n):
         await _filled(parked)
-        started = time.monotonic()
+        started, t0 = time.monotonic(), time.time()
         outcome = await isolate.run_episode(spec, {})
         times.append((time.monotonic() - started) * 1000)
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
-    return times
+        firsts.append((outcome.info["first_line"] - t0) * 1000)
+    return statistics.median(times), statistics.median(firsts)
 
 
 async def _burst(spec: isolate.EpisodeSpec, n: int) -> tuple[float, float]:
@@ -79,21 +91,29 @@ def _kib(pid: int, path: str, field: str) -> int:
 
 
 async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]]:
-    """What one of ``n`` parked forks costs: its own pages (USS; PSS would share the image's
-    out among the forks), and its page tables (KiB)."""
+    """What one of ``n`` parked forks costs with its worker forked ahead: their own pages
+    (USS; PSS would share the image's out among the forks), and their page tables (KiB)."""
     await isolate.park(spec, n)
     (template,) = _templates.started_templates()
     assert template.pool is not None
-    pids = [f.pid for f in template.pool.parked]
+    pairs = []
+    for forked in template.pool.parked:
+        fork = psutil.Process(forked.pid)
+        while not fork.children():  # noqa: ASYNC110 - forked once the fork is in its leaf
+            await anyio.sleep(0.005)
+        pairs.append([forked.pid] + [c.pid for c in fork.children()])
     uss = [
-        _kib(pid, "smaps_rollup", "Private_Clean") + _kib(pid, "smaps_rollup", "Private_Dirty")
-        for pid in pids
+        sum(
+            _kib(pid, "smaps_rollup", "Private_Clean") + _kib(pid, "smaps_rollup", "Private_Dirty")
+            for pid in pids
+        )
+        for pids in pairs
     ]
-    pte = [_kib(pid, "status", "VmPTE") for pid in pids]
+    pte = [sum(_kib(pid, "status", "VmPTE") for pid in pids) for pids in pairs]
     await isolate.park(spec, 0)
     return {
-        f"parked fork ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
-        f"parked fork ({n} parked): page tables, KiB": [statistics.mean(pte)],
+        f"parked pair ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
+        f"parked pair ({n} parked): page tables, KiB": [statistics.mean(pte)],
     }
 
 
@@ -116,11 +136,11 @@ async def _main(args: argparse.Namespace) -> None:
             for arm in ("no pool", "pool") if r % 2 == 0 else ("pool", "no pool"):
                 parked = 4 if arm == "pool" else 0
                 await isolate.park(spec, parked)
-                rt = await _round_trips(spec, args.n, parked)
-                figures.setdefault(f"{arm}: launch round trip, ms", []).append(
-                    statistics.median(rt)
-                )
+                rt, first = await _round_trips(spec, args.n, parked)
+                figures.setdefault(f"{arm}: launch round trip, ms", []).append(rt)
+                figures.setdefault(f"{arm}: launch to the first line, ms", []).append(first)
                 await isolate.park(spec, args.burst if arm == "pool" else 0)
+                await _filled(args.burst if arm == "pool" else 0)  # their workers forked too
                 started, returned = await _burst(spec, args.burst)
                 figures.setdefault(f"{arm}: burst {args.burst}, all started, s", []).append(started)
                 figures.setdefault(f"{arm}: burst {args.burst}, all returned, s", []).append(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 
 import isolate
 from isolate._core import child as _child
@@ -40,6 +41,7 @@ PHASES = [
     ("parent: the move into the episode's leaf", "move", "moved"),
     ("fork: the handshake to its worker's fork", "handshake", "worker"),
     ("worker: its fork to its exit", "worker", "worker exit"),
+    ("worker forked ahead: the handshake to its exit", "handshake", "worker exit"),
     ("fork: its worker's exit to its own", "worker exit", "fork exit"),
     ("parent: the fork's exit to knowing its status", "fork exit", "status"),
     ("parent: its status to run_episode's return", "status", "end"),
@@ -67,6 +69,8 @@ def _instrument(mark: Marks) -> None:
         forked = fork(self, *a, **k)
         mark("reply")
         mark(f"fork {forked.pid}")  # a parked one was not forked after the request
+        for child in psutil.Process(forked.pid).children():
+            mark(f"ahead {child.pid}")  # a parked fork's worker, forked before the request
         return forked
 
     def marked_move(*a: Any, **k: Any) -> Any:
@@ -117,6 +121,8 @@ def _episodes(trace: str) -> list[dict[str, float]]:
                 if fork_pid != int(rest[5:]):  # a parked fork; what forked was the refill
                     fork_pid = int(rest[5:])
                     steps.pop("forked", None)
+            elif rest.startswith("ahead ") and steps is not None:
+                worker_pid = int(rest[6:])
             elif steps is not None:
                 steps.setdefault(rest, at)
                 if rest == "end":
@@ -198,8 +204,11 @@ def main() -> None:
         (root / "noop_agent.py").write_text(head + "def run(data, **kwargs):\n    return 1.0\n")
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         containment, episodes = anyio.run(_run, args.n, root, args.park)
-    gone = {"forked", "move", "moved"} if args.park else set()  # no fork, no move: parked
-    needed = [(a, b) for _, a, b in PHASES if not {a, b} & gone]
+    # Parked: no fork, no move, and the worker forked ahead; else no worker forked ahead.
+    gone = {"forked", "move", "moved", "worker"} if args.park else set()
+    needed = [(a, b) for name, a, b in PHASES if not {a, b} & gone]
+    if not args.park:
+        needed.remove(("handshake", "worker exit"))
     complete = [e for e in episodes if all(a in e and b in e for a, b in needed)]
     agent = args.agent or "none"
     print(f"## A template fork's no-op episode, {started}, containment {containment}")

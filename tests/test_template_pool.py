@@ -82,7 +82,7 @@ async def test_episodes_take_parked_forks_and_the_pool_refills(agents: Agents) -
     assert not {f.pid for f in parked()} & before
 
 
-async def test_a_parked_fork_holds_no_secret_and_no_handshake(agents: Agents) -> None:
+async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents) -> None:
     spec = agents.spec(AGENT, preload=True)
     await isolate.park(spec, 2)
     outcome = await isolate.run_episode(
@@ -92,15 +92,133 @@ async def test_a_parked_fork_holds_no_secret_and_no_handshake(agents: Agents) ->
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
     (template,) = _templates.started_templates()
     for forked in parked():
-        environ = await anyio.Path(f"/proc/{forked.pid}/environ").read_bytes()
-        cmdline = await anyio.Path(f"/proc/{forked.pid}/cmdline").read_bytes()
-        assert SECRET.encode() not in environ + cmdline
-        # Tagged as its template, not as any episode; no channel yet (stdin is /dev/null,
-        # where a handed-over fork's is its episode's socket), and no worker below it.
-        assert f"{isolate.EPISODE_ENV}={template.name}".encode() in environ.split(b"\0")
-        assert os.readlink(f"/proc/{forked.pid}/fd/0") == "/dev/null"
-        assert psutil.Process(forked.pid).children() == []
-        assert os.getsid(forked.pid) == forked.pid  # a session of its own already
+        fork, worker = await anyio.to_thread.run_sync(pair, forked)
+        for pid in (fork.pid, worker.pid):
+            environ = await anyio.Path(f"/proc/{pid}/environ").read_bytes()
+            cmdline = await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert SECRET.encode() not in environ + cmdline
+            # Tagged as its template, not as any episode; no channel yet (stdin is /dev/null,
+            # where a handed-over fork's is its episode's socket), in the fork's session.
+            assert f"{isolate.EPISODE_ENV}={template.name}".encode() in environ.split(b"\0")
+            assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
+            assert os.getsid(pid) == fork.pid  # a session of its own already
+        assert fork.children() == [worker]  # its worker, forked ahead, and nothing else
+        assert worker.children() == []
+
+
+def pair(forked: _templates.Forked) -> tuple[psutil.Process, psutil.Process]:
+    """A parked fork and its worker, forked once the parent has moved the fork into its leaf."""
+    fork = psutil.Process(forked.pid)
+    kids = wait_for(fork.children, what="the worker forked ahead")
+    return fork, kids[0]
+
+
+def innermost_pid(pid: int) -> int:
+    """The pid of ``pid`` in its own PID namespace (the template's, where it has one)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError(f"no NSpid for {pid}")
+
+
+MARKED = """
+import os
+def run(data):
+    # Called: the episode's code runs. A marker named by the caller's pid in its namespace.
+    open(os.path.join(os.environ["PID_DIR"], "called.%d" % os.getpid()), "w").close()
+    return 1.0, {"pid": os.getpid(), "cgroup": open("/proc/self/cgroup").read()}
+"""
+
+
+async def test_the_worker_is_forked_ahead_in_the_leaf_and_runs_nothing_before_its_episode(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(MARKED, preload=True)
+    await isolate.park(spec, 2)
+    pairs = [await anyio.to_thread.run_sync(pair, f) for f in parked()]
+    ahead = {innermost_pid(worker.pid) for _, worker in pairs}
+    for fork, worker in pairs:
+        assert worker.ppid() == fork.pid
+        cgroup = await anyio.Path(f"/proc/{worker.pid}/cgroup").read_text()
+        assert cgroup == await anyio.Path(f"/proc/{fork.pid}/cgroup").read_text()  # its leaf
+        if has_cgroups():
+            assert "/parked." in cgroup
+    assert list(agents.pids.glob("called.*")) == []  # nothing of the episode ran yet
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert outcome.info["pid"] in ahead  # the worker that waited ran it
+    assert [p.name for p in agents.pids.glob("called.*")] == [f"called.{outcome.info['pid']}"]
+    if has_cgroups():
+        assert "/parked." in outcome.info["cgroup"]
+
+
+async def test_a_parked_worker_killed_from_outside_is_replaced_with_its_fork(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 1)
+    (victim,) = parked()
+    _, worker = await anyio.to_thread.run_sync(pair, victim)
+    worker.kill()
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: [f.pid for f in parked()] not in ([], [victim.pid]))
+    )
+    fork, fresh = await anyio.to_thread.run_sync(pair, parked()[0])
+    assert fresh.pid != worker.pid
+    assert not parked()[0].parked_dead()
+
+
+SLEEPER = """
+import os, time
+def mark(name, text):
+    with open(os.path.join(os.environ["PID_DIR"], name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(os.environ["PID_DIR"], name + ".tmp"),
+              os.path.join(os.environ["PID_DIR"], name))
+def run(data):
+    try:
+        mark("ready", str(os.getpid()))
+        time.sleep(300)
+    finally:
+        mark("cleaned", "yes")
+"""
+
+
+async def test_a_pool_episode_times_out_with_its_clean_up_as_before(agents: Agents) -> None:
+    spec = agents.spec(SLEEPER, preload=True, timeout=1.0, kill_grace=0.5)
+    await isolate.park(spec, 1)
+    await anyio.to_thread.run_sync(pair, parked()[0])
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("timeout", "template"), outcome.summary()
+    assert (agents.pids / "cleaned").read_text() == "yes"
+    assert outcome.cleanup == "finished"
+
+
+async def test_a_pool_episode_cancelled_by_its_caller_cleans_up_as_before(agents: Agents) -> None:
+    spec = agents.spec(SLEEPER, preload=True, kill_grace=1.0)
+    await isolate.park(spec, 1)
+    await anyio.to_thread.run_sync(pair, parked()[0])
+    ended: list[isolate.EpisodeOutcome] = []
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_ready() -> None:
+            await wait_until((agents.pids / "ready").exists)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_ready)
+        await isolate.run_episode(spec, {}, on_end=ended.append)
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert tg.cancel_scope.cancelled_caught
+    assert (agents.pids / "cleaned").read_text() == "yes"
+    (outcome,) = ended
+    assert (outcome.status, outcome.start, outcome.cleanup) == ("timeout", "template", "finished")
+    assert outcome.error is not None
+    assert outcome.error.message.startswith("cancelled after ")
+    await isolate.close_templates()
+    assert agents.left() == []
 
 
 async def test_close_templates_kills_parked_forks_and_removes_their_leaves(
@@ -108,12 +226,14 @@ async def test_close_templates_kills_parked_forks_and_removes_their_leaves(
 ) -> None:
     spec = agents.spec(AGENT, preload=True)
     await isolate.park(spec, 3)
-    procs = [psutil.Process(f.pid) for f in parked()]
+    procs = [p for f in parked() for p in await anyio.to_thread.run_sync(pair, f)]
+    assert len(procs) == 6  # each fork with its worker
     leaves = parked_leaves()
     assert len(leaves) == (3 if has_cgroups() else 0)
     await isolate.close_templates()
     assert all(is_gone(p.pid, p.create_time()) for p in procs)
     assert not any(leaf.exists() for leaf in leaves)
+    assert agents.left() == []
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: not episode_processes(f"PID_DIR={agents.pids}".encode()))
     )
@@ -123,8 +243,13 @@ async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents) -> 
     spec = agents.spec(AGENT, preload=True)
     await isolate.park(spec, 1)
     (victim,) = parked()
+    _, worker = await anyio.to_thread.run_sync(pair, victim)
     os.kill(victim.pid, signal.SIGKILL)
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    # Its worker forked ahead dies with it.
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: is_gone(worker.pid, worker.create_time()))
+    )
     # The episode that would have taken it takes another, or a fork of its own.
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
@@ -227,3 +352,27 @@ def test_the_parents_death_ends_its_parked_forks(agents: Agents) -> None:
         parent.kill()
         parent.wait()
     remove_dead_parents_leaves()
+
+
+async def test_a_large_handshake_reaches_the_worker_forked_ahead_whole(agents: Agents) -> None:
+    code = "import os\ndef run(data):\n    return 1.0, {'n': len(data['x']), 'pid': os.getpid()}\n"
+    spec = agents.spec(code, preload=True)
+    await isolate.park(spec, 1)
+    _, worker = await anyio.to_thread.run_sync(pair, parked()[0])
+    ahead = innermost_pid(worker.pid)
+    outcome = await isolate.run_episode(spec, {"x": "y" * (3 << 20)})  # many packets
+    assert (outcome.status, outcome.start, outcome.info["n"]) == ("ok", "template", 3 << 20)
+    assert outcome.info["pid"] == ahead
+
+
+PY39 = os.path.expanduser("~/.pyenv/versions/3.9.18/bin/python3.9")
+
+
+@pytest.mark.skipif(not os.path.exists(PY39), reason=f"{PY39} is not installed")
+async def test_a_parked_pair_under_python_3_9(agents: Agents) -> None:
+    spec = agents.spec(MARKED, preload=True, python=PY39)
+    await isolate.park(spec, 1)
+    _, worker = await anyio.to_thread.run_sync(pair, parked()[0])
+    ahead = innermost_pid(worker.pid)
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start, outcome.info["pid"]) == ("ok", "template", ahead)

@@ -1,11 +1,13 @@
 """Forks of one template parked ahead of demand (``isolate.park``): each forked, moved into a
-cgroup leaf of its own made ahead with the episodes' limits, and waiting for its hand-over, so
-that an episode's start is a hand-over: no fork and no cgroup move on its critical path.
+cgroup leaf of its own made ahead with the episodes' limits, told so, then forking its worker
+there, and waiting for its hand-over, so that an episode's start is a hand-over: no fork and no
+cgroup move on its critical path.
 
-A parked fork holds no secret and has run none of an episode's code: its handshake comes after
-the hand-over, as a fork's does. A thread of the pool's own refills it after hand-overs up to
-its size, replaces a parked fork that died, and, should the template die, kills the parked
-forks and removes their leaves; :meth:`Pool.close` does the same at ``close_templates()``.
+A parked fork and its worker hold no secret and have run none of an episode's code: the
+handshake comes after the hand-over, as a fork's does. A thread of the pool's own refills it
+after hand-overs up to its size, replaces a parked fork that died (or whose worker did), and,
+should the template die, kills the parked forks and removes their leaves; :meth:`Pool.close`
+does the same at ``close_templates()``.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import select
 import threading
 from collections import deque
 
+from agent_shim.shim_wire import send_message
+
 from .. import admission as _admission
 from .. import containment as _containment
 from ..errors import SetupProblem
 from .process import Forked, Template, TemplateGone
 
-#: The most forks one template keeps parked: each holds a copy of its page tables (~1 MiB for a
-#: 200 MB image) and three of the parent's fds.
+#: The most forks one template keeps parked: each, with its worker forked ahead, holds two
+#: copies of its page tables (~0.4 MiB each for a 200 MB image) and three of the parent's fds.
 MAX_PARKED = 1024
 #: What a parked fork holds of the parent's fds: its pidfd, reply and hand-over sockets.
 PARKED_FDS = 3
@@ -173,6 +177,8 @@ class Pool:
             return
         forked.leaves = leaves
         problem = leaves.move(forked.pid) if leaves is not None else None
+        if problem is None:
+            problem = _moved(forked)
         with self._changed:
             keep = problem is None and not self.closed and len(self.parked) < self.target
             if keep:
@@ -181,6 +187,17 @@ class Pool:
             self._changed.notify_all()
         if not keep:
             _end(forked)
+
+
+def _moved(forked: Forked) -> str | None:
+    """Tell a parked fork that it is in its leaves (or that it has none): it forks its worker
+    now, born there. A problem or None."""
+    assert forked.hand is not None
+    try:
+        send_message(forked.hand, {"t": "moved"})
+    except OSError as exc:
+        return f"the parked fork {forked.pid} is gone ({exc.strerror})"
+    return None
 
 
 def _end(forked: Forked) -> None:

@@ -1,0 +1,205 @@
+"""A parked fork of a preloaded template (``shim_template.py``) and its worker, forked ahead.
+
+The fork waits on its hand-over socket. Once the parent has moved it into its cgroup leaf it
+says so (``{"t": "moved"}``; sent where there is no leaf too): the fork becomes a child
+subreaper, not dumpable, and forks its worker at once, born in the leaf. That worker waits on
+a socket pair of their own; it holds no handshake and no secret, and has run none of the
+episode's code. At its hand-over (``{"t": "episode"}``, with the channel and the stderr pipe)
+the fork runs shim.main(), the code of a fresh start: it reads the handshake, says hello and
+passes the worker, on their socket pair, the handshake as it came, the channel and stderr and
+the pipe on which the worker says its final frame is out; the worker then runs
+``shim_worker.run`` as a worker forked there does, walls included, and the fork supervises it.
+A fork handed its episode at once (no pool) forks its worker after the handshake, as a fresh
+start does. Should the parked worker die, the fork exits too, and the pool replaces the pair.
+
+Loaded by the template before its first fork, with ``load_part("parked")``. Standard library
+only, Python 3.9+.
+"""
+
+import os
+import select
+import signal
+import socket
+import sys
+
+# Loaded by shim.py, under its private name, before any part.
+import _isolate_shim_wire as wire
+
+shim = sys.modules["_isolate_shim"]
+
+EPISODE_ENV = wire.EPISODE_ENV
+send, receive = wire.send_message, wire.receive_message
+#: The handshake goes to the worker in packets of at most this many bytes.
+PACKET = 65536
+
+
+def park(hand, own, shim_main, random_state):
+    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF)."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for item in own:
+        if isinstance(item, int):
+            os.close(item)
+        else:
+            item.close()
+    ahead = None
+    message, fds = take(hand)
+    if message is not None and message.get("t") == "moved" and not fds:
+        ahead = fork_ahead(hand, random_state)
+        message, fds = wait(hand, ahead) if ahead is not None else take(hand)
+    hand.close()
+    if message is None or message.get("t") != "episode" or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        return 0 if message is None else 1  # its worker, if any, dies with it
+    return episode(message, fds, shim_main, random_state, ahead)
+
+
+def take(sock):
+    """The next message on ``sock`` and its fds; (None, []) at EOF or on a broken one."""
+    try:
+        return receive(sock)
+    except (OSError, ValueError):
+        return None, []
+
+
+def episode(message, pipes, shim_main, random_state, ahead):
+    """In a parked fork, handed its episode: become a fresh start's shim, run shim.main()."""
+    channel, stderr = pipes
+    for target, fd in ((0, channel), (1, channel), (2, stderr)):
+        os.dup2(fd, target)
+    for fd in pipes:
+        if fd > 2:
+            os.close(fd)
+    os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
+    reseed(random_state)
+    sys.argv[1:] = []
+    code = shim_main(ahead)
+    return code if isinstance(code, int) else 0
+
+
+def reseed(random_state):
+    random = sys.modules.get("random")
+    if random is not None and hash(random.getstate()) == random_state:
+        random.seed()  # Python reseeds at fork; should that ever not happen, we do
+
+
+# --- the worker, forked ahead ------------------------------------------------------------------
+
+
+class Ahead:
+    """The fork's side of its worker forked ahead: its pid and their socket."""
+
+    def __init__(self, pid, sock):
+        self.pid = pid
+        self.sock = sock
+
+    def hand(self, raw, frames_fd, exit_w):
+        """Pass the worker its episode: the handshake ``raw`` as read, the channel, stderr (fd
+        2) and ``exit_w``. The worker's pid, or None if it is gone (then fork one as a fresh
+        start does)."""
+        header = {"t": "episode", "episode_id": os.environ.get(EPISODE_ENV), "size": len(raw)}
+        try:
+            send(self.sock, header, [frames_fd, 2, exit_w])
+            view = memoryview(raw)
+            while view:
+                view = view[self.sock.send(view[:PACKET]) :]
+        except OSError:
+            return None
+        finally:
+            self.sock.close()  # a worker that did not get it all sees EOF and exits
+        return self.pid
+
+
+def fork_ahead(hand, random_state):
+    """In a parked fork, once in its leaf: fork its worker now. Its :class:`Ahead`, or None if
+    the fork failed (the worker is then forked after the handshake)."""
+    shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)  # as shim.main() does first
+    shim.set_subreaper()
+    shim.before_worker_fork()
+    ours, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    me = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        ours.close()
+        its.close()
+        return None
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            hand.close()
+            code = parked_worker(its, me, random_state)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        shim.flush_std_streams()
+        os._exit(code)
+    its.close()
+    return Ahead(pid, ours)
+
+
+def wait(hand, ahead):
+    """Until the hand-over: the message on ``hand`` and its fds; (None, []) at EOF there, or
+    once the worker forked ahead is gone (then this fork exits, and the pool replaces it)."""
+    poller = select.poll()
+    poller.register(hand.fileno(), select.POLLIN)
+    poller.register(ahead.sock.fileno(), select.POLLIN)
+    while True:
+        ready = [fd for fd, _ in poller.poll()]
+        if hand.fileno() in ready:
+            return take(hand)  # should the worker be gone too, one is forked after the handshake
+        if ready:
+            ahead.sock.close()
+            return None, []
+
+
+class Handed:
+    """What ``shim_worker.run`` asks of its supervisor (``Supervisor.as_worker``), for a worker
+    forked ahead: it never had the supervisor's handlers or fds, only the exit pipe's end."""
+
+    def __init__(self, exit_w):
+        self.exit_w = exit_w
+
+    def as_worker(self):
+        return self.exit_w
+
+
+def parked_worker(sock, supervisor_pid, random_state):
+    """The worker forked ahead: wait for the episode on ``sock``, then run it (never returns);
+    its exit code if the fork ends first."""
+    # As in a worker forked after the handshake: SIGINT (its cancellation) blocked until its
+    # handler is set, and no life after the fork's.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != supervisor_pid:
+        return 1
+    message, fds = take(sock)
+    size = message.get("size") if message is not None else None
+    chunks, left = [], size if type(size) is int and len(fds) == 3 else -1
+    while left > 0:
+        chunk = sock.recv(PACKET)
+        if not chunk:
+            break  # the fork is gone
+        chunks.append(chunk)
+        left -= len(chunk)
+    sock.close()
+    if left != 0:
+        for fd in fds:
+            os.close(fd)
+        return 0 if message is None else 1
+    frames, stderr, exit_w = fds
+    os.dup2(stderr, 1)  # stdout and stderr go to the episode's log, as the fork's do
+    os.dup2(stderr, 2)
+    os.close(stderr)
+    os.environ[EPISODE_ENV] = str(message.get("episode_id"))
+    reseed(random_state)
+    sys.argv[1:] = []
+    hs = shim.json_loads(b"".join(chunks).decode("utf-8"))
+    del chunks
+    channel = shim.Channel(frames, hs["nonce"])
+    shim.load_part("worker").run(hs, channel, supervisor_pid, Handed(exit_w))  # exits
+    return 1
