@@ -18,42 +18,16 @@ import os
 import signal
 import time
 from collections.abc import Iterable
-from typing import Protocol
 
-import anyio
 import psutil
 
 from agent_shim.shim_wire import EPISODE_ENV
 
-from .procfs import has_live_thread
+from .reaping import SWEEP_GIVE_UP_S, Box, Reaper, is_alive, key, processes
+
+__all__ = ["Box", "ProcessTree", "is_alive", "pids_with_env", "tagged"]
 
 _Key = tuple[int, float]
-
-
-class Box(Protocol):
-    """Something that holds every process of an episode (its cgroup leaves)."""
-
-    def members(self) -> list[int]: ...
-
-    def populated(self) -> bool: ...
-
-    def kill(self) -> None: ...
-
-
-def _key(proc: psutil.Process) -> _Key:
-    return proc.pid, proc.create_time()
-
-
-def is_alive(proc: psutil.Process) -> bool:
-    """True unless the process has no live thread, or its pid now belongs to another process."""
-    try:
-        if not proc.is_running():
-            return False
-        if proc.status() != psutil.STATUS_ZOMBIE:
-            return True
-    except psutil.Error:
-        return False
-    return has_live_thread(proc.pid)
 
 
 def _session_members(sid: int) -> list[int]:
@@ -94,7 +68,7 @@ def tagged(episode_id: str) -> list[int]:
 
 
 class ProcessTree:
-    """The processes of one episode, and how to kill them."""
+    """The processes of one episode, and how to kill them (with a :class:`Reaper`)."""
 
     def __init__(
         self,
@@ -109,7 +83,7 @@ class ProcessTree:
         self.sid = sid
         self.episode_id = episode_id
         self.box = box
-        self._signalled: set[_Key] = set()
+        self._reaper = Reaper(self.live, box=box, stop_first=True, counted=self._counted)
 
     def live(self) -> list[psutil.Process]:
         """Every live process of the episode, the shim (and its PID 1) last. Blocking: run in a
@@ -119,7 +93,7 @@ class ProcessTree:
         def add(procs: Iterable[psutil.Process]) -> None:
             for proc in procs:
                 try:
-                    found.setdefault(_key(proc), proc)
+                    found.setdefault(key(proc), proc)
                 except psutil.Error:
                     continue
 
@@ -129,10 +103,10 @@ class ProcessTree:
             except psutil.Error:
                 pass
         if self.box is not None:
-            add(_procs(self.box.members()))
-        add(_procs(_session_members(self.sid)))
+            add(processes(self.box.members()))
+        add(processes(_session_members(self.sid)))
         if self.episode_id is not None:
-            add(_procs(tagged(self.episode_id)))
+            add(processes(tagged(self.episode_id)))
         live = [p for p in found.values() if is_alive(p)]
         shim_pid = self.shim.pid if self.shim is not None else -1
         # The shim last: its descendants die first, rather than being orphaned to an init
@@ -141,66 +115,26 @@ class ProcessTree:
         live.sort(key=lambda p: (p.pid == shim_pid, p.pid == shim_pid or _is_pid_1(p.pid)))
         return live
 
+    def _counted(self, proc: psutil.Process) -> bool:
+        """Whether a killed process counts: not the shim, nor its PID 1 in a namespace."""
+        return (self.shim is None or proc.pid != self.shim.pid) and not _is_pid_1(proc.pid)
+
     def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:
         """Send ``sig`` (followed by SIGCONT, so stopped processes act on it); return how many
         processes other than the shim (and its PID 1, in a namespace) were signalled for the
         first time."""
-        new = 0
-        for proc in procs:
-            try:
-                key = _key(proc)
-                proc.send_signal(sig)
-            except psutil.Error:
-                continue
-            if sig != signal.SIGKILL:
-                # Only now: woken first, a stopped process could run on (and, say, send a
-                # result) before the signal arrives; woken now, it meets it pending.
-                try:
-                    proc.send_signal(signal.SIGCONT)
-                except psutil.Error:
-                    pass  # the signal already took it
-            if key not in self._signalled:
-                self._signalled.add(key)
-                if (self.shim is None or proc.pid != self.shim.pid) and not _is_pid_1(proc.pid):
-                    new += 1
-        return new
+        return self._reaper.signal(procs, sig)
 
     async def kill(self, grace: float, term_deadline: float | None = None) -> int:
-        """SIGTERM everything, SIGKILL what is left after ``grace`` seconds, until nothing is
-        left. ``term_deadline`` (monotonic) continues an earlier, interrupted teardown.
-        Returns how many processes other than the shim had to be signalled."""
+        """SIGTERM everything, SIGKILL what is left after ``grace`` seconds (each round
+        stopped first, so that nothing forks meanwhile), until nothing is left or
+        :data:`~isolate._core.reaping.SWEEP_GIVE_UP_S` past the SIGKILL. ``term_deadline``
+        (monotonic) continues an earlier, interrupted teardown. Returns how many processes
+        other than the shim had to be signalled."""
         if term_deadline is None:
             term_deadline = time.monotonic() + grace
-        give_up = term_deadline + 10.0
-        killed = 0
-        delay = 0.002
-        kill_sent = False
-        while True:
-            live = await anyio.to_thread.run_sync(self.live)
-            if time.monotonic() > give_up:
-                return killed
-            if not live:
-                if self.box is None or not await anyio.to_thread.run_sync(self.box.populated):
-                    return killed
-                # Nothing any scan can see, yet the leaf is not empty: kill it whole.
-                await anyio.to_thread.run_sync(self.box.kill)
-            sig = signal.SIGTERM if time.monotonic() < term_deadline else signal.SIGKILL
-            if sig == signal.SIGTERM:
-                fresh = [p for p in live if _safe_key(p) not in self._signalled]
-                killed += await anyio.to_thread.run_sync(self.signal, fresh, sig)
-            else:
-                killed += await anyio.to_thread.run_sync(self.signal, live, sig)
-                if not kill_sent:
-                    kill_sent, delay = True, 0.002  # SIGKILL acts at once: confirm it soon
-                if self.box is not None:
-                    # Then all at once: whatever was forked since the scan dies too.
-                    await anyio.to_thread.run_sync(self.box.kill)
-            # Each poll scans all of /proc: back off to 50 ms, but never sleep past the moment
-            # SIGKILL is due.
-            now = time.monotonic()
-            step = delay if now >= term_deadline else min(delay, term_deadline - now)
-            await anyio.sleep(max(step, 0.0))
-            delay = min(delay * 2, 0.05)
+        reaped = await self._reaper.kill_async(term_deadline, SWEEP_GIVE_UP_S)
+        return reaped.killed
 
 
 def _is_pid_1(pid: int) -> bool:
@@ -214,20 +148,3 @@ def _is_pid_1(pid: int) -> bool:
     except OSError:
         pass
     return False
-
-
-def _safe_key(proc: psutil.Process) -> _Key | None:
-    try:
-        return _key(proc)
-    except psutil.Error:
-        return None
-
-
-def _procs(pids: Iterable[int]) -> list[psutil.Process]:
-    out = []
-    for pid in pids:
-        try:
-            out.append(psutil.Process(pid))
-        except psutil.Error:
-            continue
-    return out

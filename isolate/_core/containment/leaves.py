@@ -9,16 +9,14 @@ import re
 import secrets
 import signal
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..errors import SetupProblem
 from ..procfs import start_time
+from ..reaping import GIVE_UP_S, Reaper, processes
 from .probes import Cgroups, once, probe_cgroups
 
-#: How long teardown waits for ``populated 0`` after ``cgroup.kill`` (seconds).
-_EMPTY_WAIT_S = 2.0
 #: Guards our per-parent directories: created by the first leaf, removed after the last.
 _dir_lock = threading.Lock()
 
@@ -114,17 +112,9 @@ class Leaves:
             if kind != "v2":
                 _kill_leaf(leaf)
 
-    def wait_empty(self, seconds: float = _EMPTY_WAIT_S) -> bool:
+    def wait_empty(self, seconds: float = GIVE_UP_S) -> bool:
         """Kill and wait until no process is left in any leaf; False if some still are."""
-        end = time.monotonic() + seconds
-        delay = 0.001
-        while self.populated() or self.members():
-            if time.monotonic() > end:
-                return False
-            self.kill()
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return True
+        return Reaper(lambda: processes(self.members()), box=self).kill(seconds).gone
 
     def oom_kills(self) -> int | None:
         """OOM kills in the episode, where a memory controller counts them."""
@@ -223,6 +213,28 @@ def _counter(path: Path, name: str) -> int | None:
     return None
 
 
+class _Leaf:
+    """One leaf by its path, as a :class:`~isolate._core.reaping.Box`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def members(self) -> list[int]:
+        return _procs(self.path)
+
+    def populated(self) -> bool:
+        return _populated(self.path)
+
+    def kill(self) -> None:
+        _kill_leaf(self.path)
+
+
+def _empty(leaf: Path) -> bool:
+    """Kill what is in ``leaf`` until it is empty (for at most ``GIVE_UP_S``); whether it is."""
+    box = _Leaf(leaf)
+    return Reaper(lambda: processes(box.members()), box=box).kill().gone
+
+
 def _kill_leaf(leaf: Path) -> None:
     kill_file = leaf / "cgroup.kill"
     if kill_file.exists():
@@ -256,10 +268,7 @@ def clean_stale(roots: Iterable[Path]) -> int:
             for leaf in [p for p in owner.iterdir() if p.is_dir()]:
                 if _shim_alive(leaf):
                     continue  # tearing its episode down by itself: its agent is cleaning up
-                end = time.monotonic() + _EMPTY_WAIT_S
-                while (_populated(leaf) or _procs(leaf)) and time.monotonic() < end:
-                    _kill_leaf(leaf)
-                    time.sleep(0.005)
+                _empty(leaf)
                 try:
                     _rmdir_tree(leaf)
                     removed += 1

@@ -26,6 +26,7 @@ from .. import sandbox as _sandbox
 from .. import wall as _wall
 from ..outcome import describe_exit, signal_name
 from ..procfs import exited, parent_pid
+from ..reaping import GIVE_UP_S, Reaper
 from ..tree import ProcessTree
 
 if TYPE_CHECKING:
@@ -406,14 +407,10 @@ class Template:
             self._signal_importer(signal.SIGSTOP)
             self._kill_leftovers()
             self._signal_importer(signal.SIGKILL)
-            _readable(self.importer_fd, _CLOSE_GRACE_S)
+            _readable(self.importer_fd, GIVE_UP_S)
         self.control.close()
         if self.leaves is not None:
-            end = time.monotonic() + _CLOSE_GRACE_S
-            while self.leaves.populated() and time.monotonic() < end:
-                self.leaves.kill()
-                time.sleep(0.01)
-            self.leaves.remove()
+            self.leaves.remove()  # what is left in it killed, until it is empty
         with self._forks_lock:
             self.closing = True
             last = not self.forks
@@ -429,35 +426,30 @@ class Template:
 
     def _kill_leftovers(self) -> None:
         """SIGKILL every process below the importer but its forks (and what is below them),
-        until none is left, for at most a few seconds. The importer is a subreaper: whatever
+        until none is left, for at most ``GIVE_UP_S``. The importer is a subreaper: whatever
         it started, double-forked or not, is below it."""
-        with self._forks_lock:
-            forks = {forked.pid for forked in self.forks}
         if self.importer_fd is None or _readable(self.importer_fd, 0):
             return  # it is gone: its number may name another process now
-        end = time.monotonic() + _CLOSE_GRACE_S
-        while time.monotonic() < end:
+        with self._forks_lock:
+            forks = {forked.pid for forked in self.forks}
+        Reaper(lambda: self._leftovers(forks), stop_first=True).kill()
+
+    def _leftovers(self, forks: set[int]) -> list[psutil.Process]:
+        """The processes below the importer but ``forks`` and what is below them."""
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.Error:
+            return []
+        left: list[psutil.Process] = []
+        for child in children:
+            if child.pid in forks:
+                continue
+            left.append(child)
             try:
-                children = psutil.Process(self.pid).children()
+                left += child.children(recursive=True)
             except psutil.Error:
-                return
-            left: list[psutil.Process] = []
-            for child in children:
-                if child.pid in forks:
-                    continue
-                left.append(child)
-                try:
-                    left += child.children(recursive=True)
-                except psutil.Error:
-                    pass
-            if not left:
-                return
-            for proc in left:
-                try:
-                    proc.kill()
-                except psutil.Error:
-                    pass
-            time.sleep(0.005)
+                pass
+        return left
 
     def fork_ended(self, forked: Forked) -> None:
         with self._forks_lock:
@@ -480,14 +472,8 @@ class Template:
             try:
                 if outer is None or not _readable(outer, grace):
                     self.popen.send_signal(signal.SIGKILL)
-                rest = ProcessTree(None, self.popen.pid, None, None)
-                end = time.monotonic() + _CLOSE_GRACE_S
-                while time.monotonic() < end:
-                    left = rest.live()
-                    if not left:
-                        break
-                    rest.signal(left, signal.SIGKILL)
-                    time.sleep(0.01)
+                # What is left in its session (the outer process leads it).
+                Reaper(ProcessTree(None, self.popen.pid, None).live, stop_first=True).kill()
             finally:
                 if outer is not None:
                     os.close(outer)
