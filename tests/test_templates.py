@@ -261,11 +261,13 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
         preload=True,
     )
     result: list[isolate.EpisodeOutcome] = []
+    outers: list[subprocess.Popen[bytes]] = []
 
     async def close_then_release() -> None:
         await wait_until((agents.pids / "running").exists)
         templates = template_processes(agents)
         assert len(templates) == 1
+        outers.extend(t.popen for t in _templates.started_templates())
         await isolate.close_templates()
         assert all(is_gone(p.pid, p.create_time()) for p in templates)
         (agents.pids / "go").touch()
@@ -277,8 +279,10 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
     assert template_processes(agents) == []
     assert _templates.started_templates() == []
     # The last fork's end finishes the closed template in a thread of its own: its outer
-    # process is reaped there, soon after.
-    await wait_until(lambda: own_zombies() == [], 5.0)
+    # process is killed and reaped there, soon after (no zombie of it is left either way).
+    assert len(outers) == 1
+    await wait_until(lambda: outers[0].returncode is not None, 5.0)
+    assert own_zombies() == []
 
 
 PARENT = """
