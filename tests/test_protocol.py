@@ -591,9 +591,9 @@ def test_the_wire_is_written_once() -> None:
     assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
     for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
         assert getattr(shim, name) == getattr(wire, name), name
-    from isolate._core import config, supervise, templates
+    from isolate._core import config, templates, watch
 
-    assert supervise.CANCEL is wire.CANCEL
+    assert watch.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS
     assert templates.process.receive_message is wire.receive_message
     assert templates.registry.receive_message is wire.receive_message

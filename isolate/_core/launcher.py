@@ -11,7 +11,7 @@ result that does not change afterwards:
    (``stages.Chosen``);
 5. started (``child``: fresh, or forked from a template; the handshake under way), with the
    frames reader and the supervisor made for it (``stages.Started``);
-6. observed (``supervise`` reading ``frames``, each writing only what it owns);
+6. observed (``watch`` reading ``frames``, each writing only what it owns);
 7. the verdict (``verdict``, a pure function of what was observed) and the outcome
    (``stages.outcome``).
 
@@ -48,7 +48,7 @@ from .outcome import EpisodeOutcome, ErrorInfo
 from .prepare import Prepared, Request, Unprepared, exec_env
 from .prepare import prepare as _prepare
 from .shim import boot_path
-from .supervise import Graces, Supervisor
+from .watch import Graces, Supervisor
 
 __all__ = ["run_episode"]
 

@@ -22,7 +22,7 @@ from .frames import Frames
 from .infra import infra_kind
 from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings
 from .prepare import Prepared, Request
-from .supervise import Supervisor
+from .watch import Supervisor
 
 
 @dataclass(frozen=True)
