@@ -10,7 +10,7 @@ result that does not change afterwards:
 4. chosen: the log opened, the exec environment built, the template found when preloading
    (``stages.Chosen``);
 5. started (``child``: fresh, or forked from a template; the handshake under way), with the
-   frames reader and the supervisor made for it (``stages.Started``);
+   frames reader and the parent's watch made for it (``stages.Started``);
 6. observed (``watch`` reading ``frames``, each writing only what it owns);
 7. the verdict (``verdict``, a pure function of what was observed) and the outcome
    (``stages.outcome``).
@@ -48,7 +48,7 @@ from .outcome import EpisodeOutcome, ErrorInfo
 from .prepare import Prepared, Request, Unprepared, exec_env
 from .prepare import prepare as _prepare
 from .shim import boot_path
-from .watch import Graces, Supervisor
+from .watch import EpisodeWatch, Graces
 
 __all__ = ["run_episode"]
 
@@ -330,7 +330,7 @@ def _spawn(
     except SetupProblem as exc:
         raise _st.StartFailed(str(exc), child) from None
     spec = ep.spec
-    supervisor = Supervisor(
+    watch = EpisodeWatch(
         child=child,
         channel=channel,
         tree=tree,
@@ -345,30 +345,30 @@ def _spawn(
     )
     forked = isinstance(child, _templates.Forked)
     spawned = time.monotonic()
-    return _st.Started(chosen, prep, child, forked, frames, supervisor, spawned, waited, refused)
+    return _st.Started(chosen, prep, child, forked, frames, watch, spawned, waited, refused)
 
 
 async def _observe(
     ep: _st.Episode, started: _st.Started, on_start: Callable[[int], object] | None
 ) -> _st.Cancelled | None:
-    """Supervise the started episode to its end; the caller's cancellation, when it came
+    """Watch the started episode to its end; the caller's cancellation, when it came
     (the episode is then ended as a deadline would end it). An unexpected error goes on,
     once the tree is torn down."""
-    supervisor = started.supervisor
+    watch = started.watch
     try:
         if on_start is not None:
             on_start(started.child.pid)
-        await supervisor.run(started.spawned + ep.spec.timeout)
+        await watch.run(started.spawned + ep.spec.timeout)
     except BaseException as exc:
         cancelled = None
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             cancelled = _st.Cancelled(time.monotonic(), started.frames.final is not None, exc)
         with anyio.CancelScope(shield=True):
-            await supervisor.abort()
+            await watch.abort()
         if cancelled is None:
             raise
         return cancelled
-    leaves, problem = started.prep.leaves, supervisor.leaves_problem
+    leaves, problem = started.prep.leaves, watch.leaves_problem
     if leaves is not None and problem is not None and not leaves.dirs:  # else the release says
         ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
     return None
@@ -384,9 +384,9 @@ def _close_child(frames: Frames, child: _child.Child, channel: int) -> None:
 
 
 async def _release_wall(ep: _st.Episode, prep: Prepared) -> None:
-    """Remove the leaves (unless the supervisor did) and the sandbox's TMPDIR."""
+    """Remove the leaves (unless the episode's watch did) and the sandbox's TMPDIR."""
     leaves = prep.leaves
-    if leaves is not None and leaves.dirs:  # not yet removed by the supervisor
+    if leaves is not None and leaves.dirs:  # not yet removed by the watch
         problem = await anyio.to_thread.run_sync(leaves.remove)
         if problem is not None:
             ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
