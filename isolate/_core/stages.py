@@ -219,10 +219,10 @@ def _timings(seen: Seen) -> Timings:
 
 
 def _infra_of(
-    status: Status, final: _proto.Result | _proto.Error | None, error: ErrorInfo | None
+    status: Status, final: _proto.Result | _proto.ErrorFrame | None, error: ErrorInfo | None
 ) -> str | None:
     """The outcome's ``infra``: only an ``agent_error`` can be the infrastructure's."""
     if status != "agent_error":
         return None
-    at_call = isinstance(final, _proto.Error) and final.at_call
+    at_call = isinstance(final, _proto.ErrorFrame) and final.at_call
     return infra_kind(error, at_call)
