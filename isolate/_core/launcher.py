@@ -5,8 +5,8 @@ result that does not change afterwards:
 
 1. the arguments checked (``prepare.Request``);
 2. admitted (``admission``: its share of the fd budget, a :class:`~.admission.Ticket`);
-3. prepared (``prepare``: paths, containment, the wall, the network, a frozen ``Prepared``;
-   ``stages.Ready``);
+3. prepared (``prepare.prepare_episode``: paths, containment, the wall, the network, a frozen
+   ``Prepared``; ``stages.Ready``);
 4. chosen: the log opened, the exec environment built, the template found when preloading
    (``stages.Chosen``);
 5. started (``child``: fresh, or forked from a template; the handshake under way), with the
@@ -45,8 +45,7 @@ from .episode_log import EpisodeLog
 from .errors import SetupProblem
 from .frames import Frames
 from .outcome import EpisodeOutcome, ErrorInfo
-from .prepare import Prepared, Request, Unprepared, exec_env
-from .prepare import prepare as _prepare
+from .prepare import Prepared, Request, Unprepared, exec_env, prepare_episode
 from .shim import boot_path
 from .watch import EpisodeWatch, Graces
 
@@ -206,7 +205,7 @@ async def _ready(
 ) -> _st.Ready:
     """Prepare, in a worker thread; its leaves, TMPDIR and network go on ``held``. Raises
     :class:`SetupProblem`."""
-    prep = await anyio.to_thread.run_sync(_prepare, ep.req, ep.shim, ep.log.note)
+    prep = await anyio.to_thread.run_sync(prepare_episode, ep.req, ep.shim, ep.log.note)
     held.push_async_callback(_release_wall, ep, prep)
     held.callback(prep.close_network, ep.log.note)
     return _st.Ready(ticket, prep)

@@ -158,7 +158,7 @@ class PreparedSandbox:
         )
 
 
-def prepare(
+def make_tmpdir_and_plan(
     sandbox: Sandbox,
     *,
     episode_id: str,
