@@ -73,7 +73,7 @@ def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
     Raises SetupProblem, with what it made removed."""
     on = _containment.layers(containment)
     groups = _containment.cgroups() if "cgroup" in on else None
-    how = _containment.plan(containment, spec.limits, groups)
+    how = _containment.plan_limits(containment, spec.limits, groups)
     userns = _containment.needs_userns() if "pidns" in on else None
     leaves = None
     if groups is not None:

@@ -102,7 +102,7 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
                 f"domain of their own keeps them from signalling each other ({problem})"
             )
         try:
-            how = _containment.plan(level, spec.limits, _containment.cgroups())
+            how = _containment.plan_limits(level, spec.limits, _containment.cgroups())
         except SetupProblem:
             return None  # refused at the start as an episode of that level would be
         if "RLIMIT_NPROC" in how.rlimits:
