@@ -2,7 +2,7 @@
 of that key, refused for good when unusable, replaced when dead, closed by
 :func:`close_templates`.
 
-Everything here but :func:`acquire`, :func:`probe` and :func:`close_templates` blocks: run it
+Everything here but :func:`acquire`, :func:`try_start` and :func:`close_templates` blocks: run it
 in a worker thread.
 """
 
@@ -308,7 +308,7 @@ def _spawn_locked(
     return template
 
 
-async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
+async def try_start(spec: EpisodeSpec) -> tuple[str | None, float]:
     """Start a template for ``spec`` as its first episode would, outside the registry, and
     close it again: (why it would be refused, or None; seconds until it was ready)."""
     entry = _Entry("template.doctor")
