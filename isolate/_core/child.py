@@ -72,7 +72,7 @@ class Fresh:
     def returncode(self) -> int | None:
         return self.popen.returncode
 
-    def watch(self) -> None:
+    def open_pidfd(self) -> None:
         """Open the pidfd ``wait_exit`` waits on, where the platform has them."""
         if hasattr(os, "pidfd_open"):
             try:
@@ -228,7 +228,7 @@ def hand_over(
         move(child, prep.leaves)  # overlaps the shim's start-up
     tree = ProcessTree(_process(child), child.pid, req.episode_id, prep.leaves)
     if isinstance(child, Fresh):
-        child.watch()
+        child.open_pidfd()
     return rest, tree
 
 
