@@ -212,7 +212,7 @@ def into_template(
     return dataclasses.replace(prep, wall=wall)
 
 
-def hand_over(
+def send_handshake(
     req: Request, prep: Prepared, env: dict[str, str], child: Child, channel: int
 ) -> tuple[memoryview, ProcessTree]:
     """What follows the start (and :func:`into_template`), still in the worker thread: the

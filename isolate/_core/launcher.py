@@ -325,7 +325,7 @@ def _spawn(
         prep = _child.into_template(ep.req, ready.prep, child, template)
         if prep is not ready.prep:  # a fork's: its own TMPDIR, maybe leaves it adopted
             held.push_async_callback(_release_wall, ep, prep)
-        rest, tree = _child.hand_over(ep.req, prep, env, child, channel)
+        rest, tree = _child.send_handshake(ep.req, prep, env, child, channel)
     except SetupProblem as exc:
         raise _st.StartFailed(str(exc), child) from None
     spec = ep.spec
