@@ -13,7 +13,7 @@ result that does not change afterwards:
    frames reader and the parent's watch made for it (``stages.Started``);
 6. observed (``watch`` reading ``frames``, each writing only what it owns);
 7. the verdict (``verdict``, a pure function of what was observed) and the outcome
-   (``stages.outcome``).
+   (``stages.make_outcome``).
 
 What a stage holds (the admission ticket, the start gate, the leaves and the TMPDIR, the
 network, the child and its socket) goes on an exit stack as soon as it exists, and is released
@@ -180,7 +180,7 @@ async def _stages(
         if chosen is None:
             message = f"no template was ready within {ep.spec.timeout:g} s"
             late = ErrorInfo(type="EpisodeTimeout", message=message)
-            return _st.outcome(ep, _st.Seen.of(reached), "timeout", late), None
+            return _st.make_outcome(ep, _st.Seen.of(reached), "timeout", late), None
         reached = chosen
         reached = started = await _start(ep, chosen, held)
         cancelled = await _observe(ep, started, on_start)
@@ -188,7 +188,7 @@ async def _stages(
         problem = ErrorInfo(type="SetupError", message=str(exc))
         shown = exc.containment if isinstance(exc, Unprepared) else "session"
         seen = _st.Seen.of(reached, exc)
-        return _st.outcome(ep, seen, "setup_error", problem, containment=shown), None
+        return _st.make_outcome(ep, seen, "setup_error", problem, containment=shown), None
     except anyio.get_cancelled_exc_class() as exc:
         cancelled = _st.Cancelled(time.monotonic(), False, exc)  # before the start: no frame
     finally:
@@ -197,7 +197,7 @@ async def _stages(
     seen = _st.Seen.of(reached)
     observed = _st.observed(ep, seen, cancelled)
     status, error, reward, info, reason = _verdict.conclude(observed)
-    return _st.outcome(ep, seen, status, error, (reward, info, reason), observed), cancelled
+    return _st.make_outcome(ep, seen, status, error, (reward, info, reason), observed), cancelled
 
 
 async def _ready(

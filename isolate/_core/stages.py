@@ -152,7 +152,7 @@ def observed(ep: Episode, seen: Seen, cancelled: Cancelled | None) -> _verdict.O
     )
 
 
-def outcome(
+def make_outcome(
     ep: Episode,
     seen: Seen,
     status: Status,
