@@ -82,7 +82,7 @@ def _is_async(fn: Any) -> bool:
 
 def _instrument() -> None:
     # The launcher's stages are module functions: wrapped there, they are called wrapped.
-    _wrap(_launcher, "_prepare", "prepare", "prepared")  # the module's name for prepare()
+    _wrap(_launcher, "prepare_episode", "prepare", "prepared")  # the name the launcher calls
     _wrap(_launcher, "_spawn", "spawn", "spawned")
     _wrap(_child.Fresh, "wait_exit", None, "exit seen")
     _wrap(_launcher, "_close_child", "close", None)

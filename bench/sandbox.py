@@ -6,7 +6,8 @@ Episodes run one at a time, the contenders interleaved round-robin so they see t
 moments of a shared machine: no sandbox, ``Sandbox()``, ``Sandbox(connect=[443])``. The
 working directory is a git checkout (so the ``.git`` mounts are made) and ``HOME`` is this
 user's real one (so the carving lists the real home). Also timed alone: the parent's part
-(``prepare``: the plan, the TMPDIR), and its clean-up. Target: ≤ 5 ms over no sandbox.
+(``sandbox.make_tmpdir_and_plan``: the plan, the TMPDIR), and its clean-up. Target: ≤ 5 ms
+over no sandbox.
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def measure(rounds: int, containment: str) -> None:
         times, outcome = anyio.run(_rounds, contenders, rounds)
         assert outcome.sandbox is not None
 
-        prepare, remove = [], []
+        made, remove = [], []
         env = {"HOME": os.environ.get("HOME", "/")}
         for _ in range(rounds):
             start = time.perf_counter()
-            found = _sandbox.prepare(
+            found = _sandbox.make_tmpdir_and_plan(
                 isolate.Sandbox(),
                 episode_id="bench",
                 cwd=str(checkout),
@@ -94,7 +95,7 @@ def measure(rounds: int, containment: str) -> None:
                 mountns=True,
                 can_unshare=False,
             )
-            prepare.append(time.perf_counter() - start)
+            made.append(time.perf_counter() - start)
             start = time.perf_counter()
             _sandbox.remove_tmpdir(found.tmpdir)
             remove.append(time.perf_counter() - start)
@@ -113,7 +114,7 @@ def measure(rounds: int, containment: str) -> None:
             f"{name:<24} {_median_ms(samples):>10} {min(samples) * 1e3:>7.2f} ms {over:>+7.2f} ms"
         )
     print(
-        f"parent prepare (plan + TMPDIR): {_median_ms(prepare)}; TMPDIR removal: "
+        f"the parent's part (plan + TMPDIR): {_median_ms(made)}; TMPDIR removal: "
         f"{_median_ms(remove)}"
     )
 

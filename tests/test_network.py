@@ -555,7 +555,7 @@ def test_the_plan_carries_loopback_entries_and_gives_the_proxy_a_free_port() -> 
     box = isolate.Sandbox(
         network=("127.0.0.1:3128", "localhost:8000", "api.openai.com", "[::1]:9000")
     )
-    found = _sandbox.plan(
+    found = _sandbox.plan_sandbox(
         box, cwd="/tmp", tmpdir="/tmp", home_dirs=[], abi=0, mountns=False, can_unshare=False
     )
     assert found.network is not None

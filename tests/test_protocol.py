@@ -31,7 +31,7 @@ from isolate._core import frames as _frames
 from isolate._core import launcher as _launcher
 from isolate._core.protocol import (
     Done,
-    Error,
+    ErrorFrame,
     Hello,
     LineSplitter,
     Noise,
@@ -591,9 +591,9 @@ def test_the_wire_is_written_once() -> None:
     assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
     for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
         assert getattr(shim, name) == getattr(wire, name), name
-    from isolate._core import config, supervise, templates
+    from isolate._core import config, templates, watch
 
-    assert supervise.CANCEL is wire.CANCEL
+    assert watch.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS
     assert templates.process.receive_message is wire.receive_message
     assert templates.registry.receive_message is wire.receive_message
@@ -736,7 +736,7 @@ def test_importing_the_shim_module_has_no_side_effect(tmp_path: Path) -> None:
 QUICK = settings(max_examples=200, deadline=None)
 NONCE = "0123456789abcdef0123456789abcdef"
 NO_SECRETS = Redactor([])
-FRAME_TYPES = (Hello, Result, Error, Progress, Done)
+FRAME_TYPES = (Hello, Result, ErrorFrame, Progress, Done)
 
 json_scalars = (
     st.none()
@@ -912,7 +912,7 @@ def test_parse_line_makes_every_string_encodable() -> None:
     line = b'{"t":"error","nonce":"%s","kind":"agent","type":"E\\udc80","message":"a\\ud800",'
     line += b'"traceback":"","x\\udfff":{"\\ud801":["\\udbff"]}}'
     item = parse_line(line % NONCE.encode(), NONCE, NO_SECRETS)
-    assert isinstance(item, Error)
+    assert isinstance(item, ErrorFrame)
     assert (item.type, item.message) == ("E\\udc80", "a\\ud800")
     item.model_dump_json().encode("utf-8")
 
@@ -929,7 +929,7 @@ def test_an_error_frame_keeps_bounded_text() -> None:
         }
     ).encode()
     item = parse_line(line, NONCE, NO_SECRETS)
-    assert isinstance(item, Error)
+    assert isinstance(item, ErrorFrame)
     assert item.message.startswith("m" * 1000)
     assert item.message.endswith(f"[... {100_000 - MAX_MESSAGE_CHARS} more characters]")
     assert len(item.message) < MAX_MESSAGE_CHARS + 100

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 import isolate
-from isolate._core.sandbox import SandboxPlan, hidden_paths, plan, ports_of_url
+from isolate._core.sandbox import SandboxPlan, hidden_paths, plan_sandbox, ports_of_url
 
 from .conftest import Agents
 
@@ -79,7 +79,7 @@ def _plan(tmp_path: Path, box: isolate.Sandbox | None = None, **machine: object)
         path.mkdir(parents=True, exist_ok=True)
     args: dict[str, object] = {"abi": 7, "mountns": True, "can_unshare": False}
     args.update(machine)
-    return plan(
+    return plan_sandbox(
         box or isolate.Sandbox(),
         cwd=str(cwd),
         tmpdir=str(tmp),

@@ -152,7 +152,7 @@ def test_another_protocol_version_is_a_protocol_error() -> None:
         (
             Limits(memory_bytes=1 << 30),
             {
-                "final": proto.Error(
+                "final": proto.ErrorFrame(
                     t="error", nonce=NONCE, kind="agent", type="MemoryError", message=""
                 )
             },
@@ -178,8 +178,8 @@ def test_a_limit_that_ended_the_episode_is_its_reason(
     assert error.message.startswith(f"{reason} hit: ")
 
 
-def agent_error(kind: str) -> proto.Error:
-    return proto.Error(t="error", nonce=NONCE, kind="agent", type=kind, message="boom")
+def agent_error(kind: str) -> proto.ErrorFrame:
+    return proto.ErrorFrame(t="error", nonce=NONCE, kind="agent", type=kind, message="boom")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +222,7 @@ def test_a_limit_hit_keeps_an_agents_error_type_and_makes_the_rest_a_crash() -> 
 
 
 def test_a_limit_hit_keeps_the_agents_traceback() -> None:
-    raised = proto.Error(
+    raised = proto.ErrorFrame(
         t="error",
         nonce=NONCE,
         kind="agent",
@@ -301,6 +301,6 @@ def test_each_status_found_by_the_parent_has_its_error_type(
 
 
 def test_a_setup_error_frame_is_a_setup_error_an_agent_one_an_agent_error() -> None:
-    setup = proto.Error(t="error", nonce=NONCE, kind="setup", type="ImportError", message="x")
+    setup = proto.ErrorFrame(t="error", nonce=NONCE, kind="setup", type="ImportError", message="x")
     assert v.conclude(observed(final=setup))[0] == "setup_error"
     assert v.conclude(observed(final=agent_error("ValueError")))[0] == "agent_error"

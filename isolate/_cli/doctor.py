@@ -36,16 +36,16 @@ WORKFLOW_KWARGS = (
     "override_codex_provider",
 )
 PACKAGES = ("pydantic", "openai", "litellm")
-PROBE_TIMEOUT_S = 60.0
+IMPORT_TIMEOUT_S = 60.0
 #: The oldest interpreter the shim supports.
 OLDEST = (3, 9)
-#: At most this many of the last lines of a failed probe's stderr are shown.
+#: At most this many of the last lines of a failed inspection's stderr are shown.
 STDERR_LINES = 60
 
 # Runs under the agent's interpreter (stdlib only, 3.9+): imports the entrypoint without
 # calling it, as an episode's shim would, and answers in one JSON line on a private copy of
 # stdout.
-_PROBE = r"""
+_INSPECT = r"""
 import importlib, importlib.metadata, importlib.util, inspect, json, os, sys
 answer = os.dup(1)
 os.dup2(2, 1)  # whatever the agent's modules print at import goes to stderr
@@ -103,9 +103,9 @@ class _Report:
         return 1 if self.failed else 0
 
 
-def _probe(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
+def _inspect(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
     """Import the entrypoint under ``python``; the report, or what went wrong."""
-    argv = [python, "-I", "-c", _PROBE, str(root), entrypoint, ",".join(WORKFLOW_KWARGS)]
+    argv = [python, "-I", "-c", _INSPECT, str(root), entrypoint, ",".join(WORKFLOW_KWARGS)]
     argv += [",".join(PACKAGES), str(shim_path())]
     try:
         proc = subprocess.Popen(
@@ -114,11 +114,11 @@ def _probe(python: str, root: Path, entrypoint: str) -> dict[str, Any] | str:
     except OSError as exc:
         return f"cannot start {python}: {exc.strerror or exc}"
     try:
-        out, err = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        out, err = proc.communicate(timeout=IMPORT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return f"importing {entrypoint} took longer than {PROBE_TIMEOUT_S:g} s"
+        return f"importing {entrypoint} took longer than {IMPORT_TIMEOUT_S:g} s"
     lines = out.decode("utf-8", "replace").strip().splitlines()
     if proc.returncode != 0 or not lines:
         # All of it: a wrapper such as a pyenv shim says why on its first line, not its last.
@@ -234,9 +234,9 @@ def _preload_report(
         containment=containment,
         inherit_env=PASSTHROUGH_ENV,  # the drop-in's: what the trainer's environment passes
         preload=True,
-        timeout=PROBE_TIMEOUT_S,
+        timeout=IMPORT_TIMEOUT_S,
     )
-    refused, seconds = anyio.run(_templates.probe, spec)
+    refused, seconds = anyio.run(_templates.try_start, spec)
     if refused is None:
         report.line("ok", f"a preloaded template imports it in {seconds:.2f} s and can be forked")
         return
@@ -277,12 +277,12 @@ def doctor(
     print(f"isolate doctor: {entrypoint} in {root} under {python}")
 
     _root_report(report, root, given=agent_root is not None)
-    probe = _probe(python, root, entrypoint)
-    if isinstance(probe, str):
-        report.line("FAIL", f"interpreter: {probe}")
+    found = _inspect(python, root, entrypoint)
+    if isinstance(found, str):
+        report.line("FAIL", f"interpreter: {found}")
         return report.end()
-    version = ".".join(map(str, probe["version"]))
-    if tuple(probe["version"]) < OLDEST:
+    version = ".".join(map(str, found["version"]))
+    if tuple(found["version"]) < OLDEST:
         report.line("FAIL", f"interpreter {python} is Python {version}; the shim needs 3.9+")
         # What passed under it would say nothing: episodes are not supported there at all.
         report.line("skip", "the shim, bytecode and entrypoint checks: they need Python 3.9+")
@@ -290,26 +290,26 @@ def doctor(
     report.line("ok", f"interpreter {python} starts: Python {version}")
 
     used = _containment_report(report, containment)
-    _shim_report(report, python, used or "session", probe["shim_pyc"])
-    if probe["import"] is not None:
-        report.line("FAIL", f"{entrypoint} does not import: {probe['import']}")
+    _shim_report(report, python, used or "session", found["shim_pyc"])
+    if found["import"] is not None:
+        report.line("FAIL", f"{entrypoint} does not import: {found['import']}")
     else:
-        kind = "async" if probe.get("async") else "sync"
-        report.line("ok", f"{entrypoint} imports ({kind} {probe.get('signature')})")
-        if probe.get("binds") is None:
+        kind = "async" if found.get("async") else "sync"
+        report.line("ok", f"{entrypoint} imports ({kind} {found.get('signature')})")
+        if found.get("binds") is None:
             report.line("ok", "it accepts (data, **the workflow's keyword arguments)")
         else:
             # A failure for the drop-in, which passes every keyword; the command line passes
             # only those the entrypoint accepts.
             report.line(
                 "FAIL",
-                f"it does not accept the workflow's arguments: {probe['binds']} (SWEAgentWorkflow "
+                f"it does not accept the workflow's arguments: {found['binds']} (SWEAgentWorkflow "
                 "passes them all; isolate run and batch pass only those it accepts, and --kwargs)",
             )
         if preload:
             _preload_report(report, root, python, entrypoint, containment)
 
-    versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in probe["packages"].items())
+    versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in found["packages"].items())
     report.line("info", f"packages seen by the agent: {versions}")
     _withheld(report)
     for text in sandbox_lines():

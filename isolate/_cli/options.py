@@ -52,9 +52,9 @@ def check_log_dir(path: Path) -> None:
             made.append(missing)
             missing = missing.parent
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".isolate-write-check.{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        trial = path / f".isolate-write-check.{os.getpid()}"
+        trial.touch()
+        trial.unlink()
     except OSError as exc:
         raise UsageError(
             f"--log-dir {path}: {exc.strerror or exc}; give a directory this user can write "

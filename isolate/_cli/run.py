@@ -43,7 +43,7 @@ TTY_TICK_S = 0.5
 PLAIN_TICK_S = 10.0
 
 
-class PreparedRun:
+class RunInputs:
     """Everything one episode needs, from flags or from a replay bundle."""
 
     def __init__(
@@ -68,7 +68,7 @@ class PreparedRun:
         record, the bundle); None: none."""
 
 
-def prepare_run(args: argparse.Namespace) -> PreparedRun:
+def run_inputs(args: argparse.Namespace) -> RunInputs:
     log_dir = args.log_dir or Path(default_log_dir())
     if args.replay is not None:
         # The replay's bundle goes beside the bundle it replays: under its batch run's id.
@@ -92,14 +92,14 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         except (OSError, ValueError) as exc:
             raise UsageError(f"{bundle} is not a replay bundle: {exc}") from None
         names_env = read_secret_env(names)
-        prep = PreparedRun(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
-        prep.key_as, prep.secret_vars = key_as, secret_vars
+        inputs = RunInputs(record, spec, kwargs, log_dir, names_env, default_episode_id(record))
+        inputs.key_as, inputs.secret_vars = key_as, secret_vars
         url = kwargs.get("override_base_url")
         if isinstance(url, str) and url:
-            prep.endpoint = (url, "the bundle's override_base_url")
+            inputs.endpoint = (url, "the bundle's override_base_url")
         specs = [f"{name}={var}" for name, var in secret_vars.items()]
-        prep.secrets = read_secrets(specs, sys.stdin)
-        return prep
+        inputs.secrets = read_secrets(specs, sys.stdin)
+        return inputs
 
     if args.record is None:
         raise UsageError("give RECORD.json or --replay DIR")
@@ -120,14 +120,14 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         secret_env = plan.secret_env(record)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    prep = PreparedRun(record, spec, kwargs, log_dir, secret_env, episode_id)
-    prep.secrets, prep.key_as = plan.secrets, plan.key_as(spec)
-    prep.secret_vars = plan.secret_vars
+    inputs = RunInputs(record, spec, kwargs, log_dir, secret_env, episode_id)
+    inputs.secrets, inputs.key_as = plan.secrets, plan.key_as(spec)
+    inputs.secret_vars = plan.secret_vars
     if plan.base_url:
-        prep.endpoint = (plan.base_url, "--base-url")
+        inputs.endpoint = (plan.base_url, "--base-url")
     elif isinstance(record.get("base_url"), str) and record["base_url"]:
-        prep.endpoint = (record["base_url"], 'the record\'s "base_url"')
-    return prep
+        inputs.endpoint = (record["base_url"], 'the record\'s "base_url"')
+    return inputs
 
 
 def _bundle_passing(bundle: Path) -> tuple[str | None, dict[str, str]]:
@@ -176,13 +176,15 @@ _AGENT_FLAGS = (
 )
 
 
-def _bundle_of(prep: PreparedRun) -> Path:
+def _bundle_of(inputs: RunInputs) -> Path:
     """Write the run's replay bundle, and say where it is; its path."""
-    bundle = (prep.log_dir / prep.episode_id).absolute()
-    check_log_dir(prep.log_dir)
-    passing = {"key_as": prep.key_as, "secrets": prep.secret_vars}
-    write_bundle(bundle, prep.record, prep.spec, prep.kwargs, sorted(prep.secret_env), passing)
-    print(f"isolate: episode {prep.episode_id}, bundle {bundle}", file=sys.stderr)
+    bundle = (inputs.log_dir / inputs.episode_id).absolute()
+    check_log_dir(inputs.log_dir)
+    passing = {"key_as": inputs.key_as, "secrets": inputs.secret_vars}
+    write_bundle(
+        bundle, inputs.record, inputs.spec, inputs.kwargs, sorted(inputs.secret_env), passing
+    )
+    print(f"isolate: episode {inputs.episode_id}, bundle {bundle}", file=sys.stderr)
     return bundle
 
 
@@ -191,14 +193,14 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 async def run_command(args: argparse.Namespace) -> int:
-    prep = prepare_run(args)
-    if prep.endpoint is not None and not args.no_endpoint_check:
-        await anyio.to_thread.run_sync(check_endpoint, *prep.endpoint)
+    inputs = run_inputs(args)
+    if inputs.endpoint is not None and not args.no_endpoint_check:
+        await anyio.to_thread.run_sync(check_endpoint, *inputs.endpoint)
     # Asked for only now: not for an entrypoint that takes no key, nor before a usage error.
-    key = read_api_key(args, sys.stdin) if prep.key_as is not None else None
-    episode_id = prep.episode_id
-    bundle = _bundle_of(prep)
-    spec = prep.spec.model_copy(update={"log_dir": bundle})
+    key = read_api_key(args, sys.stdin) if inputs.key_as is not None else None
+    episode_id = inputs.episode_id
+    bundle = _bundle_of(inputs)
+    spec = inputs.spec.model_copy(update={"log_dir": bundle})
     from .batch.job import episode_secrets
 
     outcome: EpisodeOutcome | None = None
@@ -230,12 +232,12 @@ async def run_command(args: argparse.Namespace) -> int:
                     try:
                         await run_episode(
                             spec,
-                            prep.record,
-                            kwargs=prep.kwargs,
-                            secrets=episode_secrets(prep.secrets, prep.key_as, key),
+                            inputs.record,
+                            kwargs=inputs.kwargs,
+                            secrets=episode_secrets(inputs.secrets, inputs.key_as, key),
                             episode_id=episode_id,
                             on_start=status.started,
-                            secret_env=prep.secret_env,
+                            secret_env=inputs.secret_env,
                             on_end=ended,
                         )
                     finally:

@@ -20,14 +20,14 @@ from .._core.env import PASSTHROUGH_ENV, split_env
 from .._core.shim import shim_path
 from .options import UsageError
 
-#: Seconds the import of an entrypoint may take in the probe.
-PROBE_TIMEOUT_S = 60.0
+#: Seconds the import of an entrypoint may take when its signature is read.
+IMPORT_TIMEOUT_S = 60.0
 #: Seconds the endpoint has to answer before a run or a batch starts.
 ENDPOINT_TIMEOUT_S = 5.0
 
 # Runs under the agent's interpreter (stdlib only, 3.9+); answers in one JSON line on a
 # private copy of stdout, whatever the agent's modules print at import.
-_PROBE = r"""
+_READ_SIGNATURE = r"""
 import inspect, json, os, sys
 answer = os.dup(1)
 os.dup2(2, 1)
@@ -103,12 +103,12 @@ class Accepts:
 
 
 @functools.lru_cache(maxsize=16)
-def probe(python: str, agent_root: str, entrypoint: str) -> Accepts | None:
+def read_signature(python: str, agent_root: str, entrypoint: str) -> Accepts | None:
     """The parameters of ``entrypoint``, imported under ``python`` with ``agent_root`` first on
     its path and the environment an agent gets; None when it cannot be imported there (its
     episodes then say why, as a ``setup_error``). Blocking; cached per arguments."""
     environ, _ = split_env(os.environ, PASSTHROUGH_ENV)
-    argv = [python, "-I", "-c", _PROBE, agent_root, entrypoint, str(shim_path())]
+    argv = [python, "-I", "-c", _READ_SIGNATURE, agent_root, entrypoint, str(shim_path())]
     try:
         proc = subprocess.Popen(
             argv,
@@ -122,7 +122,7 @@ def probe(python: str, agent_root: str, entrypoint: str) -> Accepts | None:
     except OSError:
         return None
     try:
-        out, _ = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=IMPORT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()

@@ -72,7 +72,7 @@ class Fresh:
     def returncode(self) -> int | None:
         return self.popen.returncode
 
-    def watch(self) -> None:
+    def open_pidfd(self) -> None:
         """Open the pidfd ``wait_exit`` waits on, where the platform has them."""
         if hasattr(os, "pidfd_open"):
             try:
@@ -212,7 +212,7 @@ def into_template(
     return dataclasses.replace(prep, wall=wall)
 
 
-def hand_over(
+def send_handshake(
     req: Request, prep: Prepared, env: dict[str, str], child: Child, channel: int
 ) -> tuple[memoryview, ProcessTree]:
     """What follows the start (and :func:`into_template`), still in the worker thread: the
@@ -228,7 +228,7 @@ def hand_over(
         move(child, prep.leaves)  # overlaps the shim's start-up
     tree = ProcessTree(_process(child), child.pid, req.episode_id, prep.leaves)
     if isinstance(child, Fresh):
-        child.watch()
+        child.open_pidfd()
     return rest, tree
 
 

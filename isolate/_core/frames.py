@@ -55,7 +55,7 @@ class Frames:
         self.hello: proto.Hello | None = None
         self.hello_at: float | None = None  # time.monotonic() when it came
         self.said_hello = anyio.Event()  # the shim is past its interpreter's start-up
-        self.final: proto.Result | proto.Error | None = None
+        self.final: proto.Result | proto.ErrorFrame | None = None
         self.done: proto.Done | None = None
         #: How the agent's clean-up went, from its frame; "cut short" when it never said
         #: (:meth:`cut_short`).
@@ -170,7 +170,7 @@ class Frames:
             self._hello(frame)
         elif self.hello is None:
             self.violate(f"a {frame.t!r} frame before hello")
-        elif isinstance(frame, proto.Result | proto.Error):
+        elif isinstance(frame, proto.Result | proto.ErrorFrame):
             if self.final is not None:
                 self.violate(f"a second final frame ({frame.t!r} after {self.final.t!r})")
             else:

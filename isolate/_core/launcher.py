@@ -5,15 +5,15 @@ result that does not change afterwards:
 
 1. the arguments checked (``prepare.Request``);
 2. admitted (``admission``: its share of the fd budget, a :class:`~.admission.Ticket`);
-3. prepared (``prepare``: paths, containment, the wall, the network, a frozen ``Prepared``;
-   ``stages.Ready``);
+3. prepared (``prepare.prepare_episode``: paths, containment, the wall, the network, a frozen
+   ``Prepared``; ``stages.Ready``);
 4. chosen: the log opened, the exec environment built, the template found when preloading
    (``stages.Chosen``);
 5. started (``child``: fresh, or forked from a template; the handshake under way), with the
-   frames reader and the supervisor made for it (``stages.Started``);
-6. observed (``supervise`` reading ``frames``, each writing only what it owns);
+   frames reader and the parent's watch made for it (``stages.Started``);
+6. observed (``watch`` reading ``frames``, each writing only what it owns);
 7. the verdict (``verdict``, a pure function of what was observed) and the outcome
-   (``stages.outcome``).
+   (``stages.make_outcome``).
 
 What a stage holds (the admission ticket, the start gate, the leaves and the TMPDIR, the
 network, the child and its socket) goes on an exit stack as soon as it exists, and is released
@@ -45,10 +45,9 @@ from .episode_log import EpisodeLog
 from .errors import SetupProblem
 from .frames import Frames
 from .outcome import EpisodeOutcome, ErrorInfo
-from .prepare import Prepared, Request, Unprepared, exec_env
-from .prepare import prepare as _prepare
+from .prepare import Prepared, Request, Unprepared, exec_env, prepare_episode
 from .shim import boot_path
-from .supervise import Graces, Supervisor
+from .watch import EpisodeWatch, Graces
 
 __all__ = ["run_episode"]
 
@@ -181,7 +180,7 @@ async def _stages(
         if chosen is None:
             message = f"no template was ready within {ep.spec.timeout:g} s"
             late = ErrorInfo(type="EpisodeTimeout", message=message)
-            return _st.outcome(ep, _st.Seen.of(reached), "timeout", late), None
+            return _st.make_outcome(ep, _st.Seen.of(reached), "timeout", late), None
         reached = chosen
         reached = started = await _start(ep, chosen, held)
         cancelled = await _observe(ep, started, on_start)
@@ -189,7 +188,7 @@ async def _stages(
         problem = ErrorInfo(type="SetupError", message=str(exc))
         shown = exc.containment if isinstance(exc, Unprepared) else "session"
         seen = _st.Seen.of(reached, exc)
-        return _st.outcome(ep, seen, "setup_error", problem, containment=shown), None
+        return _st.make_outcome(ep, seen, "setup_error", problem, containment=shown), None
     except anyio.get_cancelled_exc_class() as exc:
         cancelled = _st.Cancelled(time.monotonic(), False, exc)  # before the start: no frame
     finally:
@@ -198,7 +197,7 @@ async def _stages(
     seen = _st.Seen.of(reached)
     observed = _st.observed(ep, seen, cancelled)
     status, error, reward, info, reason = _verdict.conclude(observed)
-    return _st.outcome(ep, seen, status, error, (reward, info, reason), observed), cancelled
+    return _st.make_outcome(ep, seen, status, error, (reward, info, reason), observed), cancelled
 
 
 async def _ready(
@@ -206,7 +205,7 @@ async def _ready(
 ) -> _st.Ready:
     """Prepare, in a worker thread; its leaves, TMPDIR and network go on ``held``. Raises
     :class:`SetupProblem`."""
-    prep = await anyio.to_thread.run_sync(_prepare, ep.req, ep.shim, ep.log.note)
+    prep = await anyio.to_thread.run_sync(prepare_episode, ep.req, ep.shim, ep.log.note)
     held.push_async_callback(_release_wall, ep, prep)
     held.callback(prep.close_network, ep.log.note)
     return _st.Ready(ticket, prep)
@@ -326,11 +325,11 @@ def _spawn(
         prep = _child.into_template(ep.req, ready.prep, child, template)
         if prep is not ready.prep:  # a fork's: its own TMPDIR, maybe leaves it adopted
             held.push_async_callback(_release_wall, ep, prep)
-        rest, tree = _child.hand_over(ep.req, prep, env, child, channel)
+        rest, tree = _child.send_handshake(ep.req, prep, env, child, channel)
     except SetupProblem as exc:
         raise _st.StartFailed(str(exc), child) from None
     spec = ep.spec
-    supervisor = Supervisor(
+    watch = EpisodeWatch(
         child=child,
         channel=channel,
         tree=tree,
@@ -345,30 +344,30 @@ def _spawn(
     )
     forked = isinstance(child, _templates.Forked)
     spawned = time.monotonic()
-    return _st.Started(chosen, prep, child, forked, frames, supervisor, spawned, waited, refused)
+    return _st.Started(chosen, prep, child, forked, frames, watch, spawned, waited, refused)
 
 
 async def _observe(
     ep: _st.Episode, started: _st.Started, on_start: Callable[[int], object] | None
 ) -> _st.Cancelled | None:
-    """Supervise the started episode to its end; the caller's cancellation, when it came
+    """Watch the started episode to its end; the caller's cancellation, when it came
     (the episode is then ended as a deadline would end it). An unexpected error goes on,
     once the tree is torn down."""
-    supervisor = started.supervisor
+    watch = started.watch
     try:
         if on_start is not None:
             on_start(started.child.pid)
-        await supervisor.run(started.spawned + ep.spec.timeout)
+        await watch.run(started.spawned + ep.spec.timeout)
     except BaseException as exc:
         cancelled = None
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             cancelled = _st.Cancelled(time.monotonic(), started.frames.final is not None, exc)
         with anyio.CancelScope(shield=True):
-            await supervisor.abort()
+            await watch.abort()
         if cancelled is None:
             raise
         return cancelled
-    leaves, problem = started.prep.leaves, supervisor.leaves_problem
+    leaves, problem = started.prep.leaves, watch.leaves_problem
     if leaves is not None and problem is not None and not leaves.dirs:  # else the release says
         ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
     return None
@@ -384,9 +383,9 @@ def _close_child(frames: Frames, child: _child.Child, channel: int) -> None:
 
 
 async def _release_wall(ep: _st.Episode, prep: Prepared) -> None:
-    """Remove the leaves (unless the supervisor did) and the sandbox's TMPDIR."""
+    """Remove the leaves (unless the episode's watch did) and the sandbox's TMPDIR."""
     leaves = prep.leaves
-    if leaves is not None and leaves.dirs:  # not yet removed by the supervisor
+    if leaves is not None and leaves.dirs:  # not yet removed by the watch
         problem = await anyio.to_thread.run_sync(leaves.remove)
         if problem is not None:
             ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")

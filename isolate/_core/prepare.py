@@ -90,7 +90,7 @@ def default_episode_id(data: Any) -> str:
 
 @dataclass(frozen=True)
 class Prepared:
-    """What :func:`prepare` made: the checked paths, the resolved containment and the wall
+    """What :func:`prepare_episode` made: the checked paths, the resolved containment and the wall
     built for it. Its wall's leaves and TMPDIR, and its network, are the caller's to remove."""
 
     agent_root: str | None
@@ -137,7 +137,7 @@ class Prepared:
 
 
 class Unprepared(SetupProblem):
-    """:func:`prepare` could not make what the episode needs; ``containment`` is the
+    """:func:`prepare_episode` could not make what the episode needs; ``containment`` is the
     combination resolved by then (``"session"`` when it failed before), for the outcome."""
 
     def __init__(self, message: str, containment: str) -> None:
@@ -145,7 +145,7 @@ class Unprepared(SetupProblem):
         self.containment = containment
 
 
-def prepare(req: Request, shim: Path, note: Callable[[str], None]) -> Prepared:
+def prepare_episode(req: Request, shim: Path, note: Callable[[str], None]) -> Prepared:
     """Check what can be checked before spawning, pick the containment, make the leaves and the
     sandbox; blocking. Raises :class:`Unprepared`, with nothing of its own left behind."""
     spec = req.spec

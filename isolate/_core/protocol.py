@@ -68,7 +68,7 @@ class Result(_Frame):
     info: Any = None
 
 
-class Error(_Frame):
+class ErrorFrame(_Frame):
     """The entrypoint raised (``agent``) or could not be loaded (``setup``). A message or
     traceback longer than :data:`MAX_MESSAGE_CHARS` or :data:`MAX_TRACEBACK_CHARS` is cut,
     and says so; the log has the traceback whole."""
@@ -144,7 +144,7 @@ class Done(_Frame):
 
 
 Frame = Annotated[
-    Hello | Result | Error | Progress | CleanupFrame | Sandboxed | Net | Done,
+    Hello | Result | ErrorFrame | Progress | CleanupFrame | Sandboxed | Net | Done,
     Field(discriminator="t"),
 ]
 _FRAME: TypeAdapter[Frame] = TypeAdapter(Frame)

@@ -69,7 +69,7 @@ def hidden_paths(sandbox: Sandbox, home_dirs: Iterable[str]) -> list[str]:
     return out
 
 
-def plan(
+def plan_sandbox(
     sandbox: Sandbox,
     *,
     cwd: str,
@@ -79,9 +79,9 @@ def plan(
     mountns: bool,
     can_unshare: bool,
 ) -> SandboxPlan:
-    """The rules and mounts for one episode (``sandbox_plan.plan``, with its hidden paths).
+    """The rules and mounts for one episode (``sandbox_plan.from_paths``, with its hidden paths).
     Blocking."""
-    return sandbox_plan.plan(
+    return sandbox_plan.from_paths(
         hidden_paths(sandbox, home_dirs),
         [os.path.realpath(cwd), os.path.realpath(tmpdir), *map(os.path.realpath, sandbox.write)],
         sandbox.network,
@@ -158,7 +158,7 @@ class PreparedSandbox:
         )
 
 
-def prepare(
+def make_tmpdir_and_plan(
     sandbox: Sandbox,
     *,
     episode_id: str,
@@ -182,7 +182,7 @@ def prepare(
     # knows whose this was.
     tmpdir = tempfile.mkdtemp(prefix=f"isolate-{episode_id}.o{_owner()}.", dir=under)
     try:
-        found = plan(
+        found = plan_sandbox(
             sandbox,
             cwd=cwd,
             tmpdir=tmpdir,

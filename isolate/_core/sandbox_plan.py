@@ -65,7 +65,7 @@ def under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def plan(
+def from_paths(
     hidden: list[str],
     writable: Sequence[str],
     network: str | tuple[str, ...] | None,

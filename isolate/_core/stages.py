@@ -22,7 +22,7 @@ from .frames import Frames
 from .infra import infra_kind
 from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings
 from .prepare import Prepared, Request
-from .supervise import Supervisor
+from .watch import EpisodeWatch
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Started:
     child: _child.Child
     forked: bool
     frames: Frames
-    supervisor: Supervisor
+    watch: EpisodeWatch
     spawned: float  # time.monotonic() at the start: the timeout counts from here
     start_wait_s: float  # at the start gate
     refused: str | None  # why it did not start from a template (scrubbed), if one was asked
@@ -129,7 +129,7 @@ def observed(ep: Episode, seen: Seen, cancelled: Cancelled | None) -> _verdict.O
     counts as the deadline unless a final frame had come by then."""
     started, child = seen.started, seen.child
     frames = started.frames if started is not None else None
-    sup = started.supervisor if started is not None else None
+    sup = started.watch if started is not None else None
     if cancelled is not None:
         timed_out = not cancelled.in_time
     else:
@@ -152,7 +152,7 @@ def observed(ep: Episode, seen: Seen, cancelled: Cancelled | None) -> _verdict.O
     )
 
 
-def outcome(
+def make_outcome(
     ep: Episode,
     seen: Seen,
     status: Status,
@@ -166,7 +166,7 @@ def outcome(
     reward, info, reason = verdict
     started, child, prep = seen.started, seen.child, seen.prep
     frames = started.frames if started is not None else None
-    sup = started.supervisor if started is not None else None
+    sup = started.watch if started is not None else None
     exit_code, sig = None, None
     if child is not None:
         exit_code, sig = _verdict.exit_of(obs or observed(ep, seen, None))
@@ -219,10 +219,10 @@ def _timings(seen: Seen) -> Timings:
 
 
 def _infra_of(
-    status: Status, final: _proto.Result | _proto.Error | None, error: ErrorInfo | None
+    status: Status, final: _proto.Result | _proto.ErrorFrame | None, error: ErrorInfo | None
 ) -> str | None:
     """The outcome's ``infra``: only an ``agent_error`` can be the infrastructure's."""
     if status != "agent_error":
         return None
-    at_call = isinstance(final, _proto.Error) and final.at_call
+    at_call = isinstance(final, _proto.ErrorFrame) and final.at_call
     return infra_kind(error, at_call)

@@ -28,7 +28,7 @@ class Observed:
     violations: Sequence[str]
     """Protocol violations, in the order seen."""
     hello: proto.Hello | None
-    final: proto.Result | proto.Error | None
+    final: proto.Result | proto.ErrorFrame | None
     """The result or error frame, if one came before the deadline."""
     done: proto.Done | None
     timed_out: bool
@@ -70,7 +70,7 @@ def limit_hit(obs: Observed) -> str | None:
         return None
     if limits.memory_bytes is not None and (
         (obs.oom_kills or 0) > 0
-        or (isinstance(obs.final, proto.Error) and obs.final.type == "MemoryError")
+        or (isinstance(obs.final, proto.ErrorFrame) and obs.final.type == "MemoryError")
     ):
         return f"memory limit {size(limits.memory_bytes)}"
     if limits.max_processes is not None and obs.pids_limit_hits > 0:
@@ -126,7 +126,7 @@ def classify(
         # No final frame by the deadline (ours, or the shim's own when we were stopped): one
         # that came during teardown does not count.
         return "timeout", timeout_error(obs), None, None
-    if isinstance(final, proto.Error):
+    if isinstance(final, proto.ErrorFrame):
         error = ErrorInfo(type=final.type, message=final.message, traceback=final.traceback)
         return ("setup_error" if final.kind == "setup" else "agent_error"), error, None, None
     if isinstance(final, proto.Result):

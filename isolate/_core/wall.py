@@ -63,7 +63,7 @@ class Wall:
         mounts are the fork's. Removes nothing; raises SetupProblem."""
         assert spec.sandbox is not None
         assert under.sandbox is not None
-        sandbox = _prepare_sandbox(spec, episode_id, "", under=under.sandbox.tmpdir)
+        sandbox = _make_sandbox(spec, episode_id, "", under=under.sandbox.tmpdir)
         return dataclasses.replace(self, sandbox=sandbox, in_template=True)
 
 
@@ -73,7 +73,7 @@ def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
     Raises SetupProblem, with what it made removed."""
     on = _containment.layers(containment)
     groups = _containment.cgroups() if "cgroup" in on else None
-    how = _containment.plan(containment, spec.limits, groups)
+    how = _containment.plan_limits(containment, spec.limits, groups)
     userns = _containment.needs_userns() if "pidns" in on else None
     leaves = None
     if groups is not None:
@@ -83,7 +83,7 @@ def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
             leaves.create()
         sandbox = None
         if spec.sandbox is not None:
-            sandbox = _prepare_sandbox(spec, name, containment)
+            sandbox = _make_sandbox(spec, name, containment)
     except BaseException:
         if leaves is not None:
             leaves.remove()
@@ -91,14 +91,14 @@ def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
     return Wall(containment, dict(how.rlimits), userns, leaves, sandbox)
 
 
-def _prepare_sandbox(
+def _make_sandbox(
     spec: EpisodeSpec, name: str, containment: str, under: str | None = None
 ) -> _sandbox.PreparedSandbox:
     """The private TMPDIR and the rules the worker enforces; raises SetupProblem. Under a
     template (``under``: its TMPDIR) the fork's mounts are the template's."""
     assert spec.sandbox is not None
     fork = under is not None
-    return _sandbox.prepare(
+    return _sandbox.make_tmpdir_and_plan(
         spec.sandbox,
         episode_id=name,
         cwd=str(spec.cwd) if spec.cwd is not None else os.getcwd(),

@@ -35,7 +35,7 @@ from ...workflow import (
 )
 from ...workflow._econfig import ROOT_KEYS, network_of
 from ..options import UsageError, read_secret_env, read_secrets, secret_specs
-from ..signature import Accepts, probe
+from ..signature import Accepts, read_signature
 
 #: The keyword the api key is passed as, to an entrypoint that accepts it.
 KEY_KEYWORD = "override_api_key"
@@ -227,7 +227,7 @@ class RecordPlan:
         """The entrypoint's parameters, from its interpreter; None where it cannot tell."""
         if spec.agent_root is None or not spec.agent_root.is_dir():
             return None
-        return probe(spec.python, str(spec.agent_root), spec.entrypoint)
+        return read_signature(spec.python, str(spec.agent_root), spec.entrypoint)
 
     def key_as(self, spec: EpisodeSpec) -> str | None:
         """The keyword the api key is passed as to ``spec``'s entrypoint; None: it takes none."""

@@ -26,7 +26,7 @@ All functions here block: call them through ``anyio.to_thread.run_sync``.
 from agent_shim.shim_wire import LAYERS
 
 from .leaves import Leaves, cgroups, clean_stale
-from .limits import REPORT_ROOM, LimitPlan, layer_problem, plan, problem, resolve, size
+from .limits import REPORT_ROOM, LimitPlan, layer_problem, plan_limits, problem, resolve, size
 from .probes import (
     AUTO,
     COMBINATIONS,
@@ -57,7 +57,7 @@ __all__ = [
     "layers",
     "needs_userns",
     "pidns_problem",
-    "plan",
+    "plan_limits",
     "problem",
     "resolve",
     "seccomp_available",

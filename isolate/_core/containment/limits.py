@@ -58,7 +58,7 @@ class LimitPlan:
     """``RLIMIT_*`` name -> (soft, hard), set in the worker before the agent is imported."""
 
 
-def plan(containment: str, limits: Limits | None, groups: Cgroups | None) -> LimitPlan:
+def plan_limits(containment: str, limits: Limits | None, groups: Cgroups | None) -> LimitPlan:
     """The mechanisms for ``limits`` under ``containment``; SetupProblem when one limit cannot
     be enforced there. ``groups``: where leaves go, when the combination has the cgroup layer."""
     out = LimitPlan()
@@ -124,7 +124,7 @@ def resolve(requested: str, limits: Limits | None) -> tuple[str, LimitPlan]:
         else:
             groups = cgroups() if "cgroup" in layers(containment) else None
             try:
-                return containment, plan(containment, limits, groups)
+                return containment, plan_limits(containment, limits, groups)
             except SetupProblem as exc:
                 missing = f"containment {containment!r} cannot enforce the limits: {exc}"
         first_problem = first_problem or missing

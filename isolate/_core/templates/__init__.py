@@ -30,9 +30,9 @@ from .registry import (
     close_templates,
     park,
     preload_list,
-    probe,
     remedy,
     started_templates,
+    try_start,
     unusable,
 )
 
@@ -48,7 +48,7 @@ __all__ = [
     "park",
     "pidfd_pid",
     "preload_list",
-    "probe",
+    "try_start",
     "remedy",
     "started_templates",
     "unusable",

@@ -2,7 +2,7 @@
 of that key, refused for good when unusable, replaced when dead, closed by
 :func:`close_templates`.
 
-Everything here but :func:`acquire`, :func:`probe` and :func:`close_templates` blocks: run it
+Everything here but :func:`acquire`, :func:`try_start` and :func:`close_templates` blocks: run it
 in a worker thread.
 """
 
@@ -102,7 +102,7 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
                 f"domain of their own keeps them from signalling each other ({problem})"
             )
         try:
-            how = _containment.plan(level, spec.limits, _containment.cgroups())
+            how = _containment.plan_limits(level, spec.limits, _containment.cgroups())
         except SetupProblem:
             return None  # refused at the start as an episode of that level would be
         if "RLIMIT_NPROC" in how.rlimits:
@@ -308,7 +308,7 @@ def _spawn_locked(
     return template
 
 
-async def probe(spec: EpisodeSpec) -> tuple[str | None, float]:
+async def try_start(spec: EpisodeSpec) -> tuple[str | None, float]:
     """Start a template for ``spec`` as its first episode would, outside the registry, and
     close it again: (why it would be refused, or None; seconds until it was ready)."""
     entry = _Entry("template.doctor")

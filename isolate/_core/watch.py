@@ -53,8 +53,8 @@ class Graces:
     cancel_grace: float
 
 
-class Supervisor:
-    """Watches one started child until nothing of its episode is left.
+class EpisodeWatch:
+    """Watches one started child, from the parent, until nothing of its episode is left.
 
     ``run`` is the normal path: handshake out, pipes read, the child's exit or the deadline,
     then the sweep. ``abort`` is the path after the caller's cancellation or an unexpected
