@@ -48,9 +48,6 @@ MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
-# After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
-# the parent promises its tree is gone within cancel_grace + 2 s of its own death.
-PARENT_GONE_GRACE = 1.0
 
 
 def load_part(name):

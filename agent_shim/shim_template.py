@@ -132,20 +132,16 @@ def command_name(pid):
         return "?"
 
 
-def kill_children(process_table):
-    """SIGKILL every child until none is left (a subreaper: their orphans come back here), for
-    at most 2 s; the parent's clean-up of the template's session and leaf comes after."""
-    end = time.monotonic() + 2.0
-    while time.monotonic() < end:
-        kids = children_after(0, process_table)
-        if not kids:
-            return
-        for pid, _ in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.005)
+def kill_children(process_table, spared=()):
+    """Kill every child but the ``spared`` until none is left (a subreaper: their orphans come
+    back here): the supervisor's ``kill_until_gone``, SIGKILL at once. The parent's clean-up of
+    the template's session and leaf comes after."""
+
+    def find():
+        kids = [pid for pid, _ in children_after(0, process_table) if pid not in spared]
+        return kids, not kids
+
+    shim.load_part("supervisor").kill_until_gone(find)
 
 
 def serve():
@@ -341,19 +337,18 @@ def kill_leaves(leaves):
 
 
 def kill_all(child, leaves, below):
-    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's own
-    ``live_descendants``): the child is stopped first, so that nothing new appears below it
-    meanwhile."""
+    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's
+    ``kill_until_gone`` over its ``live_descendants``, the child stopped first, so that nothing
+    new appears below it meanwhile)."""
     kill_leaves(leaves)
     if below:
         supervisor = shim.load_part("supervisor")
-        supervisor.signal_all([child], signal.SIGSTOP)
-        for _ in range(100):
+
+        def find():
             found = supervisor.live_descendants(child)
-            if not found:
-                break
-            supervisor.signal_all(found, signal.SIGKILL)
-            time.sleep(0.005)
+            return found, not found
+
+        supervisor.kill_until_gone(find, stop=[child])
     try:
         os.kill(child, signal.SIGKILL)
     except OSError:
@@ -397,12 +392,7 @@ def loop(control, shim_main, random_state, process_table):
             if message is None:
                 # The parent is gone or closed us. Episodes live on (they watch their own
                 # pipes); what else the agent's code started here does not.
-                for pid, _ in children_after(0, process_table):
-                    if pid not in replies:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
+                kill_children(process_table, spared=replies)
                 return
             if message.get("t") == "park" and len(fds) == 2:
                 reply, hand = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
