@@ -67,7 +67,35 @@ def unshare_pidns(userns, cgroupns=False):
             "+cgroup" if cgroupns else "",
             os.strerror(errno),
         )
-    return shim.map_own_ids(uid, gid) if userns else None
+    return map_own_ids(uid, gid) if userns else None
+
+
+def map_own_ids(uid, gid):
+    """In a user namespace just made: map our own ids to themselves, so that files the agent
+    writes keep the caller's ownership. A problem or None."""
+    # The files of a process that is not dumpable belong to root: dumpable just for the opens
+    # (what was opened stays writable), then at once not again.
+    maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
+    maps += (("gid_map", "%d %d 1" % (gid, gid)),)
+    files, problem = [], None
+    shim.c_call("prctl", shim.PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        for name, _ in maps:
+            files.append(open("/proc/self/" + name, "w"))
+    except OSError as exc:
+        problem = exc
+    finally:
+        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
+    for i, f in enumerate(files):
+        try:
+            with f:
+                if problem is None:
+                    f.write(maps[i][1])
+        except OSError as exc:
+            problem = problem or exc
+    if problem is not None:
+        return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
+    return None
 
 
 def become_init(cgroupns=False, guard=True):
@@ -76,7 +104,7 @@ def become_init(cgroupns=False, guard=True):
     machine; a /dev of its own; the cgroup view; with ``guard``, the kernel's files read-only):
     shim_world.py. A problem or None."""
     shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    return shim.load_part("world").build(cgroupns, shim.c_call, guard)
+    return shim.load_part("world").build(cgroupns, guard)
 
 
 def relay(child):
@@ -347,8 +375,7 @@ class Supervisor:
         except OSError:
             pass
         # The report is out: skip interpreter finalisation, which costs every episode ~20 ms.
-        shim.flush_std_streams()
-        os._exit(0 if why == "exited" else 3)
+        shim.leave(0 if why == "exited" else 3)
 
     def _wait(self, hs):
         """Until the episode ends: the worker's (wait status, CPU seconds) or None, why it

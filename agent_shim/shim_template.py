@@ -47,16 +47,12 @@ its own, so that no episode reaches another.
 import gc
 import os
 import select
-import signal
 import socket
 import sys
 import time
 
-# Loaded by shim.py, under its private name, before any part: the codec and constants the
-# parent uses too.
-import _isolate_shim_wire as wire
-
 shim = sys.modules["_isolate_shim"]
+signal, wire = shim.signal, shim.wire
 
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
@@ -155,14 +151,7 @@ def serve():
 
         traceback.print_exc()  # a bug of the template itself: leave a trace in the log
     finally:
-        leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
-
-
-def leave(code):
-    """Flush stdout and stderr, then end this process at once, without the interpreter's
-    shutdown: the template's and a fork's own, not the agent's."""
-    shim.flush_std_streams()
-    os._exit(code)
+        shim.leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
 
 
 def preload_and_loop():
@@ -262,7 +251,7 @@ def enter_wall(wall, control, life):
     if problem is None and pidns:
         # Rooted at the importer's leaf: the forks, moved into leaves beside it, cannot leave
         # theirs. PID 1 stays out of it, so that closing the template spares its forks.
-        problem = shim.load_part("world").cgroup_namespace(shim.c_call)
+        problem = shim.load_part("world").cgroup_namespace()
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
@@ -276,9 +265,7 @@ def enter_wall(wall, control, life):
             return problem
     sandbox = wall.get("sandbox")
     if sandbox is not None:
-        part = shim.load_part("sandbox")
-        parts = shim.load_part("landlock"), shim.load_part("world")
-        missing = part.enter(sandbox, *parts, shim.c_call)
+        missing = shim.load_part("sandbox").enter(sandbox)
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
@@ -440,7 +427,7 @@ def fork(hand, reply, own, shim_main, random_state):
             import traceback
 
             traceback.print_exc()
-        leave(code)
+        shim.leave(code)
     hand.close()
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     try:
