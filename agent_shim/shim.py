@@ -340,8 +340,7 @@ def is_containment(value):
 
 def layers_of(hs):
     """The containment layers the handshake asks for: ``["cgroup", "pidns"]``, say."""
-    value = hs.get("containment", "session")
-    return [] if value == "session" else value.split("+")
+    return wire.layers(hs.get("containment", "session"))
 
 
 def is_rlimit(name, value):

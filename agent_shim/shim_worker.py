@@ -45,7 +45,7 @@ def run(hs, channel, supervisor_pid, supervisor):
         import traceback
 
         traceback.print_exc()  # a bug of the shim itself: leave a trace in the log
-        os._exit(code)
+        shim.leave(code)
     # The final frame is out. The supervisor bounds what follows by exit_grace.
     leave_worker(code)
 
