@@ -328,18 +328,16 @@ def kill_all(child, leaves, below):
     ``kill_until_gone`` over its ``live_descendants``, the child stopped first, so that nothing
     new appears below it meanwhile)."""
     kill_leaves(leaves)
-    if below:
-        supervisor = shim.load_part("supervisor")
+    supervisor = shim.load_part("supervisor")
+    if not below:
+        supervisor.signal_all([child], signal.SIGKILL)
+        return
 
-        def find():
-            found = supervisor.live_descendants(child)
-            return found, not found
+    def find():
+        found = supervisor.live_descendants(child)
+        return found, not found
 
-        supervisor.kill_until_gone(find, stop=[child])
-    try:
-        os.kill(child, signal.SIGKILL)
-    except OSError:
-        pass
+    supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last
 
 
 def init(importer, life):
