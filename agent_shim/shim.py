@@ -22,8 +22,20 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
    supervisor (``shim_supervisor.py``) reaps orphans, enforces its own deadline, watches the
    parent pipe, and when the worker is gone kills every survivor and sends ``done``.
 
-This file is the short main and what its parts share (the frame channel, JSON, the C calls,
-the handshake's checks); the parts find it as ``sys.modules["_isolate_shim"]``.
+This file is the short main and what its parts share: the frame channel, JSON, the C calls
+(``c_call``), the signal module, the kernel's numbers more than one part uses, the exit.
+
+The parts are wired one way: a part takes the shim at load, ``shim = sys.modules["_isolate_shim"]``
+(registered before any part is loaded), and from it all it needs: ``shim.c_call``,
+``shim.signal``, ``shim.wire``, ``shim.load_part`` for the other parts, ``shim.PR_*`` and
+``shim.CLONE_*``. No part takes the shim's helpers as arguments, imports another by its private
+name or imports signal itself. Why this way: the parts run only in the shim's process and use
+many of its helpers, so a lookup at load keeps their signatures about what they do, not about
+plumbing; boot.py and ``load_part`` stay plain (a file executed, nothing injected); and a part
+loaded outside the shim fails at once, loudly. A number only one part uses stays in it. Two
+files take nothing from the shim, because the parent imports them too: shim_wire.py (the
+protocol's constants, shared with the parent) and shim_landlock.py (the parent asks it the
+kernel's ABI), which calls through the shim's ``c_call`` where the shim loaded it, else ctypes.
 
 Frames are single JSON lines carrying the handshake's nonce. See docs/protocol.md.
 """
@@ -48,9 +60,7 @@ MAX_HANDSHAKE_BYTES = 512 * 1024 * 1024
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x02000000, 0x04000000, 0x08000000
-# After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
-# the parent promises its tree is gone within cancel_grace + 2 s of its own death.
-PARENT_GONE_GRACE = 1.0
+CLONE_NEWTIME, CLONE_NEWNET, PR_SET_NO_NEW_PRIVS = 0x80, 0x40000000, 38
 
 
 def load_part(name):
@@ -81,8 +91,7 @@ def load_part(name):
     return module
 
 
-# The parts find the shim's shared helpers here: ``sys.modules["_isolate_shim"]``. boot.py
-# removes the public name ``shim``, which the agent may use for a module of its own.
+# boot.py removes the public name ``shim``: the agent may have a module of that name.
 sys.modules["_isolate_shim"] = sys.modules[__name__]
 
 # The protocol's constants and the containment grammar, shared with the parent.
@@ -331,8 +340,7 @@ def is_containment(value):
 
 def layers_of(hs):
     """The containment layers the handshake asks for: ``["cgroup", "pidns"]``, say."""
-    value = hs.get("containment", "session")
-    return [] if value == "session" else value.split("+")
+    return wire.layers(hs.get("containment", "session"))
 
 
 def is_rlimit(name, value):
@@ -347,49 +355,19 @@ def is_rlimit(name, value):
     )
 
 
-# --- shared by the parts: user namespaces, capabilities ------------------------------------------
-
-
-def map_own_ids(uid, gid):
-    """In a user namespace just made: map our own ids to themselves, so that files the agent
-    writes keep the caller's ownership. A problem or None."""
-    # The files of a process that is not dumpable belong to root: dumpable just for the opens
-    # (what was opened stays writable), then at once not again.
-    maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
-    maps += (("gid_map", "%d %d 1" % (gid, gid)),)
-    files, problem = [], None
-    c_call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)
-    try:
-        for name, _ in maps:
-            files.append(open("/proc/self/" + name, "w"))
-    except OSError as exc:
-        problem = exc
-    finally:
-        c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-    for i, f in enumerate(files):
-        try:
-            with f:
-                if problem is None:
-                    f.write(maps[i][1])
-        except OSError as exc:
-            problem = problem or exc
-    if problem is not None:
-        return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
-    return None
-
-
-def capability_sets():
-    """This process's capability sets from /proc/self/status: {"CapEff": int, ...}."""
-    with open("/proc/self/status") as f:
-        return {line[:6]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
-
-
 def flush_std_streams():
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+
+
+def leave(code):
+    """Flush stdout and stderr, then end this process at once, without the interpreter's
+    shutdown: how every process of the shim ends once its work is out."""
+    flush_std_streams()
+    os._exit(code)
 
 
 def main(ahead=None):

@@ -14,12 +14,11 @@ subprocesses keep running while it cleans up.
 
 import os
 import select
+import sys
 import time
 
-try:
-    import _signal as signal
-except ImportError:
-    import signal
+shim = sys.modules["_isolate_shim"]
+signal = shim.signal
 
 
 def cancel_worker(worker_pid, status, grace, wake_fd, flags, reap):

@@ -1,7 +1,10 @@
 """Landlock for the shim: small wrappers over the kernel's three system calls (Linux 5.13+).
 
-Loaded with ``load_part("landlock")``; standard library only, Python 3.9+; calls the kernel
-through the shim's ``c_call`` (``use()``), else through ctypes. A process
+Loaded with ``load_part("landlock")``; standard library only, Python 3.9+. The parent imports
+it too (``agent_shim.shim_landlock``, for ``abi()``), so it takes nothing from the shim but
+its call into the C library: ``c_call`` where the shim loaded it (``_isolate_shim`` in
+sys.modules), else ctypes; ``no_new_privs`` (and ``restrict_self``, which may need it) only
+where the shim did. A process
 restricts itself, and every process it starts afterwards inherits the restriction; it can never
 be lifted. Whatever the ruleset, the kernel refuses a process in a domain ptrace of any process
 outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall``; ``environ``,
@@ -15,7 +18,6 @@ outside it, and with it ``/proc/PID/mem``, ``cwd``, ``fd/*`` links and ``syscall
     restrict_self(ruleset, flags=0)        -> enter the domain (sets no_new_privs if needed)
     no_new_privs()                         -> prctl(PR_SET_NO_NEW_PRIVS)
     refused(abi_version, fs, net, scoped)  -> the part of those masks this ABI lacks
-    use(c_call)                            -> make the calls without importing ctypes
 
 Each raises ``OSError`` (with errno) on failure; callers decide what a missing feature means.
 Everything handled and not allowed by a rule is denied: an fs mask with no rule denies those
@@ -25,12 +27,12 @@ domain, SCOPE_ABSTRACT_UNIX_SOCKET refuses connecting to abstract unix sockets m
 """
 
 import os
+import sys
 
 # Same numbers on every architecture but alpha (asm-generic table, Linux 5.13).
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION, _CREATE_RULESET_ERRATA = 1 << 0, 1 << 1
 _RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
-_PR_SET_NO_NEW_PRIVS = 38
 
 # File-system access rights (ABI in which each appeared: 1 unless noted).
 FS_EXECUTE = 1 << 0
@@ -62,17 +64,6 @@ NET_BY_ABI = {4: NET_BIND_TCP | NET_CONNECT_TCP}
 SCOPED_BY_ABI = {6: SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL}
 
 
-_call = None
-
-
-def use(c_call):
-    """Make the system calls through ``c_call(name, *args) -> (result, errno)``, which takes
-    ints, bytes (``char *``) and None (NULL): the shim's, built on ctypes' C core. Without it
-    the module imports ctypes itself, which costs every episode ~1.7 ms."""
-    global _call
-    _call = c_call
-
-
 def _ctypes_call(name, *args):
     import ctypes
 
@@ -80,9 +71,15 @@ def _ctypes_call(name, *args):
     return func(*args), ctypes.get_errno()
 
 
+# The shim's c_call (ints, bytes as ``char *``, None as NULL) spares the import of ctypes,
+# which costs every episode ~1.7 ms; the parent, without the shim, uses ctypes.
+_shim = sys.modules.get("_isolate_shim")
+_call = _ctypes_call if _shim is None else _shim.c_call
+
+
 def _syscall(number, *args):
     """The structs travel as bytes (little-endian: every Landlock architecture here is)."""
-    result, errno = (_call or _ctypes_call)("syscall", number, *args)
+    result, errno = _call("syscall", number, *args)
     if result < 0:
         raise OSError(errno, os.strerror(errno))
     return result
@@ -144,7 +141,7 @@ def add_port_rule(ruleset, port, access):
 
 def no_new_privs():
     """No exec of this process or its descendants gains privileges (set-uid, file caps)."""
-    result, errno = (_call or _ctypes_call)("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    result, errno = _call("prctl", _shim.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if result != 0:
         raise OSError(errno, os.strerror(errno))
 

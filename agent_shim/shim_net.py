@@ -21,7 +21,6 @@ import sys
 
 shim = sys.modules["_isolate_shim"]
 
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 
@@ -56,14 +55,15 @@ def enter(network, channel):
 def unshare_net():
     """A network namespace; with a user namespace as well unless this process may make one
     without (root, or already in a user namespace of its own). A problem or None."""
-    caps = shim.capability_sets().get("CapEff", 0)
+    caps = shim.load_part("worker").capability_sets().get("CapEff", 0)
     needed = 1 << CAP_SYS_ADMIN | 1 << CAP_NET_ADMIN
     userns = caps & needed != needed
     uid, gid = os.getuid(), os.getgid()
-    result, errno = shim.c_call("unshare", CLONE_NEWNET | (CLONE_NEWUSER if userns else 0))
+    flags = shim.CLONE_NEWNET | (shim.CLONE_NEWUSER if userns else 0)
+    result, errno = shim.c_call("unshare", flags)
     if result != 0:
         return "unshare(%s): %s" % ("user+net" if userns else "net", os.strerror(errno))
-    return shim.map_own_ids(uid, gid) if userns else None
+    return shim.load_part("supervisor").map_own_ids(uid, gid) if userns else None
 
 
 def loopback_up():

@@ -18,14 +18,11 @@ only, Python 3.9+.
 
 import os
 import select
-import signal
 import socket
 import sys
 
-# Loaded by shim.py, under its private name, before any part.
-import _isolate_shim_wire as wire
-
 shim = sys.modules["_isolate_shim"]
+signal, wire = shim.signal, shim.wire
 
 EPISODE_ENV = wire.EPISODE_ENV
 send, receive = wire.send_message, wire.receive_message
@@ -136,8 +133,7 @@ def fork_ahead(hand, random_state):
             import traceback
 
             traceback.print_exc()
-        shim.flush_std_streams()
-        os._exit(code)
+        shim.leave(code)
     its.close()
     return Ahead(pid, ours)
 

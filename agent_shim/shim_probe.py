@@ -19,7 +19,7 @@ def pidns(userns):
         if pid == 0:
             problem = supervisor.become_init() or (None if os.getpid() == 1 else "not PID 1")
             sys.stderr.write(problem + "\n" if problem else "")
-            os._exit(1 if problem else 0)
+            shim.leave(1 if problem else 0)
         return 0 if os.waitpid(pid, 0)[1] == 0 else 1
     sys.stderr.write(problem + "\n")
     return 1
@@ -55,7 +55,7 @@ def landlock():
         except OSError:
             os.write(read_w, b"environ refused\n")
         sys.stderr.write(problem + "\n" if problem else "")
-        os._exit(1 if problem else 0)
+        shim.leave(1 if problem else 0)
     os.close(read_w)
     with os.fdopen(read_r) as f:
         sys.stdout.write(f.read())

@@ -17,37 +17,35 @@ pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
    refuses the agent mount and umount, so it cannot take the mounts away.
 
 Every call into the C library goes through the shim's ``c_call`` (ints, bytes, None), the
-Landlock part's too: importing ctypes would cost every episode ~1.7 ms.
+Landlock part's too: importing ctypes would cost every episode ~1.7 ms. The mount flags are
+the world part's.
 
-``enter(plan, landlock, world, c_call)`` returns what could not be done, one line each; the caller
-decides whether that ends the episode (``best_effort``).
+``enter(plan)`` returns what could not be done, one line each; the caller decides whether
+that ends the episode (``best_effort``).
 """
 
 import os
+import sys
 
-CLONE_NEWNS = 0x20000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 0x4000, 0x40000
+shim = sys.modules["_isolate_shim"]
+world = shim.load_part("world")
 
 
-def enter(plan, landlock, world, c_call):
-    """``landlock``, ``world``: the shim's parts of those names; ``c_call``: the shim's call
-    into the C library (ints, bytes, None), which spares the import of ctypes; the Landlock part
-    makes its calls through it too."""
-    landlock.use(c_call)
+def enter(plan):
+    """Enter the sandbox ``plan``; what could not be done."""
     problems = []
 
     def mount(source, target, fstype, flags, data=None):
         args = [None if x is None else os.fsencode(x) for x in (source, target, fstype)]
-        result, errno = c_call("mount", args[0], args[1], args[2], flags, data)
+        result, errno = shim.c_call("mount", args[0], args[1], args[2], flags, data)
         return os.strerror(errno) if result != 0 else None
 
     if plan.get("unshare_mounts"):
-        result, errno = c_call("unshare", CLONE_NEWNS)
+        result, errno = shim.c_call("unshare", shim.CLONE_NEWNS)
         if result != 0:
             problem = "unshare(mount): " + os.strerror(errno)
         else:
-            problem = mount(None, "/", None, MS_REC | MS_PRIVATE)
+            problem = mount(None, "/", None, world.MS_REC | world.MS_PRIVATE)
         if problem is not None:
             problems.append("mounts: no mount namespace of our own: %s" % problem)
             mount = None
@@ -59,7 +57,7 @@ def enter(plan, landlock, world, c_call):
                 problems.append("mounts: no private /dev: %s" % problem)
     if mount is not None:
         for op, path in plan.get("mounts", ()):
-            problem = _mount_one(mount, op, path, world, c_call)
+            problem = _mount_one(mount, op, path)
             if problem is not None:
                 problems.append("mount %s %s: %s" % (op, path, problem))
         try:
@@ -67,44 +65,44 @@ def enter(plan, landlock, world, c_call):
             os.chdir(os.getcwd())
         except OSError as exc:
             problems.append("mounts: cannot enter the working directory again: %s" % exc)
-    problems.extend(_landlock(plan, landlock))
+    problems.extend(_landlock(plan, shim.load_part("landlock")))
     return problems
 
 
-def _mount_one(mount, op, path, world, c_call):
+def _mount_one(mount, op, path):
     if not os.path.lexists(path):
         return None  # gone since the parent looked: nothing left to protect or hide
     if op == "view":
-        return _read_only_view(path, world, c_call)
+        return _read_only_view(path)
     if op == "rw":
         # A writable path in the read-only view: a bind of its own, writable, no devices.
-        problem = mount(path, path, None, MS_BIND | MS_REC)
+        problem = mount(path, path, None, world.MS_BIND | world.MS_REC)
         attrs = world.MOUNT_ATTR_NODEV, world.MOUNT_ATTR_RDONLY
-        return problem or world.mount_setattr(c_call, path, 0, *attrs)
+        return problem or world.mount_setattr(path, 0, *attrs)
     if op == "pin":
-        return mount(path, path, None, MS_BIND | MS_REC)
+        return mount(path, path, None, world.MS_BIND | world.MS_REC)
     if op == "ro":
-        problem = mount(path, path, None, MS_BIND | MS_REC)
+        problem = mount(path, path, None, world.MS_BIND | world.MS_REC)
     elif op == "hide-dir":
-        flags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        flags = world.MS_RDONLY | world.MS_NOSUID | world.MS_NODEV | world.MS_NOEXEC
         return mount("tmpfs", path, "tmpfs", flags, b"size=4k,nr_inodes=1,mode=500")
     elif op == "hide-file":
-        problem = mount("/dev/null", path, None, MS_BIND)
+        problem = mount("/dev/null", path, None, world.MS_BIND)
     else:
         return "unknown mount operation"
     return problem or world.remount_read_only(mount, path)
 
 
-def _read_only_view(top, world, c_call):
+def _read_only_view(top):
     """Every mount at and below ``top`` read-only and nosuid, so that what the agent may not
     write it cannot chmod, chown, touch or set an attribute on either (EROFS), whatever its
     capabilities; the episode's own /dev/shm, /dev/pts and /dev/mqueue stay writable. A problem
     or None."""
     read_only = world.MOUNT_ATTR_RDONLY | world.MOUNT_ATTR_NOSUID
-    problem = world.mount_setattr(c_call, top, world.AT_RECURSIVE, read_only, 0)
+    problem = world.mount_setattr(top, world.AT_RECURSIVE, read_only, 0)
     for path in ("/dev/shm", "/dev/pts", "/dev/mqueue"):
         if problem is None and os.path.ismount(path):
-            problem = world.mount_setattr(c_call, path, 0, 0, world.MOUNT_ATTR_RDONLY)
+            problem = world.mount_setattr(path, 0, 0, world.MOUNT_ATTR_RDONLY)
     return problem
 
 

@@ -1,10 +1,10 @@
 """A seccomp filter for the worker: the second line of the wall, loaded before the agent.
 
 Loaded with ``load_part("seccomp")``; standard library only, Python 3.9+, no side effect at
-import. ``install(c_call)`` puts this process, and everything it starts afterwards, under a
-classic BPF filter that can never be lifted, and returns a problem in words, or None. ``c_call``
-is the shim's call into the C library (ints, bytes as ``char *``, None as NULL; returns
-``(result, errno)``).
+import. ``install()`` puts this process, and everything it starts afterwards, under a classic
+BPF filter that can never be lifted, and returns a problem in words, or None. It calls the C
+library through the shim's ``c_call`` (ints, bytes as ``char *``, None as NULL; returns
+``(result, errno)``). ``SHARED_NUMBERS`` are the syscall numbers x86_64 and aarch64 share.
 
 What the filter decides, on x86_64 and aarch64 (little-endian, 64-bit processes):
 
@@ -31,6 +31,9 @@ own process anyway). Kernels older than 4.17 get it through prctl, without eithe
 
 import os
 import sys
+from errno import EACCES, EINVAL, ENOSYS, EPERM
+
+shim = sys.modules["_isolate_shim"]
 
 SYSCALLS_REFUSED = (
     "mount",
@@ -66,13 +69,14 @@ SYSCALLS_REFUSED = (
 SYSCALLS_NO_NAMESPACE = ("clone", "unshare")  # refused only when they ask for a namespace
 SYSCALLS_ENOSYS = ("clone3",)
 
-# CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET. For clone, 0x80 lies
-# in CSIGNAL (the exit signal): one that high is invalid anyway.
-NAMESPACE_FLAGS = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x70000000
+# Every namespace: time, mount, cgroup, UTS, IPC, user, PID, net. For clone, CLONE_NEWTIME
+# (0x80) lies in CSIGNAL (the exit signal): one that high is invalid anyway.
+NAMESPACE_FLAGS = shim.CLONE_NEWTIME | shim.CLONE_NEWNS | shim.CLONE_NEWCGROUP | shim.CLONE_NEWUTS
+NAMESPACE_FLAGS |= shim.CLONE_NEWIPC | shim.CLONE_NEWUSER | shim.CLONE_NEWPID | shim.CLONE_NEWNET
 
 # The numbers, from the kernel's tables: arch/x86/entry/syscalls/syscall_64.tbl, and for
 # aarch64 include/uapi/asm-generic/unistd.h. Since io_uring_setup (425) both share them.
-_SHARED = {
+SHARED_NUMBERS = {
     "io_uring_setup": 425,
     "io_uring_enter": 426,
     "io_uring_register": 427,
@@ -88,7 +92,7 @@ _SHARED = {
     "open_tree_attr": 467,  # Linux 6.15
 }
 _X86_64 = dict(
-    _SHARED,
+    SHARED_NUMBERS,
     clone=56,
     pivot_root=155,
     mount=165,
@@ -111,7 +115,7 @@ _X86_64 = dict(
     userfaultfd=323,
 )
 _AARCH64 = dict(
-    _SHARED,
+    SHARED_NUMBERS,
     umount2=39,
     mount=40,
     pivot_root=41,
@@ -141,9 +145,8 @@ _X32_BIT = 0x40000000
 _LD_ABS_W, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _NR, _ARCH, _ARG0_LOW = 0, 4, 16  # offsets in struct seccomp_data (little-endian)
 _ALLOW, _ERRNO, _KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-_EPERM, _EACCES, _EINVAL, _ENOSYS = 1, 13, 22, 38
 
-_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, _SECCOMP_FILTER_FLAG_SPEC_ALLOW = 1, 1, 4
 
 
@@ -171,8 +174,8 @@ def program(machine):
         (_LD_ABS_W, 0, 0, _ARG0_LOW),
         (_JSET, 1, 0, NAMESPACE_FLAGS),  # to "eperm"
         (_RET, 0, 0, _ALLOW),
-        (_RET, 0, 0, _ERRNO | _EPERM),
-        (_RET, 0, 0, _ERRNO | _ENOSYS),
+        (_RET, 0, 0, _ERRNO | EPERM),
+        (_RET, 0, 0, _ERRNO | ENOSYS),
         (_RET, 0, 0, _KILL_PROCESS),
     ]
     # struct sock_filter {u16 code; u8 jt, jf; u32 k}, little-endian: one u64 each. Every jump
@@ -182,7 +185,7 @@ def program(machine):
     )
 
 
-def install(c_call):
+def install():
     """Load the filter into this process, every thread of it (TSYNC) and all it starts from
     then on: a problem in words, or None when the filter is in place."""
     machine = os.uname().machine
@@ -198,15 +201,15 @@ def install(c_call):
     # struct sock_fprog: unsigned short len, padding to the pointer, struct sock_filter *.
     fprog = (len(code) // 8).to_bytes(2, "little") + bytes(6) + address.to_bytes(8, "little")
     number = _ARCHES[machine][1]["seccomp"]
-    result, errno = _load(c_call, number, fprog)
-    if result < 0 and errno == _EACCES:
+    result, errno = _load(number, fprog)
+    if result < 0 and errno == EACCES:
         # Neither CAP_SYS_ADMIN (in our user namespace) nor no_new_privs: the kernel wants the
         # latter. Asking the kernel first spares reading CapEff from /proc/self/status, and
         # keeps set-uid programs working where the capability is there anyway.
-        result, errno = c_call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        result, errno = shim.c_call("prctl", shim.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         if result != 0:
             return "seccomp: no_new_privs: %s" % os.strerror(errno)
-        result, errno = _load(c_call, number, fprog)
+        result, errno = _load(number, fprog)
     del buffer  # only now: the kernel has copied the program
     if result > 0:  # TSYNC: the id of a thread that could not be synchronised
         return "seccomp: thread %d has a filter of its own" % result
@@ -215,11 +218,11 @@ def install(c_call):
     return None
 
 
-def _load(c_call, number, fprog):
+def _load(number, fprog):
     flags = _SECCOMP_FILTER_FLAG_TSYNC | _SECCOMP_FILTER_FLAG_SPEC_ALLOW
-    result, errno = c_call("syscall", number, _SECCOMP_SET_MODE_FILTER, flags, fprog)
-    if result < 0 and errno in (_EINVAL, _ENOSYS):  # before Linux 4.17 (SPEC_ALLOW), 3.17
-        result, errno = c_call("prctl", _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0)
+    result, errno = shim.c_call("syscall", number, _SECCOMP_SET_MODE_FILTER, flags, fprog)
+    if result < 0 and errno in (EINVAL, ENOSYS):  # before Linux 4.17 (SPEC_ALLOW), 3.17
+        result, errno = shim.c_call("prctl", _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0)
     return result, errno
 
 

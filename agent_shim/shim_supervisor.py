@@ -67,7 +67,35 @@ def unshare_pidns(userns, cgroupns=False):
             "+cgroup" if cgroupns else "",
             os.strerror(errno),
         )
-    return shim.map_own_ids(uid, gid) if userns else None
+    return map_own_ids(uid, gid) if userns else None
+
+
+def map_own_ids(uid, gid):
+    """In a user namespace just made: map our own ids to themselves, so that files the agent
+    writes keep the caller's ownership. A problem or None."""
+    # The files of a process that is not dumpable belong to root: dumpable just for the opens
+    # (what was opened stays writable), then at once not again.
+    maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
+    maps += (("gid_map", "%d %d 1" % (gid, gid)),)
+    files, problem = [], None
+    shim.c_call("prctl", shim.PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        for name, _ in maps:
+            files.append(open("/proc/self/" + name, "w"))
+    except OSError as exc:
+        problem = exc
+    finally:
+        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
+    for i, f in enumerate(files):
+        try:
+            with f:
+                if problem is None:
+                    f.write(maps[i][1])
+        except OSError as exc:
+            problem = problem or exc
+    if problem is not None:
+        return "cannot map ids in the user namespace: %s" % (problem.strerror or problem)
+    return None
 
 
 def become_init(cgroupns=False, guard=True):
@@ -76,7 +104,7 @@ def become_init(cgroupns=False, guard=True):
     machine; a /dev of its own; the cgroup view; with ``guard``, the kernel's files read-only):
     shim_world.py. A problem or None."""
     shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    return shim.load_part("world").build(cgroupns, shim.c_call, guard)
+    return shim.load_part("world").build(cgroupns, guard)
 
 
 def relay(child):
@@ -185,40 +213,43 @@ def signal_all(pids, sig):
             pass
 
 
-# After SIGKILL, how long the supervisor waits for its tree to be gone before it leaves the rest
-# to the parent's sweep, or, as PID 1 of a namespace, to the kernel (seconds).
+# --- killing: the child side's one loop "until nothing is left" --------------------------------
+
+#: After the grace, how long SIGKILL rounds go on before the rest is left to the parent's sweep,
+#: or, as PID 1 of a namespace, to the kernel (seconds).
 KILL_WAIT = 5.0
+#: The pause between two rounds: the first, doubled each round up to the longest (seconds).
+POLL_FIRST, POLL_MAX = 0.002, 0.02
+#: After the parent's pipe closes, survivors get at most this long after SIGTERM (seconds):
+#: the parent promises its tree is gone within cancel_grace + 2 s of its own death.
+PARENT_GONE_GRACE = 1.0
 
 
-def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
-    """SIGTERM+SIGCONT every descendant, SIGKILL what is left after ``grace`` seconds, and reap
-    everything; at most ``grace`` + KILL_WAIT seconds, and with the parent's pipe at EOF at most
-    shim.PARENT_GONE_GRACE + KILL_WAIT. Returns (number of processes signalled, worker's status)."""
-    status, clear = reap(worker_pid, status)
-    if clear and reaper:
-        # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
-        # reset to SIGCHLD, so a reaper that wait4() finds childless has no descendants at all:
-        # no need to read /proc.
-        return 0, status
-    me = os.getpid()
-    victims = set()
+def kill_until_gone(find, stop=(), grace=0.0, pause=None):
+    """Kill what ``find()`` lists until it says the rest is gone. Returns the set of pids it
+    signalled (``stop`` not counted) and whether nothing was left.
+
+    - ``find()`` returns ``(pids, gone)``: the processes still alive, and whether nothing is
+      left (it may reap, and say not gone while it lists none: a child not reaped yet);
+    - ``stop``: SIGSTOPped before the first round, SIGKILLed after the last: processes below
+      which new ones could appear meanwhile;
+    - for ``grace`` seconds, each process found gets SIGTERM then SIGCONT (a stopped one wakes
+      with SIGTERM pending), once; after them every one found gets SIGKILL, each round;
+    - rounds end ``grace`` + KILL_WAIT seconds after the start at most: what is still there
+      is stuck in the kernel (D state), or cannot be reaped;
+    - between two rounds it waits POLL_FIRST seconds, doubled each round up to POLL_MAX:
+      ``time.sleep``, or ``pause(seconds)``, which may return an earlier end of the grace
+      (``time.monotonic()``), else None.
+    """
+    signal_all(stop, signal.SIGSTOP)
+    victims, gone = set(), False
     end = time.monotonic() + grace
-    poller = None
-    if parent_fd is not None:
-        poller = select.poll()
-        poller.register(parent_fd, select.POLLIN)
-    delay = 0.002
+    delay = POLL_FIRST
     while True:
-        # Reap the dead too: an unreaped zombie's own children would be handed to init.
-        status, clear = reap(worker_pid, status)
-        live = live_descendants(me)
+        live, gone = find()
         now = time.monotonic()
-        if not live and clear:
-            return len(victims), status
-        if now > end + KILL_WAIT:
-            # Something is stuck in the kernel (D state), or a child cannot be reaped: the
-            # parent's sweep (or the namespace's end) takes over.
-            return len(victims), status
+        if gone or now > end + KILL_WAIT:
+            break
         fresh = [pid for pid in live if pid not in victims]
         victims.update(fresh)
         if now < end:
@@ -226,14 +257,55 @@ def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
             signal_all(fresh, signal.SIGCONT)  # after: a stopped process meets SIGTERM pending
         else:
             signal_all(live, signal.SIGKILL)
-        if poller is None:
-            time.sleep(delay)
-        else:
-            for _ in poller.poll(delay * 1000):
-                if parent_eof(parent_fd):
-                    poller = None
-                    end = min(end, time.monotonic() + shim.PARENT_GONE_GRACE)
-        delay = min(delay * 2, 0.02)
+        sooner = pause(delay) if pause is not None else time.sleep(delay)
+        if sooner is not None:
+            end = min(end, sooner)
+        delay = min(delay * 2, POLL_MAX)
+    signal_all(stop, signal.SIGKILL)
+    return victims, gone
+
+
+def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
+    """Kill every descendant (``kill_until_gone``: SIGTERM for ``grace`` seconds, then SIGKILL)
+    and reap everything; with the parent's pipe ``parent_fd`` at EOF the grace ends within
+    PARENT_GONE_GRACE. Returns (number of processes signalled, worker's status)."""
+    status, clear = reap(worker_pid, status)
+    if clear and reaper:
+        # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
+        # reset to SIGCHLD, so a reaper that wait4() finds childless has no descendants at all:
+        # no need to read /proc.
+        return 0, status
+    me, statuses = os.getpid(), [status]
+
+    def find():
+        # Reap the dead too: an unreaped zombie's own children would be handed to init.
+        statuses[0], clear = reap(worker_pid, statuses[0])
+        live = live_descendants(me)
+        return live, clear and not live
+
+    pause = None if parent_fd is None else watching_parent(parent_fd)
+    victims, _ = kill_until_gone(find, grace=grace, pause=pause)
+    return len(victims), statuses[0]
+
+
+def watching_parent(fd):
+    """A ``pause`` for kill_until_gone that reads the parent's pipe meanwhile; at its EOF, the
+    end of the grace PARENT_GONE_GRACE seconds later."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    watched = [fd]
+
+    def pause(seconds):
+        if not watched:
+            time.sleep(seconds)
+            return None
+        for _ in poller.poll(seconds * 1000):
+            if parent_eof(fd):
+                watched.clear()
+                return time.monotonic() + PARENT_GONE_GRACE
+        return None
+
+    return pause
 
 
 def parent_eof(fd):
@@ -290,7 +362,7 @@ class Supervisor:
         grace = float(hs.get("kill_grace", 5.0))
         status, why, exiting = self._wait(hs)
         if why in ("terminated", "parent gone"):
-            grace = min(grace, shim.PARENT_GONE_GRACE)
+            grace = min(grace, PARENT_GONE_GRACE)
         cancel_grace = float(hs.get("cancel_grace", 0.0))
         if why not in ("exited", "terminated") and not exiting and cancel_grace > 0:
             status = self._cancel(channel, status, cancel_grace, tell=why != "parent gone")
@@ -303,8 +375,7 @@ class Supervisor:
         except OSError:
             pass
         # The report is out: skip interpreter finalisation, which costs every episode ~20 ms.
-        shim.flush_std_streams()
-        os._exit(0 if why == "exited" else 3)
+        shim.leave(0 if why == "exited" else 3)
 
     def _wait(self, hs):
         """Until the episode ends: the worker's (wait status, CPU seconds) or None, why it

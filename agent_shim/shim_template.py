@@ -47,16 +47,12 @@ its own, so that no episode reaches another.
 import gc
 import os
 import select
-import signal
 import socket
 import sys
 import time
 
-# Loaded by shim.py, under its private name, before any part: the codec and constants the
-# parent uses too.
-import _isolate_shim_wire as wire
-
 shim = sys.modules["_isolate_shim"]
+signal, wire = shim.signal, shim.wire
 
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
@@ -132,20 +128,16 @@ def command_name(pid):
         return "?"
 
 
-def kill_children(process_table):
-    """SIGKILL every child until none is left (a subreaper: their orphans come back here), for
-    at most 2 s; the parent's clean-up of the template's session and leaf comes after."""
-    end = time.monotonic() + 2.0
-    while time.monotonic() < end:
-        kids = children_after(0, process_table)
-        if not kids:
-            return
-        for pid, _ in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.005)
+def kill_children(process_table, spared=()):
+    """Kill every child but the ``spared`` until none is left (a subreaper: their orphans come
+    back here): the supervisor's ``kill_until_gone``, SIGKILL at once. The parent's clean-up of
+    the template's session and leaf comes after."""
+
+    def find():
+        kids = [pid for pid, _ in children_after(0, process_table) if pid not in spared]
+        return kids, not kids
+
+    shim.load_part("supervisor").kill_until_gone(find)
 
 
 def serve():
@@ -159,14 +151,7 @@ def serve():
 
         traceback.print_exc()  # a bug of the template itself: leave a trace in the log
     finally:
-        leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
-
-
-def leave(code):
-    """Flush stdout and stderr, then end this process at once, without the interpreter's
-    shutdown: the template's and a fork's own, not the agent's."""
-    shim.flush_std_streams()
-    os._exit(code)
+        shim.leave(code)  # a fork never gets here: its supervisor and worker end by their own exits
 
 
 def preload_and_loop():
@@ -266,7 +251,7 @@ def enter_wall(wall, control, life):
     if problem is None and pidns:
         # Rooted at the importer's leaf: the forks, moved into leaves beside it, cannot leave
         # theirs. PID 1 stays out of it, so that closing the template spares its forks.
-        problem = shim.load_part("world").cgroup_namespace(shim.c_call)
+        problem = shim.load_part("world").cgroup_namespace()
     if problem is not None:
         return problem
     # Loaded once here, before the sandbox: each fork's worker uses them.
@@ -280,9 +265,7 @@ def enter_wall(wall, control, life):
             return problem
     sandbox = wall.get("sandbox")
     if sandbox is not None:
-        part = shim.load_part("sandbox")
-        parts = shim.load_part("landlock"), shim.load_part("world")
-        missing = part.enter(sandbox, *parts, shim.c_call)
+        missing = shim.load_part("sandbox").enter(sandbox)
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
@@ -341,23 +324,20 @@ def kill_leaves(leaves):
 
 
 def kill_all(child, leaves, below):
-    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's own
-    ``live_descendants``): the child is stopped first, so that nothing new appears below it
-    meanwhile."""
+    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's
+    ``kill_until_gone`` over its ``live_descendants``, the child stopped first, so that nothing
+    new appears below it meanwhile)."""
     kill_leaves(leaves)
-    if below:
-        supervisor = shim.load_part("supervisor")
-        supervisor.signal_all([child], signal.SIGSTOP)
-        for _ in range(100):
-            found = supervisor.live_descendants(child)
-            if not found:
-                break
-            supervisor.signal_all(found, signal.SIGKILL)
-            time.sleep(0.005)
-    try:
-        os.kill(child, signal.SIGKILL)
-    except OSError:
-        pass
+    supervisor = shim.load_part("supervisor")
+    if not below:
+        supervisor.signal_all([child], signal.SIGKILL)
+        return
+
+    def find():
+        found = supervisor.live_descendants(child)
+        return found, not found
+
+    supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last
 
 
 def init(importer, life):
@@ -397,12 +377,7 @@ def loop(control, shim_main, random_state, process_table):
             if message is None:
                 # The parent is gone or closed us. Episodes live on (they watch their own
                 # pipes); what else the agent's code started here does not.
-                for pid, _ in children_after(0, process_table):
-                    if pid not in replies:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except OSError:
-                            pass
+                kill_children(process_table, spared=replies)
                 return
             if message.get("t") == "park" and len(fds) == 2:
                 reply, hand = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
@@ -450,7 +425,7 @@ def fork(hand, reply, own, shim_main, random_state):
             import traceback
 
             traceback.print_exc()
-        leave(code)
+        shim.leave(code)
     hand.close()
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     try:

@@ -40,6 +40,12 @@ def canonical_containment(value: object) -> "str | None":
     return "+".join(layer for layer in LAYERS if layer in parts)
 
 
+def layers(containment: str) -> "list[str]":
+    """The layers of a canonical containment value, in the order of LAYERS: ``[]`` for
+    ``"session"``, ``["cgroup", "pidns"]`` for ``"cgroup+pidns"``."""
+    return [] if containment == "session" else containment.split("+")
+
+
 def send_message(
     sock: "socket.socket", message: "Mapping[str, object]", fds: "Sequence[int]" = ()
 ) -> None:

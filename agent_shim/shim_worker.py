@@ -10,6 +10,7 @@ library only, Python 3.9+.
 import gc
 import os
 import sys
+from errno import EINVAL
 
 shim = sys.modules["_isolate_shim"]
 signal = shim.signal
@@ -44,7 +45,7 @@ def run(hs, channel, supervisor_pid, supervisor):
         import traceback
 
         traceback.print_exc()  # a bug of the shim itself: leave a trace in the log
-        os._exit(code)
+        shim.leave(code)
     # The final frame is out. The supervisor bounds what follows by exit_grace.
     leave_worker(code)
 
@@ -159,7 +160,6 @@ def enter_landlock():
     domain scoped for signals and abstract unix sockets, handling no file or port access. The
     supervisor stays outside: the agent cannot signal it either. A problem or None."""
     landlock = shim.load_part("landlock")
-    landlock.use(shim.c_call)  # the shim's calls: the part would import ctypes (~1.7 ms) otherwise
     scoped = landlock.SCOPED_BY_ABI[6]
     try:
         ruleset = landlock.create_ruleset(scoped=scoped)
@@ -199,9 +199,7 @@ def enter_sandbox(sandbox, channel):
         if problem is not None:
             missing.append("network isolation: " + problem)
     # Last before the agent's import: the shim's own parts are loaded by now.
-    landlock = shim.load_part("landlock")
-    world = shim.load_part("world")
-    missing += shim.load_part("sandbox").enter(sandbox, landlock, world, shim.c_call)
+    missing += shim.load_part("sandbox").enter(sandbox)
     if missing and not sandbox.get("best_effort"):
         message = "sandbox: cannot enforce " + "; ".join(missing)
         channel.send("error", kind="setup", type="SandboxError", message=message)
@@ -216,7 +214,7 @@ def harden():
     capability that reaches past the episode dropped from all five sets, so that nothing the
     agent execs gets one back; the worker stays not dumpable. A problem, or None. A kernel
     without seccomp is said in the log, and the rest still holds."""
-    problem = shim.load_part("seccomp").install(shim.c_call)
+    problem = shim.load_part("seccomp").install()
     if problem is not None:
         sys.stderr.write("isolate shim: no syscall filter: %s\n" % problem)
     problem = drop_capabilities()
@@ -230,14 +228,14 @@ def drop_capabilities():
     agent (in its user namespace it holds them all). The bounding set needs CAP_SETPCAP, so it
     goes first, that one last. A problem or None."""
     keep = sum(1 << cap for cap in KEPT_CAPABILITIES) if os.getuid() == 0 else 0
-    sets = shim.capability_sets()
+    sets = capability_sets()
     shim.c_call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     bounding = sets.get("CapBnd", 0) & ~keep
     if bounding and sets.get("CapEff", 0) >> CAP_SETPCAP & 1:
         for cap in range(64):
             if bounding >> cap & 1:
                 result, errno = shim.c_call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
-                if result != 0 and errno != 22:  # EINVAL: a capability this kernel lacks
+                if result != 0 and errno != EINVAL:  # a capability this kernel lacks
                     return "cannot drop capability %d: %s" % (cap, os.strerror(errno))
     # Without CAP_SETPCAP the bounding set stays; no_new_privs (set with the syscall filter
     # for such a process) keeps exec from granting anything from it.
@@ -255,6 +253,12 @@ def drop_capabilities():
     if result != 0:
         return "cannot drop capabilities: %s" % os.strerror(errno)
     return None
+
+
+def capability_sets():
+    """This process's capability sets from /proc/self/status: {"CapEff": int, ...}."""
+    with open("/proc/self/status") as f:
+        return {line[:6]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
 
 
 # What of an error the parent keeps (characters): the start of its message, the end of its
@@ -296,8 +300,7 @@ def leave_worker(code):
     atexit._run_exitfuncs()
     gc.collect()
     close_open_files()
-    shim.flush_std_streams()
-    os._exit(code)
+    shim.leave(code)
 
 
 def close_open_files():

@@ -19,16 +19,19 @@ in the new mount namespace, private and so invisible to the machine:
   ``/proc/fs`` read-only, ``/proc/kcore``, ``/proc/keys``, the timer lists and the firmware
   tables masked.
 
-``build(cgroupns, c_call)`` returns a problem in words, or None; ``c_call`` is the shim's call
-into the C library (ints, bytes, None), which spares the import of ctypes.
+``build(cgroupns)`` returns a problem in words, or None. The C library is called through the
+shim's ``c_call`` (ints, bytes, None), which spares the import of ctypes.
 """
 
 import os
+import sys
+from errno import ENOSYS
+
+shim = sys.modules["_isolate_shim"]
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 0x4000, 0x40000
 O_PATH = getattr(os, "O_PATH", 0o10000000)
-CLONE_NEWCGROUP = 0x02000000
 
 #: The device nodes an episode finds in its /dev, bound from the machine's.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -46,8 +49,9 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 # has (in a user namespace they are locked: leaving one out is EPERM).
 _KEPT = ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC))
 _KEPT += ((1024, MS_NOATIME), (2048, MS_NODIRATIME), (4096, MS_RELATIME))
-# mount_setattr(2), Linux 5.12: the same number on x86_64 and aarch64.
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, ENOSYS = 442, -100, 0x8000, 38
+# mount_setattr(2), Linux 5.12 (its number: the seccomp part's table, the same on x86_64 and
+# aarch64).
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
 #: Files of /proc that act on the whole machine: read-only, as Docker and bubblewrap keep them.
 READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
@@ -66,10 +70,10 @@ MASKED = (
 )
 
 
-def build(cgroupns, c_call, guard=True):
+def build(cgroupns, guard=True):
     """Mount the episode's /proc, /dev and cgroup view, and (``guard``) make the kernel's
     files read-only; a problem or None."""
-    mount = mounter(c_call)
+    mount = mounter()
     problem = mount(None, b"/", None, MS_REC | MS_PRIVATE)
     problem = problem or mount(b"proc", b"/proc", b"proc", QUIET)
     if problem is not None:
@@ -80,13 +84,13 @@ def build(cgroupns, c_call, guard=True):
     problem = cgroup_view(mount) if cgroupns else None
     if problem is not None:
         return "cannot mount a read-only view of the episode's cgroup: " + problem
-    problem = guard_kernel_files(mount, c_call) if guard else None
+    problem = guard_kernel_files(mount) if guard else None
     if problem is not None:
         return "cannot make the kernel's files read-only: " + problem
     return None
 
 
-def guard_kernel_files(mount, c_call):
+def guard_kernel_files(mount):
     """/sys read-only, /proc's files of the machine read-only or masked; a problem or None."""
     for path in READ_ONLY_PROC:
         if os.path.lexists(path):
@@ -105,7 +109,7 @@ def guard_kernel_files(mount, c_call):
             return problem
     if not os.path.isdir("/sys"):
         return None
-    problem = mount_setattr(c_call, "/sys", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
+    problem = mount_setattr("/sys", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0)
     if problem is not None and problem.endswith(os.strerror(ENOSYS)):
         # Before Linux 5.12: /sys itself; its submounts stay as they are.
         return remount_read_only(mount, b"/sys")
@@ -123,38 +127,40 @@ def remount_read_only(mount, path):
     return mount(None, path, None, flags)
 
 
-def mount_setattr(c_call, path, flags, attr_set, attr_clr):
+def mount_setattr(path, flags, attr_set, attr_clr):
     """mount_setattr(2) on ``path``: set and clear MOUNT_ATTR_* flags; a problem or None."""
     attr = b"".join(x.to_bytes(8, "little") for x in (attr_set, attr_clr, 0, 0))
-    nr = SYS_MOUNT_SETATTR
-    result, errno = c_call("syscall", nr, AT_FDCWD, os.fsencode(path), flags, attr, len(attr))
+    nr = shim.load_part("seccomp").SHARED_NUMBERS["mount_setattr"]
+    target = os.fsencode(path)
+    result, errno = shim.c_call("syscall", nr, AT_FDCWD, target, flags, attr, len(attr))
     if result != 0:
         return "mount_setattr %s: %s" % (path, os.strerror(errno))
     return None
 
 
-def mounter(c_call):
-    """mount(2) through ``c_call``, with bytes arguments: a problem in words, or None."""
+def mounter():
+    """mount(2) through the shim's ``c_call``, with bytes arguments: a problem in words, or
+    None."""
 
     def mount(source, target, fstype, flags, data=None):
-        result, errno = c_call("mount", source, target, fstype, flags, data)
+        result, errno = shim.c_call("mount", source, target, fstype, flags, data)
         return None if result == 0 else "%s: %s" % (target.decode(), os.strerror(errno))
 
     return mount
 
 
-def cgroup_namespace(c_call):
+def cgroup_namespace():
     """A cgroup namespace rooted at this process's cgroup, its read-only view over
     /sys/fs/cgroup and the kernel's files read-only (in the mount namespace this process shares
     with its PID 1): a template's importer, once in its leaf. A problem or None."""
-    result, errno = c_call("unshare", CLONE_NEWCGROUP)
+    result, errno = shim.c_call("unshare", shim.CLONE_NEWCGROUP)
     if result != 0:
         return "unshare(cgroup): " + os.strerror(errno)
-    mount = mounter(c_call)
+    mount = mounter()
     problem = cgroup_view(mount)
     if problem is not None:
         return "cannot mount a read-only view of the template's cgroup: " + problem
-    problem = guard_kernel_files(mount, c_call)
+    problem = guard_kernel_files(mount)
     if problem is not None:
         return "cannot make the kernel's files read-only: " + problem
     return None

@@ -130,3 +130,39 @@ def test_the_parts_stay_small() -> None:
                     if size > (300 if isinstance(node, ast.ClassDef) else 60):
                         big.append(f"{name}: {node.name}, {size} lines")
     assert big == []
+
+
+def test_the_child_side_is_wired_one_way() -> None:
+    """Every part of agent_shim reaches the shim one way (``sys.modules["_isolate_shim"]`` at
+    load, shim.py's docstring): none imports a part or signal by name, none takes the C call
+    as an argument, and each constant is given its value in one file only. shim_wire.py and
+    shim_landlock.py, which the parent imports too, take nothing from the shim but the call."""
+    wrong: list[str] = []
+    defined: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "agent_shim").glob("shim*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names]
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                bad = [n for n in names if n.startswith("_isolate_shim") or "signal" in n]
+                if bad and path.name != "shim.py":
+                    wrong.append(f"{path.name}:{node.lineno} imports {bad}")
+            if isinstance(node, ast.FunctionDef) and "c_call" in [a.arg for a in node.args.args]:
+                if path.name != "shim.py":
+                    wrong.append(f"{path.name}:{node.lineno} {node.name} takes c_call")
+        for node in tree.body:
+            # A value written out (not another module's, such as ``wire.EPISODE_ENV``).
+            if isinstance(node, ast.Assign) and any(
+                isinstance(n, ast.Constant) for n in ast.walk(node.value)
+            ):
+                for target in node.targets:
+                    for name in target.elts if isinstance(target, ast.Tuple) else [target]:
+                        if isinstance(name, ast.Name) and name.id.isupper():
+                            defined.setdefault(name.id.lstrip("_"), set()).add(path.name)
+        uses_shim = "_isolate_shim" in path.read_text()
+        if path.name == "shim_wire.py" and uses_shim:
+            wrong.append("shim_wire.py reaches the shim")
+    twice = {name: sorted(files) for name, files in defined.items() if len(files) > 1}
+    assert wrong == []
+    assert twice == {}

@@ -560,6 +560,53 @@ WIRE_NAMES = {
 }
 
 
+def test_every_error_type_the_shim_sends_is_a_class_or_documented() -> None:
+    """Each ``type`` the shim writes into an ``error`` frame by name (not the agent's exception
+    class) is a class of isolate's errors or listed in docs/protocol.md's table of them."""
+    import ast
+
+    from isolate._core import errors
+
+    root = Path(isolate.__file__).resolve().parent.parent
+    documented = set(re.findall(r"^\| `(\w+)` \|", (root / "docs/protocol.md").read_text(), re.M))
+    sent: dict[str, str] = {}
+    for path in sorted(root.glob("agent_shim/*.py")):
+        tree = ast.parse(path.read_text())
+        # Names assigned a string in the file: a frame's type may be passed as a variable.
+        strings: dict[str, set[str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    pairs = (
+                        zip(target.elts, node.value.elts, strict=True)
+                        if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                        else [(target, node.value)]
+                    )
+                    for name, value in pairs:
+                        if isinstance(name, ast.Name) and isinstance(value, ast.Constant):
+                            strings.setdefault(name.id, set()).add(str(value.value))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            first = node.args[0] if node.args else None
+            if node.func.attr != "send" or not isinstance(first, ast.Constant):
+                continue
+            if first.value != "error":
+                continue
+            for keyword in node.keywords:
+                if keyword.arg != "type":
+                    continue
+                value = keyword.value
+                if isinstance(value, ast.Constant):
+                    sent[str(value.value)] = f"{path.name}:{node.lineno}"
+                elif isinstance(value, ast.Name):
+                    for text in strings[value.id]:
+                        sent[text] = f"{path.name}:{node.lineno}"
+    assert {"HandshakeError", "ContainmentError", "LimitError", "SandboxError"} <= set(sent)
+    unnamed = {t: at for t, at in sent.items() if t not in documented and not hasattr(errors, t)}
+    assert unnamed == {}
+
+
 def test_the_wire_is_written_once() -> None:
     """Both sides take the protocol's constants, the containment grammar and the template
     socket's codec from agent_shim/shim_wire.py: no other module gives one of them a value of

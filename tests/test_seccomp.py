@@ -204,7 +204,7 @@ def in_child(
                 if before is not None:
                     before()
                 if install:
-                    out["problem"] = PART.install(shim.c_call)
+                    out["problem"] = PART.install()
                     out["status"] = proc_status()
                 if not install or (out["problem"] is None and out["status"]["Seccomp"] == "2"):
                     out.update(body())
@@ -508,7 +508,7 @@ def test_a_refused_load_is_a_problem_in_words() -> None:
 
     def body() -> dict[str, Any]:
         for count in range(1, 2000):
-            problem = PART.install(shim.c_call)
+            problem = PART.install()
             if problem is not None:
                 return {"filters": count, "refused": problem}
         return {"filters": None}
@@ -671,7 +671,7 @@ pid = os.fork()
 if pid == 0:
     out = {}
     try:
-        out["problem"] = part.install(shim.c_call)
+        out["problem"] = part.install()
         out["ctypes"] = "ctypes" in sys.modules
         def call(*args):
             result, errno = shim.c_call(*args)
@@ -757,7 +757,7 @@ for _ in range(50):
         if pid == 0:
             took, problem = time.perf_counter(), None
             if install:
-                problem = shim.load_part("seccomp").install(shim.c_call)
+                problem = shim.load_part("seccomp").install()
             took = time.perf_counter() - took
             os.write(write_fd, json.dumps([problem, took]).encode())
             os._exit(0)
