@@ -171,7 +171,13 @@ async def run_fake(tmp_path: Path, data: dict[str, Any], name: str) -> isolate.E
 
 def test_the_generator_knows_every_frame_type() -> None:
     # The control for the cases below: each base frame is valid, and every type has cases.
-    assert {m.__name__ for m in FRAME_MODELS} >= {"Hello", "Result", "ErrorFrame", "Done", "Progress"}
+    assert {m.__name__ for m in FRAME_MODELS} >= {
+        "Hello",
+        "Result",
+        "ErrorFrame",
+        "Done",
+        "Progress",
+    }
     for model in FRAME_MODELS:
         item = proto.parse_line(
             _json_line(dict(base_frame(model), nonce="n")), "n", Redactor(list(KEYS.values()))
