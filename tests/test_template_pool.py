@@ -321,6 +321,8 @@ async def test_a_template_that_dies_takes_its_parked_forks_and_the_next_refills(
     await isolate.park(spec, 2)
     procs = [psutil.Process(f.pid) for f in parked()]
     leaves = parked_leaves()
+    for forked in parked():  # each in a session of its own, no longer the template's
+        await anyio.to_thread.run_sync(pair, forked)
     (importer,) = template_processes(agents)
     importer.kill()
     await anyio.to_thread.run_sync(
