@@ -21,7 +21,12 @@ has no isolate, no psutil). One JSON line on stdout:
 - ``pss_kib``: PSS (``smaps_rollup``) of this process and every descendant with ``held``
   episodes open at once, divided by ``held``; ``pss_parts_kib`` splits it;
 - ``throughput``: 1-second episodes per second, ``throughput`` of them, ``concurrency`` at once;
+- ``burst_started``, ``burst_returned``: ``burst`` one-second episodes started at once, the
+  seconds from the first request until all have started (their first line), and returned;
 - ``left``: descendants still alive after the arm closed (should be none).
+
+``pss_kib``, ``throughput`` and the burst only when ``counts`` names them (``held``,
+``throughput``, ``burst``).
 """
 
 from __future__ import annotations
@@ -262,6 +267,15 @@ def _throughput(arm: Any, total: int, concurrency: int) -> float:
     return total / (time.monotonic() - t0)
 
 
+def _burst(arm: Any, n: int) -> tuple[float, float]:
+    """(seconds until all ``n`` one-second episodes started, until all returned), started at
+    once: the time from the first request to the last first line, and to the last result."""
+    t0 = time.time()
+    handles = [arm.start({"sleep": 1.0}) for _ in range(n)]
+    firsts = [arm.finish(h)[1]["first_line"] for h in handles]
+    return max(firsts) - t0, time.time() - t0
+
+
 def measure(arm_name: str, counts: dict[str, Any], scratch: str) -> dict[str, Any]:
     out: dict[str, Any] = {"arm": arm_name}
     t0 = time.monotonic()
@@ -279,10 +293,14 @@ def measure(arm_name: str, counts: dict[str, Any], scratch: str) -> dict[str, An
             firsts.append(info["first_line"] - t)
         out["cpu_per_episode"] = (tree_cpu() - cpu0) / counts["seq"]
         out["first_line"], out["launch"] = firsts, launches
-        out["pss_kib"], out["pss_parts_kib"] = _held(
-            arm, os.path.join(scratch, "held"), counts["held"]
-        )
-        out["throughput"] = _throughput(arm, counts["throughput"], counts["concurrency"])
+        if "held" in counts:
+            out["pss_kib"], out["pss_parts_kib"] = _held(
+                arm, os.path.join(scratch, "held"), counts["held"]
+            )
+        if "throughput" in counts:
+            out["throughput"] = _throughput(arm, counts["throughput"], counts["concurrency"])
+        if "burst" in counts:
+            out["burst_started"], out["burst_returned"] = _burst(arm, counts["burst"])
     finally:
         arm.close()
     out["left"] = descendants(os.getpid())

@@ -1,12 +1,17 @@
-"""Episodes from parked forks (``isolate.park``) against forks made on demand:
-``python -m bench.pool [--python P] [--imports CODE] [-n N] [--burst B] [--rounds R]``.
+"""Episodes from parked forks (``isolate.park``) against forks made on demand and against the
+stdlib's forkserver: ``python -m bench.pool [--python P] [--imports CODE] [-n N] [--burst B]
+[--rounds R]``.
 
-Not part of the benchmark table. One template, at the default containment; the arms alternate
-in rounds. Figures: the no-op launch round trip (``run_episode`` to its return, one at a time,
-medians of N, and its part until the entrypoint's first line; with the pool refilled before
-each, each parked fork's worker forked), and a burst of B one-second episodes started at once,
-from a pool of B so filled: the time from the first request until all have started (their
-first line) and until all have returned.
+Not part of the benchmark table. One template, at the default containment, and the stdlib
+``multiprocessing`` forkserver with the same agent module preloaded, a ``Process`` per episode
+(bench/_fork_arms.py, run by the agent's interpreter, a new fork server each round); the arms
+alternate in rounds, their order turning. Figures: the no-op launch round trip (``run_episode``
+to its return, one at a time, medians of N, and its part until the entrypoint's first line;
+with the pool refilled before each, each parked fork's worker forked), and a burst of B
+one-second episodes started at once, from a pool of B so filled: the time from the first
+request until all have started (their first line) and until all have returned. Each round's
+ratio of a template arm to the forkserver, and their median: the round trip, the time until
+all have started, and the burst's overhead (until all returned, less the 1 s they hold).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import psutil
 
 import isolate
 from isolate._core import templates as _templates
+
+from ._context import Context
+from .realistic import _fork_arm
 
 AGENT = """
 import time
@@ -117,6 +125,61 @@ async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]
     }
 
 
+ARMS = ("forkserver", "no pool", "pool")
+
+
+async def _template_arm(
+    spec: isolate.EpisodeSpec, arm: str, args: argparse.Namespace
+) -> dict[str, float]:
+    parked = 4 if arm == "pool" else 0
+    await isolate.park(spec, parked)
+    rt, first = await _round_trips(spec, args.n, parked)
+    await isolate.park(spec, args.burst if arm == "pool" else 0)
+    await _filled(args.burst if arm == "pool" else 0)  # their workers forked too
+    started, returned = await _burst(spec, args.burst)
+    await isolate.park(spec, 0)  # no refill beside the next arm
+    return {"launch": rt, "first": first, "started": started, "returned": returned}
+
+
+def _forkserver_arm(root: Path, args: argparse.Namespace, r: int) -> dict[str, float]:
+    ctx = Context(run_id="pool", workdir=root, quick=False)
+    counts = {"seq": args.n, "burst": args.burst}
+    raw = _fork_arm(ctx, args.python, root, "forkserver", counts, f"forkserver-{r}")
+    if raw["left"]:
+        raise RuntimeError(f"the forkserver arm left processes: {raw['left']}")
+    return {
+        "launch": statistics.median(raw["launch"]) * 1000,
+        "first": statistics.median(raw["first_line"]) * 1000,
+        "started": raw["burst_started"],
+        "returned": raw["burst_returned"],
+    }
+
+
+LABELS = {
+    "launch": "launch round trip, ms",
+    "first": "launch to the first line, ms",
+    "started": "burst {b}, all started, s",
+    "returned": "burst {b}, all returned, s",
+}
+
+
+def _ratios(runs: dict[str, list[dict[str, float]]], b: int) -> dict[str, list[float]]:
+    """Per round, each template arm against the forkserver of the same round."""
+    out: dict[str, list[float]] = {}
+    base = runs["forkserver"]
+    for arm in ARMS[1:]:
+        for mine, theirs in zip(runs[arm], base, strict=True):
+            for key, name in (
+                ("launch", "launch round trip"),
+                ("started", f"burst {b}, all started"),
+            ):
+                out.setdefault(f"{arm} / forkserver: {name}", []).append(mine[key] / theirs[key])
+            out.setdefault(f"{arm} / forkserver: burst {b}, overhead past 1 s", []).append(
+                (mine["returned"] - 1.0) / (theirs["returned"] - 1.0)
+            )
+    return out
+
+
 async def _main(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-pool."))
     (root / "agent.py").write_text(textwrap.dedent(AGENT % args.imports))
@@ -128,30 +191,33 @@ async def _main(args: argparse.Namespace) -> None:
         timeout=600,
         env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     figures: dict[str, list[float]] = {}
+    load = [os.getloadavg()[0]]
+    started_at = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     try:
         for _ in range(3):  # warm: the template starts
             await isolate.run_episode(spec, {})
         for r in range(args.rounds):
-            for arm in ("no pool", "pool") if r % 2 == 0 else ("pool", "no pool"):
-                parked = 4 if arm == "pool" else 0
-                await isolate.park(spec, parked)
-                rt, first = await _round_trips(spec, args.n, parked)
-                figures.setdefault(f"{arm}: launch round trip, ms", []).append(rt)
-                figures.setdefault(f"{arm}: launch to the first line, ms", []).append(first)
-                await isolate.park(spec, args.burst if arm == "pool" else 0)
-                await _filled(args.burst if arm == "pool" else 0)  # their workers forked too
-                started, returned = await _burst(spec, args.burst)
-                figures.setdefault(f"{arm}: burst {args.burst}, all started, s", []).append(started)
-                figures.setdefault(f"{arm}: burst {args.burst}, all returned, s", []).append(
-                    returned
-                )
+            for arm in ARMS[r % 3 :] + ARMS[: r % 3]:
+                if arm == "forkserver":
+                    row = await anyio.to_thread.run_sync(_forkserver_arm, root, args, r)
+                else:
+                    row = await _template_arm(spec, arm, args)
+                runs[arm].append(row)
+                load.append(os.getloadavg()[0])
+        await isolate.park(spec, 0)
         figures.update(await _footprint(spec, 16))
     finally:
         await isolate.close_templates()
+    for arm in ARMS:
+        for key, label in LABELS.items():
+            figures[f"{arm}: {label.format(b=args.burst)}"] = [row[key] for row in runs[arm]]
+    figures.update(_ratios(runs, args.burst))
     print(
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
-        f"load {os.getloadavg()[0]:.2f}, python {args.python}, imports {args.imports!r}"
+        f"{started_at}–{time.strftime('%H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
+        f"load (1 min) {min(load):.2f}–{max(load):.2f}, python {args.python}, "
+        f"imports {args.imports!r}"
     )
     for name, values in sorted(figures.items()):
         shown = ", ".join(f"{v:.3g}" for v in values)

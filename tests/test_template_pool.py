@@ -187,6 +187,61 @@ def run(data):
 """
 
 
+async def test_a_burst_beyond_the_pool_takes_its_forks_and_the_pool_refills_to_its_size(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 4)
+    before = {f.pid for f in parked()}
+    started: list[int] = []
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, {}, on_start=started.append))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(7):
+            tg.start_soon(one)
+    assert [(o.status, o.start) for o in outcomes] == [("ok", "template")] * 7
+    assert before <= set(started)  # the parked ones first, the rest forked (or parked) anew
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 4))
+    assert not {f.pid for f in parked()} & set(started)
+
+
+async def test_no_refill_between_hand_overs_within_the_quiet_period(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 4)
+    pool().quiet_s = 600.0  # hand-overs a test makes are closer together than this
+    made = pool().made
+    for _ in range(2):
+        outcome = await isolate.run_episode(spec, {})
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert (pool().taken, pool().made, len(parked())) == (2, made, 2)  # not refilled
+    pool().quiet_s = _templates.QUIET_MS / 1000
+    pool().resize(4)  # wakes its thread: quiet long enough now
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 4))
+    assert pool().made == made + 2
+
+
+async def test_below_the_low_water_mark_the_pool_refills_without_a_quiet_period(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 4)
+    pool().quiet_s = 600.0  # never quiet: a steady stream of episodes
+    made = pool().made
+    for _ in range(4):  # the fourth empties it, below a quarter of its size
+        outcome = await isolate.run_episode(spec, {})
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 1))
+    assert pool().made == made + 1  # up to the mark, not beyond it while not quiet
+    (waiting,) = parked()
+    started: list[int] = []
+    outcome = await isolate.run_episode(spec, {}, on_start=started.append)
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert started == [waiting.pid]  # the next of the stream from the pool, not forked anew
+
+
 async def test_a_pool_episode_times_out_with_its_clean_up_as_before(agents: Agents) -> None:
     spec = agents.spec(SLEEPER, preload=True, timeout=1.0, kill_grace=0.5)
     await isolate.park(spec, 1)
@@ -266,6 +321,8 @@ async def test_a_template_that_dies_takes_its_parked_forks_and_the_next_refills(
     await isolate.park(spec, 2)
     procs = [psutil.Process(f.pid) for f in parked()]
     leaves = parked_leaves()
+    for forked in parked():  # each in a session of its own, no longer the template's
+        await anyio.to_thread.run_sync(pair, forked)
     (importer,) = template_processes(agents)
     importer.kill()
     await anyio.to_thread.run_sync(

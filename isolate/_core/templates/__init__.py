@@ -22,7 +22,7 @@ The parts: ``process`` (one template and its forks), ``pool`` (its parked forks)
 ``registry`` (the templates of this process, by key).
 """
 
-from .pool import MAX_PARKED, Pool
+from .pool import MAX_PARKED, QUIET_MS, Pool
 from .process import Forked, Template, TemplateGone, pidfd_pid
 from .registry import (
     acquire,
@@ -40,6 +40,7 @@ __all__ = [
     "Forked",
     "MAX_PARKED",
     "Pool",
+    "QUIET_MS",
     "Template",
     "TemplateGone",
     "acquire",

@@ -5,7 +5,8 @@ cgroup move on its critical path.
 
 A parked fork and its worker hold no secret and have run none of an episode's code: the
 handshake comes after the hand-over, as a fork's does. A thread of the pool's own refills it
-after hand-overs up to its size, replaces a parked fork that died (or whose worker did), and,
+up to its size once no hand-over has come for ``QUIET_MS`` (at once while it holds fewer than
+a quarter of its size), replaces a parked fork that died (or whose worker did), and,
 should the template die, kills the parked forks and removes their leaves; :meth:`Pool.close`
 does the same at ``close_templates()``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from collections import deque
 
 from agent_shim.shim_wire import send_message
@@ -31,6 +33,13 @@ MAX_PARKED = 1024
 PARKED_FDS = 3
 #: After a failed park, how long the pool waits before it tries again (seconds).
 _RETRY_S = 1.0
+#: How long after the last hand-over the pool waits before it parks a fork (ms): its two forks
+#: of the image would run beside the episodes being started, and those of a burst come closer
+#: together than this.
+QUIET_MS = 20.0
+#: Below this share of its size the pool parks at once, hand-overs or not, so that a stream of
+#: episodes that never leaves it quiet still finds forks parked (it refills up to the share).
+LOW_WATER = 0.25
 
 
 class _Closed(Exception):
@@ -48,6 +57,12 @@ class Pool:
         #: Why the last park failed, until one succeeds.
         self.problem: str | None = None
         self.hold: _admission.Hold | None = None
+        #: The quiet period after a hand-over before a refill, in seconds.
+        self.quiet_s = QUIET_MS / 1000
+        #: Hand-overs (forks taken) and forks parked so far; when the last was taken.
+        self.taken = 0
+        self.made = 0
+        self.last_taken = -float("inf")
         self._dead: list[Forked] = []
         self._changed = threading.Condition()
         self._wake_r, self._wake_w = os.pipe()
@@ -75,6 +90,9 @@ class Pool:
                     self._dead.append(forked)  # the pool's thread removes its leaf
                 else:
                     found = forked
+            if found is not None:
+                self.taken += 1
+                self.last_taken = time.monotonic()
         self._wake()
         return found
 
@@ -137,12 +155,13 @@ class Pool:
                 if forked in self.parked:
                     self.parked.remove(forked)
             short = len(self.parked) < self.target
+            wait = self._quiet_left(time.monotonic()) if short else None
             fds = [f.pidfd for f in self.parked if f.pidfd is not None]
         for forked in dead:
             _end(forked)
         if not self.template.alive() or self.template.closing:
             raise _Closed  # the template died: its parked forks go with the pool
-        if short and self.problem is None:
+        if short and self.problem is None and wait == 0.0:
             self._park_one()
             return set()
         poller = select.poll()
@@ -150,7 +169,9 @@ class Pool:
             poller.register(fd, select.POLLIN)
         if self.template.importer_fd is not None:
             poller.register(self.template.importer_fd, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(_RETRY_S * 1000 if short else None)}
+        if short and self.problem is not None:
+            wait = _RETRY_S
+        ready = {fd for fd, _ in poller.poll(None if wait is None else wait * 1000)}
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
@@ -158,6 +179,14 @@ class Pool:
         if short:
             self.problem = None  # try again
         return ready
+
+    def _quiet_left(self, now: float) -> float:
+        """How long the pool, short, waits before it parks one (0.0: at once): the rest of the
+        quiet period after the last hand-over, unless it holds fewer than the low-water mark.
+        Under ``_changed``."""
+        if len(self.parked) < self.target * LOW_WATER:
+            return 0.0
+        return max(0.0, self.last_taken + self.quiet_s - now)
 
     def _park_one(self) -> None:
         template, leaves = self.template, None
@@ -183,6 +212,7 @@ class Pool:
             keep = problem is None and not self.closed and len(self.parked) < self.target
             if keep:
                 self.parked.append(forked)
+                self.made += 1
             self.problem = problem
             self._changed.notify_all()
         if not keep:
