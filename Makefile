@@ -32,7 +32,7 @@ test: setup
 	exit $$status
 
 # Mutation testing (docs/testing.md): not part of make test, about an hour or more on 2 cores.
-# MODULES=isolate/_core/env.py picks modules; MUTATE_ARGS=--show prints each survivor's diff.
+# MODULES=isolate/_core/system/env.py picks modules; MUTATE_ARGS=--show prints each survivor's diff.
 MODULES ?=
 MUTATE_ARGS ?=
 mutate: setup

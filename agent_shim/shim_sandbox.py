@@ -1,8 +1,8 @@
 """The episode's file-system and network sandbox, entered by the worker before it imports the
 agent. Loaded with ``load_part("sandbox")``; standard library only, Python 3.9+.
 
-The parent computed the plan (``isolate/_core/sandbox.py``): Landlock rules as ``[path, kind]``
-pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
+The parent computed the plan (``isolate/_core/containment/sandbox.py``): Landlock rules as
+``[path, kind]`` pairs, mounts as ``[op, path]`` pairs, the TCP ports. Here, in this order:
 
 1. a mount namespace of our own, if the episode has none (``unshare_mounts``), private, so
    nothing mounted here reaches the machine, with a /dev of its own (``shim_world.py``; a PID

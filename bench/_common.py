@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from isolate._core.tree import pids_with_env
+from isolate._core.system.tree import pids_with_env
 
 REPO = Path(__file__).resolve().parent.parent
 #: Every process a benchmark starts carries this variable (value: the run id), so the final

@@ -66,7 +66,7 @@ async def _main(cfg: dict[str, Any]) -> dict[str, Any]:
     started: list[float] = []
     outcomes: list[isolate.EpisodeOutcome] = []
     done = anyio.Event()
-    from isolate._core import admission
+    from isolate._core.system import admission
 
     async def ticker() -> None:
         ticks = 0

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 
 import isolate
-from isolate._core import launcher as _launcher
+from isolate._core.episode import launcher as _launcher
 
 from . import _noop
 from ._common import MARK_ENV, rss_bytes

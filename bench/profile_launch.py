@@ -29,9 +29,9 @@ from typing import Any
 import anyio
 
 import isolate
-from isolate._core import child as _child
-from isolate._core import frames as _frames
-from isolate._core import launcher as _launcher
+from isolate._core.episode import child as _child
+from isolate._core.episode import frames as _frames
+from isolate._core.episode import launcher as _launcher
 
 from .launch import NOOP_AGENT
 

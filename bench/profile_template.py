@@ -26,8 +26,8 @@ import anyio
 import psutil
 
 import isolate
-from isolate._core import child as _child
 from isolate._core import templates as _templates
+from isolate._core.episode import child as _child
 from isolate._core.templates import process as _process
 
 TRACING = Path("/sys/kernel/tracing")

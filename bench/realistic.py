@@ -42,7 +42,7 @@ import anyio
 import psutil
 
 import isolate
-from isolate._core.procfs import GONE, stat_fields
+from isolate._core.system.procfs import GONE, stat_fields
 
 from ._common import MARK_ENV, paired_ratio, summary
 from ._context import Context

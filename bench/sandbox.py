@@ -24,7 +24,7 @@ from pathlib import Path
 import anyio
 
 import isolate
-from isolate._core import sandbox as _sandbox
+from isolate._core.containment import sandbox as _sandbox
 
 from ._common import machine_info
 

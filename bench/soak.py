@@ -30,8 +30,8 @@ import psutil
 
 import isolate
 from isolate._core import containment as _containment
-from isolate._core import launcher as _launcher
-from isolate._core.tree import pids_with_env
+from isolate._core.episode import launcher as _launcher
+from isolate._core.system.tree import pids_with_env
 
 #: kind -> (agent body, status it must end with). Each body defines ``run(data)``.
 KINDS: dict[str, tuple[str, str]] = {

@@ -27,7 +27,7 @@ try:  # the optional "bench" dependency group; without it the pebble rows are sk
 except ImportError:  # pragma: no cover - depends on the environment
     pebble = None
 
-from isolate._core.tree import pids_with_env
+from isolate._core.system.tree import pids_with_env
 
 from . import _treebuild
 from ._common import MARK_ENV, kill_all, read_pid_files, summary

@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 
 import isolate
-from isolate._core import launcher as _launcher
+from isolate._core.episode import launcher as _launcher
 
 from ._common import MARK_ENV, bare_launches, machine_info, paired_ratio, sweep_marked
 from ._launch_worker import shim_variant

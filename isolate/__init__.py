@@ -10,8 +10,9 @@ See docs/api.md for the failure taxonomy and docs/protocol.md for the wire proto
 
 from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
 
-from ._core.config import DEFAULT_INHERIT_ENV, EpisodeSpec, Limits
-from ._core.errors import (
+from ._core.episode.launcher import run_episode
+from ._core.model.config import DEFAULT_INHERIT_ENV, EpisodeSpec, Limits
+from ._core.model.errors import (
     AgentError,
     ArgumentError,
     EpisodeCrashed,
@@ -21,10 +22,9 @@ from ._core.errors import (
     ProtocolError,
     SetupError,
 )
-from ._core.launcher import run_episode
-from ._core.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
-from ._core.sandbox_config import Sandbox, SandboxReport
-from ._core.shim import shim_path
+from ._core.model.outcome import STATUSES, EpisodeOutcome, ErrorInfo, Status, Timings
+from ._core.model.sandbox_config import Sandbox, SandboxReport
+from ._core.system.shim import shim_path
 from ._core.templates import close_templates, park
 
 __all__ = [

@@ -25,9 +25,9 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
-from isolate._core import procfs
 from isolate._core import templates as _templates
-from isolate._core.procfs import has_live_thread
+from isolate._core.system import procfs
+from isolate._core.system.procfs import has_live_thread
 
 # The plugin below, imported here first: marked for assertion rewriting before that import.
 pytest.register_assert_rewrite("tests._skips")

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import admission
+from isolate._core.system import admission
 
 from .conftest import SLOW, Agents, wait_until
 

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from isolate._core import admission
-from isolate._core.admission import Cost
-from isolate._core.errors import SetupProblem
+from isolate._core.model.errors import SetupProblem
+from isolate._core.system import admission
+from isolate._core.system.admission import Cost
 
 from .conftest import SLOW, wait_until
 

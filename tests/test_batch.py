@@ -792,7 +792,7 @@ def run(data, **kwargs):
 
 
 def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agents) -> None:
-    from isolate._core.sandbox import landlock_abi
+    from isolate._core.containment.sandbox import landlock_abi
 
     if landlock_abi() < 3:
         pytest.skip("the default Sandbox() needs Landlock ABI 3 here")

@@ -18,10 +18,10 @@ import pytest
 
 import isolate
 from isolate import EPISODE_ENV
-from isolate._core import admission
 from isolate._core import containment as _containment
-from isolate._core import prepare as _prepare
-from isolate._core.sandbox import landlock_abi
+from isolate._core.containment.sandbox import landlock_abi
+from isolate._core.episode import prepare as _prepare
+from isolate._core.system import admission
 
 from .conftest import SLOW, Agents, is_gone, record_pid_sh, wait_until
 

@@ -15,7 +15,7 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
-from isolate._core.errors import SetupProblem
+from isolate._core.model.errors import SetupProblem
 
 from .conftest import Agents, own_leaves, wait_until
 from .test_protocol import frames_of, marker_agent, run_real_shim

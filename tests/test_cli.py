@@ -639,7 +639,7 @@ def test_console_script_help() -> None:
 
 
 def test_run_with_the_sandbox(agents: Agents) -> None:
-    from isolate._core.sandbox import landlock_abi
+    from isolate._core.containment.sandbox import landlock_abi
 
     if landlock_abi() < 3:
         pytest.skip("the default Sandbox() needs Landlock ABI 3 here")

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 import isolate
 from isolate._core import containment as _containment
-from isolate._core import launcher as _launcher
-from isolate._core import procfs
 from isolate._core import templates as _templates
+from isolate._core.episode import launcher as _launcher
+from isolate._core.system import procfs
 
 from .conftest import (
     SLOW,

@@ -20,8 +20,8 @@ import psutil
 import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
-from isolate._core.allowlist import Rule, forwards, parse_rules, rule_for_url
-from isolate._core.egress import Egress
+from isolate._core.network.allowlist import Rule, forwards, parse_rules, rule_for_url
+from isolate._core.network.egress import Egress
 
 from .conftest import SLOW, wait_until
 

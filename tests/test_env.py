@@ -1,9 +1,10 @@
-"""The environment filter (isolate/_core/env.py) on its own: what passes, what is withheld and
-the reason each withheld name is given, and the line the episode's log shows for them."""
+"""The environment filter (isolate/_core/system/env.py) on its own: what passes, what is
+withheld and the reason each withheld name is given, and the line the episode's log shows
+for them."""
 
 from __future__ import annotations
 
-from isolate._core import env as _env
+from isolate._core.system import env as _env
 
 CREDENTIAL = "looks like a credential: pass it with secret_env, or name it in inherit_env"
 

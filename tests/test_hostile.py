@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._core import launcher as _launcher
+from isolate._core.episode import launcher as _launcher
 
 from .conftest import SLOW, episode_processes, live_children
 from .test_protocol import Fake, fake_spec, write_fake

@@ -17,9 +17,9 @@ import pytest
 from pydantic import BaseModel
 
 import isolate
-from isolate._core import launcher as _launcher
-from isolate._core import protocol as proto
-from isolate._core.redact import Redactor
+from isolate._core.episode import launcher as _launcher
+from isolate._core.episode import protocol as proto
+from isolate._core.episode.redact import Redactor
 
 from .conftest import Agents
 

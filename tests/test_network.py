@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import sandbox as _sandbox
+from isolate._core.containment import sandbox as _sandbox
 
 from .conftest import (
     SLOW,

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._core.frames import MAX_NOTED
-from isolate._core.tail import Tail
+from isolate._core.episode.frames import MAX_NOTED
+from isolate._core.episode.tail import Tail
 
 from .conftest import SLOW, Agents, both_starts, record_pid_sh, wait_until
 

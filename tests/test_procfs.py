@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from isolate._core import procfs
+from isolate._core.system import procfs
 
 from .conftest import wait_for
 

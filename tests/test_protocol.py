@@ -27,9 +27,9 @@ from pydantic import SecretStr
 
 import agent_shim.shim
 import isolate
-from isolate._core import frames as _frames
-from isolate._core import launcher as _launcher
-from isolate._core.protocol import (
+from isolate._core.episode import frames as _frames
+from isolate._core.episode import launcher as _launcher
+from isolate._core.episode.protocol import (
     Done,
     ErrorFrame,
     Hello,
@@ -43,7 +43,7 @@ from isolate._core.protocol import (
     parse_line,
     shape,
 )
-from isolate._core.redact import MASK, Redactor
+from isolate._core.episode.redact import MASK, Redactor
 
 from .conftest import SLOW, Agents, wait_until
 
@@ -565,7 +565,7 @@ def test_every_error_type_the_shim_sends_is_a_class_or_documented() -> None:
     class) is a class of isolate's errors or listed in docs/protocol.md's table of them."""
     import ast
 
-    from isolate._core import errors
+    from isolate._core.model import errors
 
     root = Path(isolate.__file__).resolve().parent.parent
     documented = set(re.findall(r"^\| `(\w+)` \|", (root / "docs/protocol.md").read_text(), re.M))
@@ -638,7 +638,9 @@ def test_the_wire_is_written_once() -> None:
     assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
     for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
         assert getattr(shim, name) == getattr(wire, name), name
-    from isolate._core import config, templates, watch
+    from isolate._core import templates
+    from isolate._core.episode import watch
+    from isolate._core.model import config
 
     assert watch.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from isolate._core.protocol import _clean_json
-from isolate._core.redact import MASK, Redactor, _forms
+from isolate._core.episode.protocol import _clean_json
+from isolate._core.episode.redact import MASK, Redactor, _forms
 
 CASES = settings(max_examples=50, deadline=None)
 PROPERTIES = settings(max_examples=200, deadline=None)

@@ -30,7 +30,7 @@ from pydantic import SecretStr
 import isolate
 from isolate._core.containment import COMBINATIONS
 from isolate._core.containment import problem as containment_problem
-from isolate._core.sandbox import landlock_abi
+from isolate._core.containment.sandbox import landlock_abi
 
 from .conftest import Agents, both_starts
 

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 import isolate
-from isolate._core.sandbox import SandboxPlan, hidden_paths, plan_sandbox, ports_of_url
+from isolate._core.containment.sandbox import SandboxPlan, hidden_paths, plan_sandbox, ports_of_url
 
 from .conftest import Agents
 
@@ -220,8 +220,8 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
     """A trainer killed with sandboxed episodes running leaves their TMPDIRs: the next isolate
     process removes those of dead parents, and only once they are old enough that no clean-up
     of theirs can still be running."""
-    from isolate._core import procfs
-    from isolate._core import sandbox as _sandbox
+    from isolate._core.containment import sandbox as _sandbox
+    from isolate._core.system import procfs
 
     me = f"{os.getpid()}-{procfs.start_time(os.getpid())}"
     dead = "999999999-1"  # no such pid
@@ -247,7 +247,7 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
 
 
 def test_a_tmpdir_is_named_for_its_parent(agents: Agents) -> None:
-    from isolate._core import procfs
+    from isolate._core.system import procfs
 
     spec = agents.spec("import os\ndef run(data):\n    return 1.0, os.environ['TMPDIR']\n")
     spec = spec.model_copy(update={"sandbox": isolate.Sandbox(best_effort=True)})

@@ -358,7 +358,7 @@ def test_an_empty_exclusion_is_rejected() -> None:
     ],
 )
 def test_split_env_rules(inherit: tuple[str, ...], passed: set[str], withheld: set[str]) -> None:
-    from isolate._core.env import split_env
+    from isolate._core.system.env import split_env
 
     parent = {
         "HOME": "/h",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from isolate._core import containment as _containment
-from isolate._core import procfs
+from isolate._core.system import procfs
 
 from .conftest import wait_for
 

@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import launcher as _launcher
-from isolate._core import prepare as _prepare
+from isolate._core.episode import launcher as _launcher
+from isolate._core.episode import prepare as _prepare
 
 from .conftest import (
     SLOW,

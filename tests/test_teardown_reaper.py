@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from isolate._core.containment.leaves import Leaves
-from isolate._core.reaping import Reaper, is_alive, processes
-from isolate._core.tree import pids_with_env
+from isolate._core.system.reaping import Reaper, is_alive, processes
+from isolate._core.system.tree import pids_with_env
 
 from .conftest import is_gone
 from .test_stale_leaves import cgroups_here

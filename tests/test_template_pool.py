@@ -16,8 +16,8 @@ import pytest
 
 import isolate
 from isolate._core import containment as _containment
-from isolate._core import sandbox as _sandbox
 from isolate._core import templates as _templates
+from isolate._core.containment import sandbox as _sandbox
 
 from .conftest import (
     Agents,

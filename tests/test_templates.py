@@ -23,10 +23,10 @@ import isolate
 from isolate._cli.batch.job import RecordPlan
 from isolate._cli.main import build_parser
 from isolate._cli.main import main as cli_main
-from isolate._core import admission as _admission
 from isolate._core import containment as _containment
-from isolate._core import sandbox as _sandbox
 from isolate._core import templates as _templates
+from isolate._core.containment import sandbox as _sandbox
+from isolate._core.system import admission as _admission
 from isolate.workflow import SWEAgentWorkflow, episode_spec
 
 from .conftest import (

@@ -20,9 +20,9 @@ import anyio
 import psutil
 import pytest
 
-from isolate._core import tree
 from isolate._core.containment.leaves import Leaves
-from isolate._core.tree import ProcessTree
+from isolate._core.system import tree
+from isolate._core.system.tree import ProcessTree
 
 from .conftest import wait_for
 from .test_procfs import ZOMBIE_LEADER

@@ -12,8 +12,8 @@ import pytest
 
 from agent_shim.shim_wire import PROTOCOL_VERSION
 from isolate import Limits
-from isolate._core import protocol as proto
-from isolate._core import verdict as v
+from isolate._core.episode import protocol as proto
+from isolate._core.episode import verdict as v
 
 NONCE = "n" * 32
 HELLO = proto.Hello(

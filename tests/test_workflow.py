@@ -743,7 +743,7 @@ async def test_a_per_record_timeout_counts_for_that_record(
 async def test_sandbox_from_econfig_writes_result_dir_and_allows_base_url(
     agents: Agents, clean_env: Path
 ) -> None:
-    if isolate._core.sandbox.landlock_abi() < 4:
+    if isolate._core.containment.sandbox.landlock_abi() < 4:
         pytest.skip("the sandbox's TCP rules need Landlock ABI 4")
     wf = SWEAgentWorkflow(econfig=econfig(agents, sandbox={"connect": [22]}))
     assert await wf.run(record("box-1", report=True), base_url=URL) == 1.0

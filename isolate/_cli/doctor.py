@@ -15,13 +15,13 @@ import anyio
 from agent_shim.shim_wire import LAYERS, PROTOCOL_VERSION
 
 from .._core import containment as _containment
-from .._core import sandbox as _sandbox
 from .._core import templates as _templates
-from .._core.config import EpisodeSpec
-from .._core.env import PASSTHROUGH_ENV, split_env
-from .._core.errors import SetupProblem
-from .._core.launcher import run_episode
-from .._core.shim import shim_path
+from .._core.containment import sandbox as _sandbox
+from .._core.episode.launcher import run_episode
+from .._core.model.config import EpisodeSpec
+from .._core.model.errors import SetupProblem
+from .._core.system.env import PASSTHROUGH_ENV, split_env
+from .._core.system.shim import shim_path
 from ..workflow import ENTRYPOINT, default_agent_root, resolve_agent_root
 
 #: The keyword arguments SWEAgentWorkflow passes; the entrypoint must accept them.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import anyio
 
-from .._core.errors import ArgumentError
+from .._core.model.errors import ArgumentError
 from .batch import add_batch_parser, add_report_parser
 from .install import install_hint
 from .options import (
@@ -129,7 +129,7 @@ def _add_demo_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _entrypoint(value: str) -> str:
     """``--entrypoint`` as ``EpisodeSpec`` takes it: the same words for the same mistake."""
-    from .._core.config import EpisodeSpec
+    from .._core.model.config import EpisodeSpec
 
     try:
         return EpisodeSpec._check_entrypoint(value)
@@ -138,7 +138,7 @@ def _entrypoint(value: str) -> str:
 
 
 def _containment(value: str) -> str:
-    from .._core.config import check_containment
+    from .._core.model.config import check_containment
 
     try:
         return check_containment(value)

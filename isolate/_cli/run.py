@@ -19,10 +19,10 @@ import anyio
 import psutil
 from pydantic import SecretStr
 
-from .._core.config import EpisodeSpec
-from .._core.launcher import run_episode
-from .._core.outcome import EpisodeOutcome
-from .._core.prepare import default_episode_id
+from .._core.episode.launcher import run_episode
+from .._core.episode.prepare import default_episode_id
+from .._core.model.config import EpisodeSpec
+from .._core.model.outcome import EpisodeOutcome
 from .._core.templates import close_templates
 from ..workflow import default_log_dir
 from .batch.job import write_bundle

@@ -16,8 +16,8 @@ import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from .._core.env import PASSTHROUGH_ENV, split_env
-from .._core.shim import shim_path
+from .._core.system.env import PASSTHROUGH_ENV, split_env
+from .._core.system.shim import shim_path
 from .options import UsageError
 
 #: Seconds the import of an entrypoint may take when its signature is read.

@@ -35,13 +35,13 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from .._core.allowlist import rule_for_url
-from .._core.config import EpisodeSpec
-from .._core.env import PASSTHROUGH_ENV
-from .._core.launcher import run_episode
-from .._core.outcome import EpisodeOutcome
-from .._core.sandbox import ports_of_url
-from .._core.sandbox_config import Sandbox
+from .._core.containment.sandbox import ports_of_url
+from .._core.episode.launcher import run_episode
+from .._core.model.config import EpisodeSpec
+from .._core.model.outcome import EpisodeOutcome
+from .._core.model.sandbox_config import Sandbox
+from .._core.network.allowlist import rule_for_url
+from .._core.system.env import PASSTHROUGH_ENV
 from .._core.templates import remedy
 from ._econfig import UPSTREAM_OVERRIDES, EConfig, plain
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from .._core.allowlist import parse_rules
-from .._core.config import is_env_name
+from .._core.model.config import is_env_name
+from .._core.network.allowlist import parse_rules
 
 #: The econfig keys that name the agent root, first one set wins.
 ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..._core.outcome import STATUSES
+from ..._core.model.outcome import STATUSES
 
 
 class BatchError(Exception):

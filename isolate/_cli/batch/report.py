@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from ..._core.outcome import STATUSES
+from ..._core.model.outcome import STATUSES
 from ..install import install_line
 from ..options import UsageError
 from .io import BatchError, ResultLines, is_final, read_results, unit_of

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import anyio
 from pydantic import SecretStr
 
-from ..._core.infra import ENTRYPOINT_SIGNATURE
-from ..._core.outcome import EpisodeOutcome
+from ..._core.episode.infra import ENTRYPOINT_SIGNATURE
+from ..._core.model.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
 from .io import Record, Records, Results, Unit
 from .job import (

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from ..._core import admission
-from ..._core.outcome import STATUSES
+from ..._core.model.outcome import STATUSES
+from ..._core.system import admission
 from ..options import preload_warning
 from .io import Unit, unit_of
 from .runmeta import meta_path

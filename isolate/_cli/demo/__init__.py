@@ -23,9 +23,9 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from ..._core.launcher import run_episode
-from ..._core.outcome import EpisodeOutcome
-from ..._core.tree import is_alive, tagged
+from ..._core.episode.launcher import run_episode
+from ..._core.model.outcome import EpisodeOutcome
+from ..._core.system.tree import is_alive, tagged
 from ...workflow import default_log_dir, episode_kwargs, episode_spec
 from .scripted_llm import ScriptedLLM, demo_script
 

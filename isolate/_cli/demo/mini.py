@@ -27,9 +27,9 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from ..._core.config import EpisodeSpec
-from ..._core.launcher import run_episode
-from ..._core.outcome import EpisodeOutcome
+from ..._core.episode.launcher import run_episode
+from ..._core.model.config import EpisodeSpec
+from ..._core.model.outcome import EpisodeOutcome
 from ..._core.templates import close_templates
 from ..install import install_line
 from . import AGENT_ROOT, demo_setup, left_behind

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ..errors import SetupProblem
-from ..procfs import start_time
-from ..reaping import GIVE_UP_S, Reaper, processes
+from ..model.errors import SetupProblem
+from ..system.procfs import start_time
+from ..system.reaping import GIVE_UP_S, Reaper, processes
 from .probes import Cgroups, once, probe_cgroups
 
 #: Guards our per-parent directories: created by the first leaf, removed after the last.
@@ -214,7 +214,7 @@ def _counter(path: Path, name: str) -> int | None:
 
 
 class _Leaf:
-    """One leaf by its path, as a :class:`~isolate._core.reaping.Box`."""
+    """One leaf by its path, as a :class:`~isolate._core.system.reaping.Box`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Limits
-from ..errors import SetupProblem
+from ..model.config import Limits
+from ..model.errors import SetupProblem
 from .leaves import cgroups
 from .probes import AUTO, Cgroups, landlock, layers, needs_userns, pidns_problem
 

@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 
 from agent_shim.shim_wire import LAYERS
 
-from ..shim import probe
+from ..system.shim import probe
 
 #: What ``auto`` tries, strongest first: the PID namespace is the wall, Landlock the wall where
 #: there is no namespace; the cgroup adds teardown in one write and tree-wide limits.

@@ -21,9 +21,9 @@ from collections import deque
 
 from agent_shim.shim_wire import send_message
 
-from .. import admission as _admission
 from .. import containment as _containment
-from ..errors import SetupProblem
+from ..model.errors import SetupProblem
+from ..system import admission as _admission
 from .process import Forked, Template, TemplateGone
 
 #: The most forks one template keeps parked: each, with its worker forked ahead, holds two

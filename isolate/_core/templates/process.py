@@ -20,14 +20,14 @@ import psutil
 
 from agent_shim.shim_wire import receive_message, send_message
 
-from .. import admission as _admission
 from .. import containment as _containment
-from .. import sandbox as _sandbox
-from .. import wall as _wall
-from ..outcome import describe_exit, signal_name
-from ..procfs import exited, parent_pid
-from ..reaping import GIVE_UP_S, Reaper
-from ..tree import ProcessTree
+from ..containment import sandbox as _sandbox
+from ..containment import wall as _wall
+from ..model.outcome import describe_exit, signal_name
+from ..system import admission as _admission
+from ..system.procfs import exited, parent_pid
+from ..system.reaping import GIVE_UP_S, Reaper
+from ..system.tree import ProcessTree
 
 if TYPE_CHECKING:
     from .pool import Pool

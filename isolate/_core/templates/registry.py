@@ -24,14 +24,14 @@ from pydantic import SecretStr
 
 from agent_shim.shim_wire import EPISODE_ENV, json_file, receive_message, send_message
 
-from .. import admission as _admission
 from .. import containment as _containment
-from .. import sandbox as _sandbox
-from .. import wall as _wall
-from ..config import EpisodeSpec
-from ..env import episode_env
-from ..errors import ArgumentError, IsolateError, SetupProblem
-from ..shim import boot_path
+from ..containment import sandbox as _sandbox
+from ..containment import wall as _wall
+from ..model.config import EpisodeSpec
+from ..model.errors import ArgumentError, IsolateError, SetupProblem
+from ..system import admission as _admission
+from ..system.env import episode_env
+from ..system.shim import boot_path
 from .pool import MAX_PARKED, PARKED_FDS, Pool
 from .process import Template
 

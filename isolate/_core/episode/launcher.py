@@ -34,19 +34,19 @@ import anyio
 from anyio.lowlevel import RunVar
 from pydantic import SecretStr
 
-from . import admission as _admission
+from .. import templates as _templates
+from ..containment import sandbox as _sandbox
+from ..model.config import EpisodeSpec
+from ..model.errors import SetupProblem
+from ..model.outcome import EpisodeOutcome, ErrorInfo
+from ..system import admission as _admission
+from ..system.shim import boot_path
 from . import child as _child
-from . import sandbox as _sandbox
 from . import stages as _st
-from . import templates as _templates
 from . import verdict as _verdict
-from .config import EpisodeSpec
 from .episode_log import EpisodeLog
-from .errors import SetupProblem
 from .frames import Frames
-from .outcome import EpisodeOutcome, ErrorInfo
 from .prepare import Prepared, Request, Unprepared, exec_env, prepare_episode
-from .shim import boot_path
 from .watch import EpisodeWatch, Graces
 
 __all__ = ["run_episode"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .network import NetworkPlan, plan_network
+from ..network.plan import NetworkPlan, plan_network
 
 #: Devices an agent may open for reading and writing (and ioctl: terminals).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "ptmx")

@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from . import containment as _containment
+from .. import containment as _containment
+from ..model.config import EpisodeSpec
 from . import sandbox as _sandbox
-from .config import EpisodeSpec
 
 #: The variables that name the sandbox's TMPDIR, the only place the agent may write temporary
 #: files. A template's fork sets its own (the handshake's ``temp_env``).

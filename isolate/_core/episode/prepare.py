@@ -17,16 +17,16 @@ from pydantic import SecretStr
 
 from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
 
-from . import admission as _admission
-from . import containment as _containment
-from . import sandbox as _sandbox
-from . import wall as _wall
-from .config import EpisodeSpec, is_env_name
-from .env import describe_withheld, episode_env
-from .errors import ArgumentError, SetupProblem
-from .netserve import EpisodeNetwork
+from .. import containment as _containment
+from ..containment import sandbox as _sandbox
+from ..containment import wall as _wall
+from ..model.config import EpisodeSpec, is_env_name
+from ..model.errors import ArgumentError, SetupProblem
+from ..model.sandbox_config import SandboxReport
+from ..network.netserve import EpisodeNetwork
+from ..system import admission as _admission
+from ..system.env import describe_withheld, episode_env
 from .redact import Redactor
-from .sandbox_config import SandboxReport
 
 #: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
 #: for a parent that is stopped or hung, never the normal path.

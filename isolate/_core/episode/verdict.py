@@ -10,10 +10,10 @@ from typing import Any
 
 from agent_shim.shim_wire import PROTOCOL_VERSION
 
+from ..containment import size
+from ..model.config import Limits
+from ..model.outcome import ErrorInfo, Status, describe_exit, signal_name
 from . import protocol as proto
-from .config import Limits
-from .containment import size
-from .outcome import ErrorInfo, Status, describe_exit, signal_name
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import anyio
 
+from ..model.outcome import Cleanup
+from ..network.netserve import EpisodeNetwork
 from . import protocol as proto
-from .netserve import EpisodeNetwork
-from .outcome import Cleanup
 from .redact import Redactor
 
 #: Lines that are not frames, and protocol violations, noted in the log one by one (each);

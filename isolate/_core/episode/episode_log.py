@@ -7,8 +7,8 @@ import codecs
 from pathlib import Path
 from typing import BinaryIO
 
-from . import admission as _admission
-from .errors import SetupProblem
+from ..model.errors import SetupProblem
+from ..system import admission as _admission
 from .tail import Tail
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .outcome import ErrorInfo
+from ..model.outcome import ErrorInfo
 
 ENDPOINT_UNREACHABLE = "endpoint unreachable"
 """No connection to the endpoint: refused, reset, no route, a name that does not resolve."""

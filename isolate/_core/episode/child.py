@@ -18,13 +18,13 @@ from typing import Protocol
 import anyio
 import psutil
 
-from . import containment as _containment
+from .. import containment as _containment
+from .. import templates as _templates
+from ..containment import sandbox as _sandbox
+from ..model.errors import SetupProblem
+from ..system.tree import ProcessTree
 from . import protocol as proto
-from . import sandbox as _sandbox
-from . import templates as _templates
-from .errors import SetupProblem
 from .prepare import Prepared, Request, handshake
-from .tree import ProcessTree
 
 
 class Child(Protocol):

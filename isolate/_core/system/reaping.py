@@ -1,6 +1,6 @@
 """Killing processes and waiting until none is left: the one loop the parent side uses for it.
 
-The episode's sweep (:class:`isolate._core.tree.ProcessTree`), a template's close (the
+The episode's sweep (:class:`isolate._core.system.tree.ProcessTree`), a template's close (the
 importer's leftovers, the rest of its session), a cgroup leaf's removal and the clean-up of
 stale leaves all hand a :class:`Reaper` what to kill and call :meth:`Reaper.kill` (blocking)
 or :meth:`Reaper.kill_async` (on an event loop, each round in a worker thread).

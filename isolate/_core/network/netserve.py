@@ -11,7 +11,7 @@ from collections.abc import Callable
 import anyio
 
 from .egress import Egress
-from .network import NetworkPlan
+from .plan import NetworkPlan
 
 #: Room for the fds of one message (bytes of ancillary data): a worker sends them in one frame.
 _ANCILLARY = socket.CMSG_SPACE(16 * array.array("i").itemsize)

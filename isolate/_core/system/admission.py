@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 from anyio.lowlevel import RunVar
 
-from .errors import SetupProblem
+from ..model.errors import SetupProblem
 
 logger = logging.getLogger("isolate")
 

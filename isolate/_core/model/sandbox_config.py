@@ -71,7 +71,7 @@ class Sandbox(BaseModel):
     def _check_network(cls, value: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
         if value is None or value == "none":
             return value
-        from .allowlist import parse_rules
+        from ..network.allowlist import parse_rules
 
         parse_rules(value)  # raises ValueError naming the entry
         return tuple(dict.fromkeys(value))

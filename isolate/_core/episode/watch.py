@@ -13,13 +13,13 @@ import anyio
 
 from agent_shim.shim_wire import CANCEL
 
-from . import containment as _containment
+from .. import containment as _containment
+from ..network.netserve import EpisodeNetwork
+from ..system.tree import ProcessTree
 from .child import Child, write_some
 from .episode_log import EpisodeLog
 from .frames import Frames
-from .netserve import EpisodeNetwork
 from .redact import Redactor
-from .tree import ProcessTree
 
 #: How long after the shim exits its pipes may take to reach EOF (seconds). Normally at once:
 #: every writer is dead by then. Only a process that escaped everything could hold them longer.

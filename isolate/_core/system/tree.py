@@ -128,7 +128,7 @@ class ProcessTree:
     async def kill(self, grace: float, term_deadline: float | None = None) -> int:
         """SIGTERM everything, SIGKILL what is left after ``grace`` seconds (each round
         stopped first, so that nothing forks meanwhile), until nothing is left or
-        :data:`~isolate._core.reaping.SWEEP_GIVE_UP_S` past the SIGKILL. ``term_deadline``
+        :data:`~isolate._core.system.reaping.SWEEP_GIVE_UP_S` past the SIGKILL. ``term_deadline``
         (monotonic) continues an earlier, interrupted teardown. Returns how many processes
         other than the shim had to be signalled."""
         if term_deadline is None:

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import admission as _admission
+from .. import templates as _templates
+from ..model.config import EpisodeSpec
+from ..model.errors import SetupProblem
+from ..model.outcome import EpisodeOutcome, ErrorInfo, Status, Timings
+from ..system import admission as _admission
 from . import child as _child
 from . import protocol as _proto
-from . import templates as _templates
 from . import verdict as _verdict
-from .config import EpisodeSpec
 from .episode_log import EpisodeLog
-from .errors import SetupProblem
 from .frames import Frames
 from .infra import infra_kind
-from .outcome import EpisodeOutcome, ErrorInfo, Status, Timings
 from .prepare import Prepared, Request
 from .watch import EpisodeWatch
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..model.errors import SetupProblem
+from ..model.sandbox_config import Sandbox, SandboxReport
+from ..system.procfs import start_time
+from ..system.shim import probe
 from . import sandbox_plan
-from .errors import SetupProblem
-from .procfs import start_time
-from .sandbox_config import Sandbox, SandboxReport
 from .sandbox_plan import SandboxPlan, under
-from .shim import probe
 
 
 def homes(child_env: dict[str, str]) -> list[str]:
