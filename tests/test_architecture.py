@@ -36,8 +36,11 @@ def imports(*, typing_only: bool = True) -> dict[str, set[str]]:
                         sub = ROOT.joinpath(*base, alias.name)
                         found = sub.with_suffix(".py").exists() or sub.is_dir()
                         deps.add(".".join([*base, alias.name] if found else base))
-                else:
-                    deps.add(".".join([*base, node.module]))
+                else:  # ``from .pkg import x``: the module ``x`` where it is one
+                    for alias in node.names:
+                        sub = ROOT.joinpath(*base, *node.module.split("."), alias.name)
+                        found = sub.with_suffix(".py").exists() or sub.is_dir()
+                        deps.add(".".join([*base, node.module, *([alias.name] if found else [])]))
             elif isinstance(node, ast.ImportFrom) and node.module:
                 if node.module.split(".")[0] in ("isolate", "agent_shim"):
                     deps.add(node.module)
@@ -93,6 +96,29 @@ def test_no_module_imports_itself_through_others() -> None:
     assert circles == []
 
 
+#: The core's packages, lowest first: each imports only packages before it (deferred imports and
+#: those for the type checker included), so that the data model never reaches the runtime.
+LAYERS = ("network", "model", "system", "containment", "templates", "episode")
+
+
+def test_the_core_packages_import_downwards() -> None:
+    def package(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if parts[:2] == ["isolate", "_core"] and len(parts) > 2 else None
+
+    assert {p.name for p in (ROOT / "isolate" / "_core").iterdir() if p.is_dir()} - {
+        "__pycache__"
+    } == set(LAYERS)
+    upward = []
+    for name, deps in imports().items():
+        here = package(name)
+        for dep in deps:
+            there = package(dep)
+            if here and there and LAYERS.index(there) > LAYERS.index(here):
+                upward.append(f"{_short(name)} → {_short(dep)}")
+    assert upward == []
+
+
 def test_the_architecture_page_lists_the_imports_of_the_code() -> None:
     text = DOC.read_text()
     documented = text[text.index(START) + len(START) : text.index(END)].strip().splitlines()
@@ -101,10 +127,16 @@ def test_the_architecture_page_lists_the_imports_of_the_code() -> None:
 
 def test_the_architecture_page_names_every_part_of_the_core() -> None:
     text = DOC.read_text()
+    core = ROOT / "isolate" / "_core"
     missing = [
-        p.name
-        for p in sorted((ROOT / "isolate" / "_core").glob("*.py"))
+        str(p.relative_to(core))
+        for p in sorted(core.rglob("*.py"))
         if p.name != "__init__.py" and p.stem not in text
+    ]
+    missing += [
+        f"{p.name}/"
+        for p in sorted(core.iterdir())
+        if p.is_dir() and p.name != "__pycache__" and f"_core/{p.name}/" not in text
     ]
     missing += [
         p.name for p in sorted((ROOT / "agent_shim").glob("shim_*.py")) if p.stem[5:] not in text
