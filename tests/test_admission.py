@@ -26,7 +26,7 @@ from .conftest import SLOW, Agents, wait_until
 DRIVER = r"""
 import json, logging, os, resource, sys, time
 import anyio, isolate
-from isolate._core import admission
+from isolate._core.system import admission
 
 cfg = json.loads(sys.argv[1])
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)

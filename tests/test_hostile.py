@@ -170,7 +170,7 @@ PARENT = """
 import json, resource, sys
 from pathlib import Path
 import anyio
-from isolate._core import launcher
+from isolate._core.episode import launcher
 from tests.test_protocol import fake_spec
 
 def status(field):
