@@ -700,3 +700,23 @@ async def test_specs_that_differ_only_in_what_they_hide_do_not_share_a_template(
     again = await isolate.run_episode(plain, data)
     assert again.info == first.info
     assert len(_templates.started_templates()) == 2
+
+
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+async def test_a_fork_whose_set_up_fails_says_it_began_from_the_template(agents: Agents) -> None:
+    """A fork that cannot be set up (its sandbox's TMPDIR goes in its template's, removed
+    here) ends as a set-up error that says it was forked: no ``start == "fresh"`` with no
+    reason while the template runs."""
+    spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    assert template.sandbox is not None
+    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, template.sandbox.tmpdir)
+    assert not await anyio.to_thread.run_sync(os.path.exists, template.sandbox.tmpdir)
+    second = await isolate.run_episode(spec, {})
+    assert (second.status, second.start) == ("setup_error", "template"), second.summary()
+    assert second.error is not None
+    assert "cannot make the fork's sandbox" in second.error.message
+    assert second.preload_refused is None
+    assert template.alive()

@@ -202,12 +202,15 @@ def into_template(
         return prep
     try:
         wall = old.for_fork(req.spec, req.episode_id, template.wall)
-    except SetupProblem:
+    except (SetupProblem, OSError) as exc:
         child.kill()
         child.wait()
         if adopted is not None:  # the caller holds only the leaves made for the episode
             adopted.remove()
-        raise
+        if isinstance(exc, SetupProblem):
+            raise
+        # Its TMPDIR goes in the template's (removed from outside, say).
+        raise SetupProblem(f"cannot make the fork's sandbox: {exc}") from None
     _sandbox.remove_tmpdir(old.sandbox.tmpdir)
     return dataclasses.replace(prep, wall=wall)
 
