@@ -138,6 +138,11 @@ def start(
                 child = template.fork(episode_id, theirs.fileno())
             except _templates.TemplateGone as exc:
                 gone = str(exc)
+                # A fork that comes late holds this pair's end: a pair of its own for the
+                # fresh shim, and EOF for the late fork.
+                ours.close()
+                theirs.close()
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if child is None:
             child = Fresh(
                 subprocess.Popen(
