@@ -27,6 +27,7 @@ from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import sandbox as _sandbox
 from isolate._core.system import admission as _admission
+from isolate._core.templates import process as _process
 from isolate.workflow import SWEAgentWorkflow, episode_spec
 
 from .conftest import (
@@ -700,3 +701,90 @@ async def test_specs_that_differ_only_in_what_they_hide_do_not_share_a_template(
     again = await isolate.run_episode(plain, data)
     assert again.info == first.info
     assert len(_templates.started_templates()) == 2
+
+
+@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+async def test_a_fork_whose_set_up_fails_says_it_began_from_the_template(agents: Agents) -> None:
+    """A fork that cannot be set up (its sandbox's TMPDIR goes in its template's, removed
+    here) ends as a set-up error that says it was forked: no ``start == "fresh"`` with no
+    reason while the template runs."""
+    spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    assert template.sandbox is not None
+    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, template.sandbox.tmpdir)
+    assert not await anyio.to_thread.run_sync(os.path.exists, template.sandbox.tmpdir)
+    second = await isolate.run_episode(spec, {})
+    assert (second.status, second.start) == ("setup_error", "template"), second.summary()
+    assert second.error is not None
+    assert "cannot make the fork's sandbox" in second.error.message
+    assert second.preload_refused is None
+    assert template.alive()
+
+
+WAITING_AGENT = """
+import os, time
+def run(data):
+    if "go" in data:
+        open(data["started"], "w").close()
+        for _ in range(6000):
+            if os.path.exists(data["go"]):
+                break
+            time.sleep(0.01)
+    return 1.0
+"""
+
+
+async def test_a_fork_that_comes_too_late_gets_no_channel_of_the_fresh_start(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A template that does not answer a fork request in time: the episode starts fresh and
+    says why; the fork the template makes once it goes on holds no end of the fresh shim's
+    channel (it would read what the parent sends that shim, a cancel request say): it gets
+    EOF and ends while the episode still runs."""
+    spec = agents.spec(WAITING_AGENT, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    importer = psutil.Process(template.pid)
+    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
+    started, go = tmp_path / "started", tmp_path / "go"
+    data = {"started": str(started), "go": str(go)}
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def second() -> None:
+        outcomes.append(await isolate.run_episode(spec, data))
+
+    importer.suspend()  # SIGSTOP: it answers no fork request
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            # The fresh shim has read its handshake once its agent runs.
+            await anyio.to_thread.run_sync(wait_for, started.exists, 30.0, "the fresh episode")
+            importer.resume()
+            monkeypatch.undo()
+            # The template answers in turn: once this one is forked, so was the late one.
+            third = await isolate.run_episode(spec, {})
+            assert (third.status, third.start) == ("ok", "template"), third.summary()
+            await anyio.to_thread.run_sync(
+                wait_for, lambda: all(map(_gone, importer.children())), 10.0, "the late fork"
+            )
+            await anyio.to_thread.run_sync(go.touch)
+    finally:
+        importer.resume()
+    (outcome,) = outcomes
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused is not None
+    assert "did not fork (no answer within 0.2 s)" in outcome.preload_refused
+    assert template.alive()
+    assert outcome.log_path is not None
+    log = await anyio.to_thread.run_sync(Path(outcome.log_path).read_text)
+    assert "did not fork (no answer within 0.2 s); this episode starts fresh" in log
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -138,6 +138,11 @@ def start(
                 child = template.fork(episode_id, theirs.fileno())
             except _templates.TemplateGone as exc:
                 gone = str(exc)
+                # A fork that comes late holds this pair's end: a pair of its own for the
+                # fresh shim, and EOF for the late fork.
+                ours.close()
+                theirs.close()
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         if child is None:
             child = Fresh(
                 subprocess.Popen(
@@ -202,12 +207,15 @@ def into_template(
         return prep
     try:
         wall = old.for_fork(req.spec, req.episode_id, template.wall)
-    except SetupProblem:
+    except (SetupProblem, OSError) as exc:
         child.kill()
         child.wait()
         if adopted is not None:  # the caller holds only the leaves made for the episode
             adopted.remove()
-        raise
+        if isinstance(exc, SetupProblem):
+            raise
+        # Its TMPDIR goes in the template's (removed from outside, say).
+        raise SetupProblem(f"cannot make the fork's sandbox: {exc}") from None
     _sandbox.remove_tmpdir(old.sandbox.tmpdir)
     return dataclasses.replace(prep, wall=wall)
 

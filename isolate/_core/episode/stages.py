@@ -200,7 +200,8 @@ def make_outcome(
         timings=_timings(seen),
         cleanup=frames.cleanup if frames is not None else None,
         sandbox=prep.report(missing, ep.req.redact) if prep is not None else None,
-        start="template" if started is not None and started.forked else "fresh",
+        # A fork whose set-up failed (StartFailed) began from its template all the same.
+        start="template" if isinstance(child, _templates.Forked) else "fresh",
         preload_refused=seen.refused,
         infra=_infra_of(status, final, error),
     )

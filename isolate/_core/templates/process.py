@@ -367,14 +367,17 @@ class Template:
         """The template's answer to a park request: the fork's pid and pidfd. Raises
         :class:`TemplateGone`."""
         reply_socket.settimeout(_FORK_TIMEOUT_S)
+        why = None
         try:
             reply, fds = receive_message(reply_socket)
+        except TimeoutError:
+            reply, fds, why = None, [], f"no answer within {_FORK_TIMEOUT_S:g} s"
         except (OSError, ValueError):
             reply, fds = None, []
         if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
             for fd in fds:
                 os.close(fd)
-            why = reply.get("reason") if reply else None
+            why = why or (reply.get("reason") if reply else None)
             raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
         pidfd = fds[0] if fds else None
         for fd in fds[1:]:
