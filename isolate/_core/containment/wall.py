@@ -67,28 +67,62 @@ class Wall:
         return dataclasses.replace(self, sandbox=sandbox, in_template=True)
 
 
-def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
-    """The wall of ``name`` (an episode's id, or a template's name) at the resolved
-    ``containment``: its leaves made with the limits written, its sandbox's TMPDIR made.
-    Raises SetupProblem, with what it made removed."""
+@dataclass(frozen=True)
+class Plan:
+    """The wall decided for a spec, before anything is made: made by :func:`plan`, the one
+    place that resolves a spec's containment for a fresh start and a template alike."""
+
+    containment: str
+    """The combination of layers, resolved (``cgroup+pidns``, ``session``)."""
+    limits: _containment.LimitPlan
+    groups: _containment.Cgroups | None
+    """Where its leaves go, with the cgroup layer; else None."""
+    userns: bool | None
+    """With a PID namespace: whether it needs a user namespace; else None."""
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return _containment.layers(self.containment)
+
+    def make(self, spec: EpisodeSpec, name: str) -> Wall:
+        """The wall of ``name`` (an episode's id, or a template's name): its leaves made with
+        the limits written, its sandbox's TMPDIR made. Raises SetupProblem, with what it made
+        removed."""
+        leaves = None
+        if self.groups is not None:
+            leaves = _containment.Leaves(self.groups, name, self.limits.writes)
+        try:
+            if leaves is not None:
+                leaves.create()
+            sandbox = None
+            if spec.sandbox is not None:
+                sandbox = _make_sandbox(spec, name, self.containment)
+        except BaseException:
+            if leaves is not None:
+                leaves.remove()
+            raise
+        return Wall(self.containment, dict(self.limits.rlimits), self.userns, leaves, sandbox)
+
+
+def plan(spec: EpisodeSpec, containment: str | None = None) -> Plan:
+    """The wall for ``spec``: its containment resolved from ``spec.containment`` (``auto``:
+    the first combination this machine gives), or ``containment`` when it was resolved for
+    this spec already (a template's, its episodes'); the limits planned for it. Makes nothing;
+    raises SetupProblem."""
+    how = None
+    if containment is None:
+        containment, how = _containment.resolve(spec.containment, spec.limits)
     on = _containment.layers(containment)
     groups = _containment.cgroups() if "cgroup" in on else None
-    how = _containment.plan_limits(containment, spec.limits, groups)
+    if how is None:
+        how = _containment.plan_limits(containment, spec.limits, groups)
     userns = _containment.needs_userns() if "pidns" in on else None
-    leaves = None
-    if groups is not None:
-        leaves = _containment.Leaves(groups, name, how.writes)
-    try:
-        if leaves is not None:
-            leaves.create()
-        sandbox = None
-        if spec.sandbox is not None:
-            sandbox = _make_sandbox(spec, name, containment)
-    except BaseException:
-        if leaves is not None:
-            leaves.remove()
-        raise
-    return Wall(containment, dict(how.rlimits), userns, leaves, sandbox)
+    return Plan(containment, how, groups, userns)
+
+
+def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
+    """The wall of ``name`` at the resolved ``containment``: :meth:`Plan.make`."""
+    return plan(spec, containment).make(spec, name)
 
 
 def _make_sandbox(
