@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
 @dataclass(frozen=True)
 class Wall:
     """What an episode, or a template walled in as its episodes are, enters; made by
-    :func:`make`. Its leaves and TMPDIR are the caller's to remove."""
+    :meth:`Plan.make`. Its leaves and TMPDIR are the caller's to remove."""
 
     containment: str
     """The combination of layers, resolved (``cgroup+pidns``, ``session``)."""
@@ -46,6 +47,11 @@ class Wall:
         if self.sandbox is None:
             return {}
         return {name: self.sandbox.tmpdir for name in TEMP_ENV}
+
+    def exec_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` with :meth:`temp_env` over it: the sandbox's TMPDIR is the only place the
+        process may write."""
+        return {**env, **self.temp_env()}
 
     def template_message(self) -> dict[str, Any]:
         """What a template's importer enters before it imports."""
@@ -118,11 +124,6 @@ def plan(spec: EpisodeSpec, containment: str | None = None) -> Plan:
         how = _containment.plan_limits(containment, spec.limits, groups)
     userns = _containment.needs_userns() if "pidns" in on else None
     return Plan(containment, how, groups, userns)
-
-
-def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
-    """The wall of ``name`` at the resolved ``containment``: :meth:`Plan.make`."""
-    return plan(spec, containment).make(spec, name)
 
 
 def _make_sandbox(
