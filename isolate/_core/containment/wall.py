@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ TEMP_ENV = ("TMPDIR", "TMP", "TEMP")
 @dataclass(frozen=True)
 class Wall:
     """What an episode, or a template walled in as its episodes are, enters; made by
-    :func:`make`. Its leaves and TMPDIR are the caller's to remove."""
+    :meth:`Plan.make`. Its leaves and TMPDIR are the caller's to remove."""
 
     containment: str
     """The combination of layers, resolved (``cgroup+pidns``, ``session``)."""
@@ -47,6 +48,11 @@ class Wall:
             return {}
         return {name: self.sandbox.tmpdir for name in TEMP_ENV}
 
+    def exec_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` with :meth:`temp_env` over it: the sandbox's TMPDIR is the only place the
+        process may write."""
+        return {**env, **self.temp_env()}
+
     def template_message(self) -> dict[str, Any]:
         """What a template's importer enters before it imports."""
         wall: dict[str, Any] = {"containment": self.containment}
@@ -67,28 +73,57 @@ class Wall:
         return dataclasses.replace(self, sandbox=sandbox, in_template=True)
 
 
-def make(spec: EpisodeSpec, name: str, containment: str) -> Wall:
-    """The wall of ``name`` (an episode's id, or a template's name) at the resolved
-    ``containment``: its leaves made with the limits written, its sandbox's TMPDIR made.
-    Raises SetupProblem, with what it made removed."""
+@dataclass(frozen=True)
+class Plan:
+    """The wall decided for a spec, before anything is made: made by :func:`plan`, the one
+    place that resolves a spec's containment for a fresh start and a template alike."""
+
+    containment: str
+    """The combination of layers, resolved (``cgroup+pidns``, ``session``)."""
+    limits: _containment.LimitPlan
+    groups: _containment.Cgroups | None
+    """Where its leaves go, with the cgroup layer; else None."""
+    userns: bool | None
+    """With a PID namespace: whether it needs a user namespace; else None."""
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return _containment.layers(self.containment)
+
+    def make(self, spec: EpisodeSpec, name: str) -> Wall:
+        """The wall of ``name`` (an episode's id, or a template's name): its leaves made with
+        the limits written, its sandbox's TMPDIR made. Raises SetupProblem, with what it made
+        removed."""
+        leaves = None
+        if self.groups is not None:
+            leaves = _containment.Leaves(self.groups, name, self.limits.writes)
+        try:
+            if leaves is not None:
+                leaves.create()
+            sandbox = None
+            if spec.sandbox is not None:
+                sandbox = _make_sandbox(spec, name, self.containment)
+        except BaseException:
+            if leaves is not None:
+                leaves.remove()
+            raise
+        return Wall(self.containment, dict(self.limits.rlimits), self.userns, leaves, sandbox)
+
+
+def plan(spec: EpisodeSpec, containment: str | None = None) -> Plan:
+    """The wall for ``spec``: its containment resolved from ``spec.containment`` (``auto``:
+    the first combination this machine gives), or ``containment`` when it was resolved for
+    this spec already (a template's, its episodes'); the limits planned for it. Makes nothing;
+    raises SetupProblem."""
+    how = None
+    if containment is None:
+        containment, how = _containment.resolve(spec.containment, spec.limits)
     on = _containment.layers(containment)
     groups = _containment.cgroups() if "cgroup" in on else None
-    how = _containment.plan_limits(containment, spec.limits, groups)
+    if how is None:
+        how = _containment.plan_limits(containment, spec.limits, groups)
     userns = _containment.needs_userns() if "pidns" in on else None
-    leaves = None
-    if groups is not None:
-        leaves = _containment.Leaves(groups, name, how.writes)
-    try:
-        if leaves is not None:
-            leaves.create()
-        sandbox = None
-        if spec.sandbox is not None:
-            sandbox = _make_sandbox(spec, name, containment)
-    except BaseException:
-        if leaves is not None:
-            leaves.remove()
-        raise
-    return Wall(containment, dict(how.rlimits), userns, leaves, sandbox)
+    return Plan(containment, how, groups, userns)
 
 
 def _make_sandbox(

@@ -152,9 +152,10 @@ def prepare_episode(req: Request, shim: Path, note: Callable[[str], None]) -> Pr
     containment = "session"
     try:
         agent_root = _check_paths(spec, shim)
+        plan = _wall.plan(spec)
         # The combination, kept for the outcome even when its wall cannot be made.
-        containment, _ = _containment.resolve(spec.containment, spec.limits)
-        wall = _wall.make(spec, req.episode_id, containment)
+        containment = plan.containment
+        wall = plan.make(spec, req.episode_id)
     except SetupProblem as exc:
         raise Unprepared(str(exc), containment) from None
     network = None
@@ -196,8 +197,7 @@ def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
         secret_values=req.secret_values(),
         delivered=req.secret_env,  # in the handshake, never in the exec environment
     )
-    env.update(prep.wall.temp_env())  # the sandbox's TMPDIR: the only place it may write
-    return env, describe_withheld(withheld) if withheld else None
+    return prep.wall.exec_env(env), describe_withheld(withheld) if withheld else None
 
 
 def handshake(

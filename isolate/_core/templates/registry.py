@@ -102,7 +102,7 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
                 f"domain of their own keeps them from signalling each other ({problem})"
             )
         try:
-            how = _containment.plan_limits(level, spec.limits, _containment.cgroups())
+            how = _wall.plan(spec, level).limits
         except SetupProblem:
             return None  # refused at the start as an episode of that level would be
         if "RLIMIT_NPROC" in how.rlimits:
@@ -248,8 +248,8 @@ async def _start(
 def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) -> Template:
     """Start the template's process, walled in as its episodes are; SetupProblem."""
     # Its own leaf, with the episodes' limits: never killed or counted with an episode.
-    wall = _wall.make(spec, entry.name, level)
-    env = {**env, **wall.temp_env()}  # the only place it may write
+    wall = _wall.plan(spec, level).make(spec, entry.name)
+    env = wall.exec_env(env)
     with _spawn_lock:
         return _spawn_locked(spec, env, entry, wall)
 
@@ -315,10 +315,10 @@ async def try_start(spec: EpisodeSpec) -> tuple[str | None, float]:
     env, _ = episode_env(spec.inherit_env, spec.env, entry.name)
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
-        found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+        found = await anyio.to_thread.run_sync(_wall.plan, spec)
     except SetupProblem as exc:
         return str(exc), 0.0
-    level = found[0]
+    level = found.containment
     problem = await anyio.to_thread.run_sync(unusable, spec, level)
     if problem is not None:
         return problem, 0.0
@@ -372,11 +372,11 @@ async def park(
     )
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
-        found = await anyio.to_thread.run_sync(_containment.resolve, spec.containment, spec.limits)
+        found = await anyio.to_thread.run_sync(_wall.plan, spec)
     except SetupProblem as exc:
         raise IsolateError(f"park: {exc}") from None
     why: list[str] = []
-    template = await acquire(spec, env, root, found[0], lambda text: None, why.append)
+    template = await acquire(spec, env, root, found.containment, lambda text: None, why.append)
     if template is None:
         raise IsolateError(f"park: no template for this spec: {why[0] if why else 'refused'}")
     with _lock:
