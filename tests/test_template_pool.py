@@ -3,6 +3,8 @@ hand-over. What a parked fork holds, how the pool refills, and how its forks end
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +36,8 @@ pytestmark = pytest.mark.anyio
 SECRET = "sk-parked-3f9a1c7d5e"
 
 AGENT = """
+import errno
+import json
 import os
 def run(data, key=None):
     return 1.0, {"pid": os.getpid(), "cgroup": open("/proc/self/cgroup").read(),
@@ -122,6 +126,8 @@ def innermost_pid(pid: int) -> int:
 
 
 MARKED = """
+import errno
+import json
 import os
 def run(data):
     # Called: the episode's code runs. A marker named by the caller's pid in its namespace.
@@ -433,3 +439,97 @@ async def test_a_parked_pair_under_python_3_9(agents: Agents) -> None:
     ahead = innermost_pid(worker.pid)
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start, outcome.info["pid"]) == ("ok", "template", ahead)
+
+
+# Parks 4 forks, takes every free fd, asks the template for a fork (EMFILE), gives the fds
+# back, runs an episode, closes the templates; prints what it saw as one JSON line.
+EMFILE_DRIVER = """
+import errno, json, os, socket, sys, anyio, isolate
+from isolate._core import templates as _templates
+
+async def main():
+    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+    await isolate.park(spec, 4)
+    (template,) = _templates.started_templates()
+    pool = template.pool
+    pool.quiet_s = 3600.0  # 3 of 4 left is above the low-water mark: no refill meanwhile
+    out = {"parked": sorted(f.pid for f in pool.parked)}
+    ours, theirs = socket.socketpair()
+    hogs = []
+    try:
+        while True:
+            hogs.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        template.fork("emfile", theirs.fileno())
+        out["errno"] = None
+    except OSError as exc:
+        out["errno"] = exc.errno
+    finally:
+        for fd in hogs:
+            os.close(fd)
+    ours.close()
+    theirs.close()
+    out["parked_after"] = sorted(f.pid for f in pool.parked)
+    out["forks_after"] = sorted(f.pid for f in template.forks)
+    outcome = await isolate.run_episode(spec, {})
+    out["outcome"] = [outcome.status, outcome.start]
+    out["pids"] = sorted(template.own_pids())
+    await isolate.close_templates()
+    out["forks_left"] = len(template.forks)
+    out["outer_code"] = template.popen.returncode
+    print(json.dumps(out))
+
+anyio.run(main)
+"""
+
+
+def test_emfile_at_the_hand_over_leaks_no_parked_fork(agents: Agents) -> None:
+    # EMFILE when the fork's stderr pipe is made: no parked fork is taken (the pool stays
+    # whole, the episode waits for fds), and close_templates() ends the template whole.
+    spec = agents.spec(AGENT, preload=True)
+    limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    limit += "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])"
+    proc = subprocess.run(
+        [sys.executable, "-c", limit, textwrap.dedent(EMFILE_DRIVER), spec.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["errno"] == errno.EMFILE
+    assert out["outcome"] == ["ok", "template"]
+    # Nothing of the template's is left: no fork it still waits for, its outer process reaped.
+    assert (out["forks_left"], out["outer_code"] is not None) == (0, True)
+    assert [pid for pid in out["pids"] + out["parked"] if not is_gone(pid)] == []
+    assert episode_processes(f"PID_DIR={agents.pids}".encode()) == []
+    assert len(out["parked"]) == 4
+    assert out["parked_after"] == out["parked"] == out["forks_after"]  # none taken
+
+
+async def test_a_parked_fork_whose_hand_over_fails_ends_as_a_dead_pair(agents: Agents) -> None:
+    # Its hand-over socket closed on the parent's side: the send fails (or the fork, at EOF
+    # there, is dead by the time it is taken); either way it is killed with its worker, its
+    # leaves removed, and the episode takes a fork of its own.
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 1)
+    pool().quiet_s = 3600.0
+    (victim,) = parked()
+    fork, worker = await anyio.to_thread.run_sync(pair, victim)
+    leaves = parked_leaves()
+    assert victim.hand is not None
+    victim.hand.close()
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    procs = (fork, worker)
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
+    )
+    (template,) = _templates.started_templates()
+    assert victim not in template.forks
+    assert not any(leaf.exists() for leaf in leaves)
+    await isolate.close_templates()
+    assert template.popen.returncode is not None
+    assert agents.left() == []

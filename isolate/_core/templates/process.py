@@ -67,10 +67,12 @@ def _readable(fd: int, seconds: float) -> bool:
     return bool(poller.poll(seconds * 1000))
 
 
-def _send_episode(hand: socket.socket, episode_id: str, channel: int) -> int | None:
-    """Hand a parked fork its episode: the read end of its new stderr pipe, or None if the
-    fork is gone."""
-    err_r, err_w = os.pipe()
+def _send_episode(
+    hand: socket.socket, episode_id: str, channel: int, pipe: tuple[int, int]
+) -> int | None:
+    """Hand a parked fork its episode and the write end of its stderr ``pipe`` (closed here;
+    its read end too on failure): the read end, or None if the fork is gone."""
+    err_r, err_w = pipe
     try:
         send_message(hand, {"t": "episode", "episode_id": episode_id}, [channel, err_w])
     except OSError:
@@ -113,11 +115,12 @@ class Forked:
         assert self.stderr is not None
         return self.stderr.fileno()
 
-    def hand_over(self, episode_id: str, channel: int) -> None:
-        """Send the parked fork its episode: ``channel`` and a new stderr pipe; blocking.
-        Raises :class:`TemplateGone` if it is gone."""
+    def hand_over(self, episode_id: str, channel: int, pipe: tuple[int, int]) -> None:
+        """Send the parked fork its episode: ``channel`` and the write end of its stderr
+        ``pipe`` (both ends owned from here on); blocking. Raises :class:`TemplateGone` if it
+        is gone."""
         assert self.hand is not None
-        err = _send_episode(self.hand, episode_id, channel)
+        err = _send_episode(self.hand, episode_id, channel, pipe)
         if err is None:
             raise TemplateGone(f"the parked fork {self.pid} is gone")
         self.hand.close()
@@ -314,15 +317,21 @@ class Template:
         with its hand-over sent right behind the request; blocking. Raises
         :class:`TemplateGone`."""
         while self.pool is not None:
+            pipe = os.pipe()  # before the take: EMFILE here takes none, the pool stays whole
             parked = self.pool.take()
             if parked is None:
+                os.close(pipe[0])
+                os.close(pipe[1])
                 break
             try:
-                parked.hand_over(episode_id, channel)
+                parked.hand_over(episode_id, channel, pipe)
                 return parked
-            except TemplateGone:
+            except BaseException as exc:
+                # Taken, not handed over: it ends as a dead pair does, and the next is tried.
                 parked.kill()
                 parked.close()
+                if not isinstance(exc, TemplateGone):
+                    raise
         return self.park((episode_id, channel))
 
     def park(self, episode: tuple[str, int] | None = None) -> Forked:
@@ -341,7 +350,7 @@ class Template:
                 theirs.close()
                 its_hand.close()
             if episode is not None:  # read by the fork once it is there: no round trip more
-                err = _send_episode(hand, *episode)
+                err = _send_episode(hand, *episode, os.pipe())
             pid, pidfd = self._forked(mine)
             if episode is not None and err is None:  # its hand-over could not be sent
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
