@@ -509,6 +509,73 @@ def test_emfile_at_the_hand_over_leaks_no_parked_fork(agents: Agents) -> None:
     assert out["parked_after"] == out["parked"] == out["forks_after"]  # none taken
 
 
+# Parks 2 forks, takes every free fd, asks for a third (its refill meets EMFILE), waits until
+# the pool has said so, gives the fds back; prints what it saw as one JSON line.
+REFILL_EMFILE_DRIVER = """
+import json, os, sys, time, anyio, isolate
+from isolate._core import templates as _templates
+
+async def main():
+    spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+    await isolate.park(spec, 2)
+    (template,) = _templates.started_templates()
+    pool = template.pool
+    pool.quiet_s = 0.0
+    hogs = []
+    try:
+        while True:
+            hogs.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    pool.resize(3)
+    end = time.monotonic() + 20.0
+    while pool.problem is None and pool._thread.is_alive() and time.monotonic() < end:
+        await anyio.sleep(0.01)
+    out = {"problem": pool.problem, "alive_during": pool._thread.is_alive()}
+    for fd in hogs:
+        os.close(fd)
+    end = time.monotonic() + 30.0
+    while len(pool.parked) < 3 and pool._thread.is_alive() and time.monotonic() < end:
+        await anyio.sleep(0.02)
+    out["parked"] = len(pool.parked)
+    out["alive_after"] = pool._thread.is_alive()
+    outcome = await isolate.run_episode(spec, {})
+    out["outcome"] = [outcome.status, outcome.start]
+    await isolate.close_templates()
+    out["outer_code"] = template.popen.returncode
+    print(json.dumps(out))
+
+anyio.run(main)
+"""
+
+
+def test_a_refill_that_meets_emfile_tries_again(agents: Agents) -> None:
+    # Out of fds while refilling, the pool says why and tries again; it does not end (which
+    # would leave the template's episodes forking on demand for good).
+    spec = agents.spec(AGENT, preload=True)
+    limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    limit += "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            limit,
+            textwrap.dedent(REFILL_EMFILE_DRIVER),
+            spec.model_dump_json(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert "Too many open files" in (out["problem"] or ""), out
+    assert (out["alive_during"], out["alive_after"], out["parked"]) == (True, True, 3), out
+    assert out["outcome"] == ["ok", "template"]
+    assert out["outer_code"] is not None
+    assert episode_processes(f"PID_DIR={agents.pids}".encode()) == []
+
+
 async def test_a_parked_fork_whose_hand_over_fails_ends_as_a_dead_pair(agents: Agents) -> None:
     # Its hand-over socket closed on the parent's side: the send fails (or the fork, at EOF
     # there, is dead by the time it is taken); either way it is killed with its worker, its

@@ -197,7 +197,7 @@ class Pool:
                 )
                 leaves.create()
             forked = template.park()
-        except (SetupProblem, TemplateGone) as exc:
+        except (SetupProblem, TemplateGone, OSError) as exc:  # OSError: EMFILE, say
             if leaves is not None:
                 leaves.remove()
             with self._changed:
