@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import anyio
 import psutil
@@ -485,20 +486,26 @@ anyio.run(main)
 """
 
 
-def test_emfile_at_the_hand_over_leaks_no_parked_fork(agents: Agents) -> None:
-    # EMFILE when the fork's stderr pipe is made: no parked fork is taken (the pool stays
-    # whole, the episode waits for fds), and close_templates() ends the template whole.
-    spec = agents.spec(AGENT, preload=True)
+def run_under_256_fds(driver: str, spec: isolate.EpisodeSpec) -> dict[str, Any]:
+    """Run ``driver`` (a script given the spec as JSON) in a process whose open-file limit is
+    256; the JSON line it printed last."""
     limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
     limit += "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])"
     proc = subprocess.run(
-        [sys.executable, "-c", limit, textwrap.dedent(EMFILE_DRIVER), spec.model_dump_json()],
+        [sys.executable, "-c", limit, textwrap.dedent(driver), spec.model_dump_json()],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
+    out: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+    return out
+
+
+def test_emfile_at_the_hand_over_leaks_no_parked_fork(agents: Agents) -> None:
+    # EMFILE when the fork's stderr pipe is made: no parked fork is taken (the pool stays
+    # whole, the episode waits for fds), and close_templates() ends the template whole.
+    out = run_under_256_fds(EMFILE_DRIVER, agents.spec(AGENT, preload=True))
     assert out["errno"] == errno.EMFILE
     assert out["outcome"] == ["ok", "template"]
     # Nothing of the template's is left: no fork it still waits for, its outer process reaped.
@@ -553,22 +560,7 @@ def test_a_refill_that_meets_emfile_tries_again(agents: Agents) -> None:
     # Out of fds while refilling, the pool says why and tries again; it does not end (which
     # would leave the template's episodes forking on demand for good).
     spec = agents.spec(AGENT, preload=True)
-    limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
-    limit += "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            limit,
-            textwrap.dedent(REFILL_EMFILE_DRIVER),
-            spec.model_dump_json(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.splitlines()[-1])
+    out = run_under_256_fds(REFILL_EMFILE_DRIVER, spec)
     assert "Too many open files" in (out["problem"] or ""), out
     assert (out["alive_during"], out["alive_after"], out["parked"]) == (True, True, 3), out
     assert out["outcome"] == ["ok", "template"]
