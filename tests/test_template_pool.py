@@ -230,18 +230,29 @@ async def test_no_refill_between_hand_overs_within_the_quiet_period(agents: Agen
     assert pool().made == made + 2
 
 
-async def test_below_the_low_water_mark_the_pool_refills_without_a_quiet_period(
+async def test_a_pool_not_yet_empty_waits_for_the_quiet_period_however_low(
     agents: Agents,
 ) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 8)
+    pool().quiet_s = 600.0  # never quiet: a burst going on
+    made = pool().made
+    for _ in range(7):  # one left: the burst's forks are not slowed by the refill's
+        outcome = await isolate.run_episode(spec, {})
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert (pool().taken, pool().made, len(parked())) == (7, made, 1)
+
+
+async def test_an_empty_pool_refills_without_a_quiet_period(agents: Agents) -> None:
     spec = agents.spec(AGENT, preload=True)
     await isolate.park(spec, 4)
     pool().quiet_s = 600.0  # never quiet: a steady stream of episodes
     made = pool().made
-    for _ in range(4):  # the fourth empties it, below a quarter of its size
+    for _ in range(4):  # the fourth empties it
         outcome = await isolate.run_episode(spec, {})
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 1))
-    assert pool().made == made + 1  # up to the mark, not beyond it while not quiet
+    assert pool().made == made + 1  # one, not more while not quiet
     (waiting,) = parked()
     started: list[int] = []
     outcome = await isolate.run_episode(spec, {}, on_start=started.append)
@@ -453,7 +464,7 @@ async def main():
     await isolate.park(spec, 4)
     (template,) = _templates.started_templates()
     pool = template.pool
-    pool.quiet_s = 3600.0  # 3 of 4 left is above the low-water mark: no refill meanwhile
+    pool.quiet_s = 3600.0  # 3 of 4 left, not empty: no refill meanwhile
     out = {"parked": sorted(f.pid for f in pool.parked)}
     ours, theirs = socket.socketpair()
     hogs = []

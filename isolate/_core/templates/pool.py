@@ -5,8 +5,8 @@ cgroup move on its critical path.
 
 A parked fork and its worker hold no secret and have run none of an episode's code: the
 handshake comes after the hand-over, as a fork's does. A thread of the pool's own refills it
-up to its size once no hand-over has come for ``QUIET_MS`` (at once while it holds fewer than
-a quarter of its size), replaces a parked fork that died (or whose worker did), and,
+up to its size once no hand-over has come for ``QUIET_MS`` (at once once it is empty),
+replaces a parked fork that died (or whose worker did), and,
 should the template die, kills the parked forks and removes their leaves; :meth:`Pool.close`
 does the same at ``close_templates()``.
 """
@@ -37,9 +37,6 @@ _RETRY_S = 1.0
 #: of the image would run beside the episodes being started, and those of a burst come closer
 #: together than this.
 QUIET_MS = 20.0
-#: Below this share of its size the pool parks at once, hand-overs or not, so that a stream of
-#: episodes that never leaves it quiet still finds forks parked (it refills up to the share).
-LOW_WATER = 0.25
 
 
 class _Closed(Exception):
@@ -182,9 +179,11 @@ class Pool:
 
     def _quiet_left(self, now: float) -> float:
         """How long the pool, short, waits before it parks one (0.0: at once): the rest of the
-        quiet period after the last hand-over, unless it holds fewer than the low-water mark.
-        Under ``_changed``."""
-        if len(self.parked) < self.target * LOW_WATER:
+        quiet period after the last hand-over, unless it is empty. While a burst takes its
+        forks, the refill's forks would take the CPU its hand-overs need; once it is empty the
+        rest of the burst forks on demand anyway, and a stream that never pauses finds one
+        parked at a time. Under ``_changed``."""
+        if not self.parked:
             return 0.0
         return max(0.0, self.last_taken + self.quiet_s - now)
 

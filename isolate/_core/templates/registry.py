@@ -352,8 +352,8 @@ async def park(
     """Keep ``n`` forks of ``spec``'s template parked ahead of demand, and wait until they
     are: an episode of ``spec`` then starts with a hand-over (see docs/templates.md). Starts
     the template if need be. The pool is refilled in the background, up to ``n``, once no
-    fork has been taken from it for a short quiet period (at once while it holds fewer than a
-    quarter of ``n``); ``n=0`` empties it. ``secrets`` and ``secret_env``: those the episodes
+    fork has been taken from it for a short quiet period (at once once it is empty); ``n=0``
+    empties it. ``secrets`` and ``secret_env``: those the episodes
     will get (only their names and values matter: an inherited variable that holds one is
     withheld, which changes the template). Returns how many are parked.
 
