@@ -4,6 +4,7 @@ hand-over. What a parked fork holds, how the pool refills, and how its forks end
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import isolate
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import sandbox as _sandbox
+from isolate._core.episode import launcher as _launcher
 
 from .conftest import (
     Agents,
@@ -228,6 +230,43 @@ async def test_no_refill_between_hand_overs_within_the_quiet_period(agents: Agen
     pool().resize(4)  # wakes its thread: quiet long enough now
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 4))
     assert pool().made == made + 2
+
+
+# A shim that reads its handshake and never says hello: it holds its place at the start gate.
+SILENT_SHIM = "import sys, time\nsys.stdin.buffer.readline()\ntime.sleep(300)\n"
+
+
+@pytest.mark.parametrize("parked_ahead", [1, 0], ids=["from the pool", "forked on demand"])
+async def test_a_fork_passes_the_start_gate_that_fresh_starts_wait_at(
+    agents: Agents, tmp_path: Path, parked_ahead: int
+) -> None:
+    """The start gate bounds interpreters starting at once; a template's fork starts none:
+    with every place held by fresh shims that never say hello, a fork still starts and ends."""
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, parked_ahead)
+    shim = tmp_path / "silent_shim.py"
+    shim.write_text(SILENT_SHIM)
+    silent = agents.spec("def run(data):\n    pass\n")
+    held: list[int] = []
+    with anyio.CancelScope() as scope:
+        admitted = int(_launcher._starting_gate().total_tokens)
+        async with anyio.create_task_group() as tg:
+            for _ in range(admitted):
+                tg.start_soon(
+                    functools.partial(
+                        _launcher._run_with_shim, silent, {}, shim, on_start=held.append
+                    )
+                )
+            await wait_until(lambda: len(held) == admitted, 30.0)
+            assert _launcher._starting_gate().available_tokens == 0
+            with anyio.fail_after(60):
+                outcome = await isolate.run_episode(spec, {})
+            scope.cancel()
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert outcome.timings.start_wait_s == 0.0
+    assert all(is_gone(pid) for pid in held)
+    await isolate.close_templates()  # the pool refilled behind the fork it took
+    assert agents.left() == []
 
 
 async def test_a_pool_not_yet_empty_waits_for_the_quiet_period_however_low(

@@ -255,9 +255,10 @@ async def _start(
     async def spawn() -> _st.Started:
         nonlocal waited
         slot, since = _Slot(), time.monotonic()
-        await slot.take()
-        held.callback(slot.release)
-        waited += time.monotonic() - since
+        if chosen.template is None:  # a fork starts no interpreter: no place at the gate
+            await slot.take()
+            held.callback(slot.release)
+            waited += time.monotonic() - since
         try:
             return await anyio.to_thread.run_sync(_spawn, ep, chosen, frames, slot, waited, held)
         except OSError:

@@ -64,7 +64,8 @@ class Timings(BaseModel):
     admission_s: float = 0.0
     """Waiting for file descriptors: the fd budget, and retries after ``EMFILE``/``ENFILE``."""
     start_wait_s: float = 0.0
-    """Waiting for a start slot: at most max(4, 2 × CPUs) interpreters start at once."""
+    """Waiting for a start slot: at most max(4, 2 × CPUs) interpreters start at once (a
+    template's fork starts none, and waits for no slot)."""
     start_s: float | None = None
     """From spawn to the shim's ``hello`` (the interpreter's start-up); None without one."""
 
