@@ -1,9 +1,16 @@
-"""A template's import is the agent's code: it runs inside the wall a fresh episode gets.
+"""Promise: a template's import is the agent's code and runs inside the wall a fresh episode
+gets. The hostile agent of ``_attacks.HOSTILE`` runs its attacks at import time, in the
+template, against a stand-in trainer with a unique marker, and each result must be what it is
+in a fresh episode at the same containment: refused (the same layers answer). Then what the
+import may start and what survives a template:
 
-The hostile agent of ``test_hostile_wall`` runs its attacks at import time, in the template,
-against a stand-in trainer with a unique marker, and each attack's result must be what it is
-in a fresh episode at the same containment: refused. Then what the import may start
-(daemons, writes outside the sandbox, reads of hidden paths) and what survives a template."""
+- daemons the import forks: refused (a template must have one thread and no child), killed.
+- what the template starts late: dies with it (its PID namespace, its cgroup leaf).
+- the parent's death: takes the template and what it started (``PR_SET_PDEATHSIG``, PID 1).
+- writes and reads of the sandboxed import: only what an episode may (the sandbox's mounts and
+  Landlock rules are made before the import).
+- episodes of one template: cannot reach each other (each fork's own PID namespace).
+- a refused template is not tried again for the next episode."""
 
 from __future__ import annotations
 
@@ -23,35 +30,37 @@ import psutil
 import pytest
 
 import isolate
+from isolate import EPISODE_ENV
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import sandbox as _sandbox
 
-from .conftest import (
+from ..conftest import (
+    NOBODY,
     SLOW,
     Agents,
+    as_nobody,
     episode_processes,
     is_gone,
     remove_dead_parents_leaves,
+    unprivileged_python,
     wait_for,
 )
-from .test_containment import tree
-from .test_hostile_wall import (
+from ..test_containment import tree
+from ..test_templates import template_processes
+from ._attacks import (
     HOSTILE,
-    NOBODY,
-    as_nobody,
     cap_findings,
     compare,
     expected_caps,
     expected_findings,
     host_mnt,
     standin,
-    unprivileged_python,
 )
-from .test_templates import template_processes
 
 pytestmark = [pytest.mark.anyio]
 __all__ = ["standin"]  # a fixture, used by name
+
 
 #: The hostile agent, attacking once more at import: what it finds goes to import.json.
 AT_IMPORT = """
@@ -60,6 +69,7 @@ _found = run(_json.loads(os.environ["HOSTILE_DATA"]))[1]
 with open(os.path.join(os.environ["PID_DIR"], "import.json"), "w") as _f:
     _json.dump(_found, _f)
 """
+
 
 #: The combinations a template is used at here (the others start fresh: see unusable()).
 TEMPLATE_COMBINATIONS = ("session", "cgroup", "landlock", "pidns", "cgroup+pidns", "auto")
@@ -161,8 +171,6 @@ async def test_the_import_reads_the_trainers_environment_exactly_as_an_episode_w
     await isolate.close_templates()
 
 
-# --- an unprivileged trainer ------------------------------------------------------------------
-
 PARENT = """
 import anyio, json, os, sys
 import isolate
@@ -240,8 +248,6 @@ def test_the_unprivileged_trainers_import_has_no_capability_and_is_refused() -> 
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-
-# --- what the import starts, writes and reads -------------------------------------------------
 
 DAEMON = """
 import os, sys, time
@@ -515,3 +521,31 @@ async def test_episodes_of_one_template_cannot_reach_each_other(
     }, attacker.info
     await isolate.close_templates()
     assert template_processes(agents) == []
+
+
+# Records each import of the agent's module with the environment tag of the process that
+# imports it (a template's name, or the episode's id), and keeps a thread running after import:
+# no template can be forked from it.
+REFUSED_AT_IMPORT = f"""
+import os, threading, time
+with open(os.path.join(os.environ["PID_DIR"], "imports"), "a") as f:
+    f.write(os.environ[{EPISODE_ENV!r}] + "\\n")
+threading.Thread(target=time.sleep, args=(60,), name="cost-map-retry", daemon=True).start()
+def run(data):
+    return 1.0
+"""
+
+
+async def test_a_refused_template_is_not_tried_again_for_the_next_episode(agents: Agents) -> None:
+    spec = agents.spec(REFUSED_AT_IMPORT, preload=True)
+    reason = "thread 'cost-map-retry' running after import"
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+        assert outcome.preload_refused == reason
+        assert f"preload refused: {reason}; this episode starts fresh" in outcome.stderr_tail
+    imports = (agents.pids / "imports").read_text().split()
+    templates = [tag for tag in imports if tag.startswith("template.")]
+    assert len(templates) == 1, imports  # one template started, for both episodes
+    assert sorted(set(imports) - set(templates)) == sorted(o.episode_id for o in outcomes)
+    assert "started (pid" not in outcomes[1].stderr_tail
