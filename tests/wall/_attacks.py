@@ -23,9 +23,8 @@ from typing import Any
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core.containment.sandbox import landlock_abi
 
+from .. import _internals
 from ..conftest import RUN_SPEC, SLOW, Agents, episode_processes
 from ..test_containment import COMBINATIONS, needs
 
@@ -488,7 +487,7 @@ def expected_findings(combination: str, *, root: bool) -> dict[str, Any]:
         "child mem worker": "EACCES",
         "child forged frames written": 0,
     }
-    walled = "pidns" in _containment.layers(combination)
+    walled = "pidns" in _internals.layers(combination)
     if root:
         expected["mount -t tmpfs"] = eperm
         if walled:
@@ -569,10 +568,10 @@ def combination(request: pytest.FixtureRequest) -> str:
     return needs(request.param)
 
 
-WALLED = [c for c in COMBINATIONS if "pidns" in _containment.layers(c)]
+WALLED = [c for c in COMBINATIONS if "pidns" in _internals.layers(c)]
 
 
-ABI = landlock_abi()
+ABI = _internals.landlock_abi()
 
 
 needs_landlock = pytest.mark.skipif(ABI < 1, reason="this kernel has no Landlock")

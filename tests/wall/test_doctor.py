@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from isolate._core import containment as _containment
-
+from .. import _internals
 from ..conftest import SLOW
 from ..test_cli import SCRIPTED, isolate_cli
 from ..test_containment import needs
@@ -68,7 +67,7 @@ def test_without_the_stronger_layers_episodes_run_and_doctor_says_what_is_missin
         needs("landlock")
     script = tmp_path / "without.sh"
     script.write_text(WITHOUT_NAMESPACES)
-    mounts = [p for t, _, p, _ in _containment.probes._mounts() if t in ("cgroup", "cgroup2")]
+    mounts = [p for t, _, p, _ in _internals.mounts() if t in ("cgroup", "cgroup2")]
     command = [sys.executable, "-m", "isolate", "doctor", "--agent-root", str(SCRIPTED)]
     if not landlock:
         command = [sys.executable, "-c", NO_LANDLOCK, *command]

@@ -22,8 +22,8 @@ import pytest
 
 import isolate
 from isolate import EPISODE_ENV
-from isolate._core import containment as _containment
 
+from .. import _internals
 from ..conftest import (
     SLOW,
     Agents,
@@ -42,7 +42,7 @@ __all__ = ["combination"]  # a fixture, used by name
 
 
 def needs(containment: str) -> None:
-    problem = _containment.problem(containment)
+    problem = _internals.containment_problem(containment)
     if problem is not None:
         pytest.skip(f"containment {containment!r} is not available here: {problem}")
 
@@ -211,7 +211,7 @@ async def test_an_agent_that_kills_its_supervisor(
     There the episode ends as the agent returns. At ``session`` and ``cgroup`` the supervisor
     dies: the episode is ``crashed`` by its SIGKILL, and nothing is left, except at ``session``
     the daemon, which nothing finds (docs/containment.md, "What no containment here covers")."""
-    layers = _containment.layers(combination)
+    layers = _internals.layers(combination)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)

@@ -22,8 +22,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core.containment.sandbox import landlock_abi
 
+from .. import _internals
 from ..conftest import SLOW, Agents, wait_for
 from ..test_containment import needs
 from ._attacks import World, _denied, linux_only, needs_net, scratch, world
@@ -197,8 +197,10 @@ def run(data):
 
 
 async def test_connect_to_no_port_leaves_no_tcp_open(agents: Agents, tcp_server: int) -> None:
-    if landlock_abi() < 4:
-        pytest.skip(f"containment: TCP connect rules need Landlock ABI 4, not {landlock_abi()}")
+    if _internals.landlock_abi() < 4:
+        pytest.skip(
+            f"containment: TCP connect rules need Landlock ABI 4, not {_internals.landlock_abi()}"
+        )
     work = agents.tmp / "work"
     work.mkdir()
     for box, expected in [

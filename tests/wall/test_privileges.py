@@ -28,8 +28,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 
+from .. import _internals
 from ..conftest import NOBODY, SLOW, Agents, as_nobody, episode_processes, unprivileged_python
 from ..test_containment import tree
 from ._attacks import (
@@ -74,7 +74,7 @@ async def test_the_hostile_agent_is_refused_everything_and_keeps_its_own_reward(
         **expected,
         **expected_caps(root=True, found=found),
     }
-    if "pidns" in _containment.layers(combination):
+    if "pidns" in _internals.layers(combination):
         assert max(found["pids"]) < 100, found["pids"]  # only its own episode's
     assert standin.poll() is None
     assert not await anyio.Path(scratch).is_mount()
@@ -188,6 +188,6 @@ CAPABILITY_BITS = {
 def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
     import agent_shim.shim
 
-    named = sorted(CAPABILITY_BITS[name] for name in _containment.KEPT_CAPABILITIES)
+    named = sorted(CAPABILITY_BITS[name] for name in _internals.KEPT_CAPABILITIES)
     assert named == sorted(agent_shim.shim.load_part("worker").KEPT_CAPABILITIES)
     assert sum(1 << bit for bit in named) == 0x200404FB  # as docs/containment.md gives CapEff

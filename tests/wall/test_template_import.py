@@ -31,10 +31,8 @@ import pytest
 
 import isolate
 from isolate import EPISODE_ENV
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.containment import sandbox as _sandbox
 
+from .. import _internals
 from ..conftest import (
     NOBODY,
     SLOW,
@@ -76,7 +74,7 @@ TEMPLATE_COMBINATIONS = ("session", "cgroup", "landlock", "pidns", "cgroup+pidns
 
 
 def needs_template(combination: str) -> str:
-    problem = _containment.problem(combination)
+    problem = _internals.containment_problem(combination)
     if problem is not None:
         pytest.skip(f"containment {combination!r} is not available here: {problem}")
     return combination
@@ -121,7 +119,7 @@ async def test_the_import_is_refused_everything_a_fresh_episode_is(
         **expected,
         **expected_caps(root=True, found=found),
     }
-    if "pidns" in _containment.layers(outcome.containment):
+    if "pidns" in _internals.layers(outcome.containment):
         assert max(found["pids"]) < 100, found["pids"]  # only its own namespace's
     assert standin.poll() is None
     assert not await anyio.Path(scratch).is_mount()
@@ -163,7 +161,7 @@ async def test_the_import_reads_the_trainers_environment_exactly_as_an_episode_w
     assert (forked.status, forked.start) == ("ok", "template"), forked.summary()
     at_import = (agents.pids / "import.txt").read_text()
     assert at_import == fresh.info == forked.info
-    layers = _containment.layers(fresh.containment)
+    layers = _internals.layers(fresh.containment)
     if "pidns" in layers:
         assert at_import == "FileNotFoundError"  # not in its /proc at all
     elif "landlock" in layers:
@@ -269,7 +267,7 @@ while not os.path.exists(os.path.join(os.environ["PID_DIR"], "daemon")):
 def tagged_daemons(agents: Agents) -> list[psutil.Process]:
     """Live processes of the test whose command line is the template's (a daemon the import
     forked) and that are neither a template's own process nor a fork of one."""
-    own = {pid for t in _templates.started_templates() for pid in t.own_pids()}
+    own = {pid for t in _internals.started_templates() for pid in t.own_pids()}
     return [p for p in episode_processes(f"PID_DIR={agents.pids}".encode()) if p.pid not in own]
 
 
@@ -312,7 +310,7 @@ async def test_what_the_template_starts_late_dies_with_it(agents: Agents, combin
     spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     os.kill(template.pid, signal.SIGUSR1)
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: tagged_daemons(agents), 5.0, "the late process")
@@ -369,7 +367,7 @@ def test_the_parents_death_takes_the_template_and_what_it_started(
     remove_dead_parents_leaves()
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_the_sandboxed_import_writes_and_reads_only_what_an_episode_may(
     agents: Agents,
 ) -> None:
@@ -413,7 +411,7 @@ def run(data):
     tmps = [Path(o.info["tmp"]) for o in outcomes]
     assert tmps[0] != tmps[1]
     assert tmps[0].parent == tmps[1].parent
-    assert len(_templates.started_templates()) == 1
+    assert len(_internals.started_templates()) == 1
     await isolate.close_templates()
     assert not tmps[0].parent.exists()
 
@@ -432,7 +430,7 @@ def test_a_control_message_is_never_cut() -> None:
             receive_message(theirs)
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_a_sandbox_whose_rules_outgrow_a_control_message(agents: Agents) -> None:
     """Hiding a file in a directory of 3,000 carves a rule for each of its neighbours: the
     template's wall is far larger than a control message, and reaches it whole."""

@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 import isolate
-from isolate._core.containment import problem as containment_problem
 
+from .. import _internals
 from ..conftest import AS_NOBODY, NOBODY, SLOW, both_starts
 from ..test_containment import COMBINATIONS, needs
 from ._attacks import (
@@ -111,7 +111,7 @@ async def test_a_hidden_path_that_is_a_symlink_hides_its_target(world: World, le
     """As dotfile managers make them: ``~/.ssh -> ~/dotfiles/ssh`` (a default) and a file the
     caller hides, ``~/.tokens -> ~/dotfiles/tokens``. Neither reads through the link, nor by
     the target's own path; the rest of ``~/dotfiles`` stays readable."""
-    problem = containment_problem(level)
+    problem = _internals.containment_problem(level)
     if problem is not None:
         pytest.skip(f"containment {level!r} is not available here: {problem}")
     dotfiles = world.home / "dotfiles"
@@ -360,7 +360,7 @@ async def test_the_walls_hold_at_every_containment_level(world: World, level: st
     # With pidns the worker shares the namespace's mounts; otherwise it makes its own. With
     # the landlock layer, the sandbox's domain stacks on the layer's. From a template, the
     # template made the mounts and entered the domain; each worker stacks one of its own.
-    problem = containment_problem(level)
+    problem = _internals.containment_problem(level)
     if problem is not None:
         pytest.skip(f"containment {level!r} is not available here: {problem}")
     found = await world.attempt(

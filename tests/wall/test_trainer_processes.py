@@ -25,8 +25,8 @@ import pytest
 
 import isolate
 from isolate._cli import doctor as _doctor
-from isolate._core import containment as _containment
 
+from .. import _internals
 from ..conftest import SLOW, Agents, wait_until
 from ..test_containment import needs, tree
 from ._attacks import WALLED, combination
@@ -99,11 +99,11 @@ def trainer() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 
 def expected_attack(combination: str) -> tuple[dict[str, Any], bool]:
     """What each attack gives at ``combination``, and whether the stand-in survives."""
-    on = _containment.layers(combination)
+    on = _internals.layers(combination)
     if "pidns" in on:  # the trainer's pid means nothing in the agent's namespace
         return {"environ": "ENOENT", "mem": "ENOENT", "ptrace": "ESRCH", "pkill": 1}, True
     if "landlock" in on:
-        readable = _containment.landlock().environ_readable and os.geteuid() != 0
+        readable = _internals.landlock().environ_readable and os.geteuid() != 0
         environ = "read, key in it" if readable else "EACCES"
         return {"environ": environ, "mem": "EACCES", "ptrace": "EPERM", "kill": "EPERM"}, True
     # No wall: what doctor warns about, every part of it true.
