@@ -1,7 +1,8 @@
-"""Promises that hold only through one mechanism each: the sweep's scans and ``cgroup.kill``,
-scrubbing on the rarer stdout paths, the verdicts of the shim's deadline and of the CPU
-limit's SIGKILL, the timeout's start, a template's refusal, ``Sandbox(connect=[])`` and the
-order of admission. Each test is an episode an attacker, or an unlucky user, could cause."""
+"""Promises that hold only through one mechanism each: scrubbing on the rarer stdout paths,
+the verdicts of the shim's deadline and of the CPU limit's SIGKILL, the timeout's start and
+the order of admission. Each test is an episode an unlucky user could cause. (The sweep's
+scans and ``cgroup.kill``, a template's refusal and ``Sandbox(connect=[])`` are the wall's:
+``tests/wall``.)"""
 
 from __future__ import annotations
 
