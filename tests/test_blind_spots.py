@@ -1,132 +1,28 @@
-"""Promises that hold only through one mechanism each: the sweep's scans and ``cgroup.kill``,
-scrubbing on the rarer stdout paths, the verdicts of the shim's deadline and of the CPU
-limit's SIGKILL, the timeout's start, a template's refusal, ``Sandbox(connect=[])`` and the
-order of admission. Each test is an episode an attacker, or an unlucky user, could cause."""
+"""Promises that hold only through one mechanism each: scrubbing on the rarer stdout paths,
+the verdicts of the shim's deadline and of the CPU limit's SIGKILL, the timeout's start and
+the order of admission. Each test is an episode an unlucky user could cause. (The sweep's
+scans and ``cgroup.kill``, a template's refusal and ``Sandbox(connect=[])`` are the wall's:
+``tests/wall``.)"""
 
 from __future__ import annotations
 
-import os
 import secrets as _secrets
-import signal
-import socket
-import time
-from collections.abc import Iterator
 
 import anyio
-import psutil
 import pytest
 
 import isolate
-from isolate import EPISODE_ENV
-from isolate._core import containment as _containment
-from isolate._core.containment.sandbox import landlock_abi
 from isolate._core.episode import prepare as _prepare
 from isolate._core.system import admission
 
-from .conftest import SLOW, Agents, is_gone, record_pid_sh, wait_until
+from .conftest import SLOW, Agents, wait_until
 
 pytestmark = pytest.mark.anyio
 
 KEY = "sk-blind-" + _secrets.token_hex(12)
 
 
-def needs(containment: str) -> None:
-    problem = _containment.problem(containment)
-    if problem is not None:
-        pytest.skip(f"containment {containment!r} is not available here: {problem}")
-
-
-async def kill_shim_once_recorded(
-    agents: Agents, spec: isolate.EpisodeSpec, name: str
-) -> tuple[isolate.EpisodeOutcome, psutil.Process, dict[str, str], float]:
-    """Run an episode; once its agent's process ``name`` has recorded its pid, SIGKILL the
-    shim, as the kernel's OOM killer or a cluster agent might. Returns the outcome, that
-    process and its environment (as they were before the kill), and the seconds from the kill
-    to the outcome."""
-    shim: list[int] = []
-    outcome: list[isolate.EpisodeOutcome] = []
-
-    async def run() -> None:
-        outcome.append(await isolate.run_episode(spec, {}, on_start=shim.append))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        await wait_until(lambda: bool(shim) and name in agents.pid_files(), 20.0)
-        left = psutil.Process(agents.pid_files()[name])
-        left.create_time()  # cached: is_gone compares it against a reused pid
-        environ = left.environ()
-        os.kill(shim[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-    return outcome[0], left, environ, time.monotonic() - killed_at
-
-
 # --- the parent's sweep after the shim's death --------------------------------------------------
-
-# A grandchild of the agent that outlives the shim, found by one scan or the other: it left the
-# shim's session but carries the episode's tag; it dropped the tag but stayed in the session;
-# or it did neither. There is no cgroup at containment="session", and the shim that could
-# have killed it is dead.
-ESCAPES = {
-    "own session, tagged": "start_new_session=True",
-    "in the session, untagged": (
-        f"env={{k: v for k, v in os.environ.items() if k != {EPISODE_ENV!r}}}"
-    ),
-    "in the session, tagged": "",
-}
-
-
-@pytest.mark.parametrize("how", list(ESCAPES.values()), ids=list(ESCAPES))
-async def test_the_sweep_finds_a_survivor_of_the_shim(agents: Agents, how: str) -> None:
-    spec = agents.spec(
-        f"""
-        import os, subprocess, time
-        def run(data):
-            cmd = '{record_pid_sh("escaped")}; exec sleep 300'
-            subprocess.Popen(["sh", "-c", cmd], {how})
-            time.sleep(300)
-        """,
-        containment="session",
-        kill_grace=0.5,
-    )
-    outcome, escaped, _, _ = await kill_shim_once_recorded(agents, spec, "escaped")
-    assert outcome.status == "crashed", outcome.summary()
-    assert outcome.signal == "SIGKILL"
-    assert is_gone(escaped.pid, escaped.create_time()), "a process of the episode survived it"
-    assert outcome.killed >= 1
-
-
-# A process of the agent that hid from every scan: its own session, no tag, in a cgroup it
-# made inside the episode's leaf (the leaf's cgroup.procs does not list it). Only the leaf's
-# "populated" says it is there, and only cgroup.kill reaches it.
-HIDDEN_IN_THE_LEAF = f"""
-import os, subprocess, time
-def run(data):
-    mount = [l.split()[1] for l in open("/proc/self/mounts") if l.split()[2] == "cgroup2"][0]
-    path = [l for l in open("/proc/self/cgroup") if l.startswith("0::")][0][3:].strip()
-    hideout = mount + path + "/hideout"
-    os.mkdir(hideout)
-    env = {{"PATH": os.environ["PATH"], "PID_DIR": os.environ["PID_DIR"], "HIDE": hideout}}
-    cmd = 'echo $$ > "$HIDE/cgroup.procs" && {record_pid_sh("hidden")} && exec sleep 300'
-    subprocess.Popen(["sh", "-c", cmd], env=env, start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
-    time.sleep(300)
-"""
-
-
-async def test_a_process_hidden_from_every_scan_dies_with_the_leaf_at_once(
-    agents: Agents,
-) -> None:
-    needs("cgroup")
-    # A long kill_grace: a teardown that waited for its SIGKILL step, instead of killing a
-    # populated leaf whose processes no scan sees at once, would show in the time it took.
-    spec = agents.spec(HIDDEN_IN_THE_LEAF, containment="cgroup", kill_grace=4.0 * SLOW)
-    outcome, hidden, environ, took = await kill_shim_once_recorded(agents, spec, "hidden")
-    assert outcome.status == "crashed", outcome.summary()
-    assert EPISODE_ENV not in environ  # it did hide from the tag scan
-    assert is_gone(hidden.pid, hidden.create_time()), "the hidden process survived the episode"
-    assert took < 2.0 * SLOW, f"teardown took {took:.1f} s (kill_grace {spec.kill_grace} s)"
-    assert "cgroup clean-up" not in outcome.stderr_tail
 
 
 # --- what comes back is scrubbed, on every path -------------------------------------------------
@@ -263,71 +159,8 @@ async def test_the_timeout_counts_from_spawn_not_from_admission(agents: Agents) 
 
 # --- templates ----------------------------------------------------------------------------------
 
-# Records each import of the agent's module with the environment tag of the process that
-# imports it (a template's name, or the episode's id), and keeps a thread running after import:
-# no template can be forked from it.
-REFUSED_AT_IMPORT = f"""
-import os, threading, time
-with open(os.path.join(os.environ["PID_DIR"], "imports"), "a") as f:
-    f.write(os.environ[{EPISODE_ENV!r}] + "\\n")
-threading.Thread(target=time.sleep, args=(60,), name="cost-map-retry", daemon=True).start()
-def run(data):
-    return 1.0
-"""
-
-
-async def test_a_refused_template_is_not_tried_again_for_the_next_episode(agents: Agents) -> None:
-    spec = agents.spec(REFUSED_AT_IMPORT, preload=True)
-    reason = "thread 'cost-map-retry' running after import"
-    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
-    for outcome in outcomes:
-        assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
-        assert outcome.preload_refused == reason
-        assert f"preload refused: {reason}; this episode starts fresh" in outcome.stderr_tail
-    imports = (agents.pids / "imports").read_text().split()
-    templates = [tag for tag in imports if tag.startswith("template.")]
-    assert len(templates) == 1, imports  # one template started, for both episodes
-    assert sorted(set(imports) - set(templates)) == sorted(o.episode_id for o in outcomes)
-    assert "started (pid" not in outcomes[1].stderr_tail
-
 
 # --- the sandbox --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tcp_server() -> Iterator[int]:
-    """A listening TCP socket on 127.0.0.1 (the kernel completes connections to its backlog)."""
-    with socket.create_server(("127.0.0.1", 0), backlog=16) as server:
-        yield server.getsockname()[1]
-
-
-CONNECT = """
-import socket
-def run(data):
-    try:
-        with socket.create_connection(("127.0.0.1", data["port"]), timeout=5):
-            return 1.0, "connected"
-    except OSError as exc:
-        return 0.0, type(exc).__name__
-"""
-
-
-async def test_connect_to_no_port_leaves_no_tcp_open(agents: Agents, tcp_server: int) -> None:
-    if landlock_abi() < 4:
-        pytest.skip(f"containment: TCP connect rules need Landlock ABI 4, not {landlock_abi()}")
-    work = agents.tmp / "work"
-    work.mkdir()
-    for box, expected in [
-        (isolate.Sandbox(), "connected"),  # the control: the server is there to reach
-        (isolate.Sandbox(connect=[]), "PermissionError"),
-    ]:
-        spec = agents.spec(CONNECT, sandbox=box, cwd=work)
-        outcome = await isolate.run_episode(spec, {"port": tcp_server})
-        assert outcome.status == "ok", outcome.summary()
-        assert outcome.info == expected, (box, outcome.info)
-    assert outcome.sandbox is not None
-    assert outcome.sandbox.missing == ()
-    assert "TCP connect only to ports none" in outcome.sandbox.enforced
 
 
 # --- admission ----------------------------------------------------------------------------------

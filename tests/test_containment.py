@@ -37,7 +37,6 @@ from .conftest import (
     episode_processes,
     from_template,
     is_gone,
-    live_children,
     wait_for,
     wait_until,
 )
@@ -269,134 +268,6 @@ def test_a_zombie_leader_does_not_outlive_the_parent(agents: Agents, combination
         _containment.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
 
 
-ESCAPER = """
-import errno, os, signal, subprocess, sys, time
-
-DAEMON = '''
-import os, signal, sys, time
-if os.fork():
-    os._exit(0)
-os.setsid()
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-fifo = open(sys.argv[1], "w")
-fifo.write("alive\\\\n")
-fifo.flush()
-open(sys.argv[1] + ".up", "w").close()
-time.sleep(300)
-'''
-
-
-def until(predicate, what):
-    end = time.monotonic() + 20
-    while not predicate():
-        if time.monotonic() > end:
-            raise TimeoutError(what)
-        time.sleep(0.005)
-
-
-def orphan():
-    # A process re-parented to the supervisor (a subreaper) that exits at once: its pid
-    # vanishes from /proc only when the supervisor reaps it.
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        if os.fork() == 0:
-            os.write(w, b"%d" % os.getpid())
-        os._exit(0)
-    os.close(w)
-    os.waitpid(child, 0)
-    pid = int(os.read(r, 32))
-    os.close(r)
-    return pid
-
-
-def run(data):
-    # No episode tag in its environment, its own session, re-parented: invisible to every
-    # scan of the parent's sweep once the supervisor is gone.
-    subprocess.run([sys.executable, "-c", DAEMON, data["fifo"]], env={})
-    until(lambda: os.path.exists(data["fifo"] + ".up"), "the daemon's 'alive'")
-    supervisor = os.getppid()
-    try:
-        os.kill(supervisor, signal.SIGKILL)
-    except OSError as exc:
-        return 1.0, {"kill": errno.errorcode[exc.errno], "supervisor": supervisor}
-    # Sent. Either the supervisor dies (and this worker with it, or it is re-parented), or it
-    # lives on and reaps an orphan made after the kill: proof that the kill did nothing.
-    pid = orphan()
-    until(lambda: os.getppid() != supervisor or not os.path.exists("/proc/%d" % pid), "a sign")
-    if os.getppid() == supervisor:
-        return 1.0, {"kill": "ignored", "supervisor": supervisor}
-    time.sleep(300)  # the parent must end the episode
-    return 0.0
-"""
-
-
-@both_starts
-async def test_an_agent_that_kills_its_supervisor(
-    agents: Agents, tmp_path: Path, combination: str
-) -> None:
-    """The agent starts a daemon with an empty environment in its own session, then sends
-    SIGKILL to its supervisor. With ``landlock`` the kill is refused (EPERM); in a PID
-    namespace the supervisor is its PID 1, which the kernel shields: the kill does nothing (a
-    template's fork, in its template's namespace, has a Landlock domain of its own: EPERM).
-    There the episode ends as the agent returns. At ``session`` and ``cgroup`` the supervisor
-    dies: the episode is ``crashed`` by its SIGKILL, and nothing is left, except at ``session``
-    the daemon, which nothing finds (docs/containment.md, "What no containment here covers")."""
-    layers = _containment.layers(combination)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    heard = b""
-
-    def daemon_gone() -> bool:
-        # EOF once every writer, the daemon, is dead; but first its "alive".
-        nonlocal heard
-        try:
-            chunk = os.read(reader, 100)
-        except BlockingIOError:
-            return False
-        heard += chunk
-        return not chunk and heard == b"alive\n"
-
-    try:
-        spec = agents.spec(ESCAPER, kill_grace=0.5, containment=combination)
-        outcome = await isolate.run_episode(spec, {"fifo": str(fifo)})
-        assert outcome.containment == combination
-        if "landlock" in layers or "pidns" in layers:
-            # Refused, or shielded: the supervisor ran the episode to its normal end.
-            assert outcome.status == "ok", outcome.summary()
-            assert outcome.reward == 1.0
-            assert outcome.exit_code == 0, outcome.summary()
-            assert outcome.signal is None
-            # A template's forks share its PID namespace: each worker has a Landlock domain of
-            # its own, whatever the layers.
-            forked = outcome.start == "template"
-            scoped = "landlock" in layers or (forked and "pidns" in layers)
-            assert outcome.info["kill"] == ("EPERM" if scoped else "ignored"), outcome.info
-            if "pidns" in layers and not forked:
-                assert outcome.info["supervisor"] == 1  # the namespace's init
-        else:
-            # The supervisor died without a result: the design's "crashed", with its signal.
-            assert outcome.status == "crashed", outcome.summary()
-            assert outcome.reward is None
-            assert outcome.signal == "SIGKILL"
-            assert outcome.error is not None
-            assert outcome.error.type == "EpisodeCrashed"
-            assert "killed by SIGKILL" in outcome.error.message, outcome.error.message
-        assert tree(agents) == []  # nothing tagged, worker included, is left
-        if combination == "session":
-            # The untagged daemon in its own session outlives the episode: nothing finds it.
-            # Kill it here (the test process, a subreaper, is its parent now).
-            daemons = [p for p in live_children() if str(fifo) in " ".join(p.cmdline())]
-            assert len(daemons) == 1, daemons
-            assert not daemon_gone()
-            assert heard == b"alive\n"
-            daemons[0].kill()
-        await anyio.to_thread.run_sync(wait_for, daemon_gone, 5.0, "the daemon to die")
-    finally:
-        os.close(reader)
-
-
 # --- levels ------------------------------------------------------------------------------------
 
 
@@ -474,23 +345,6 @@ async def test_auto_picks_the_strongest_combination_available(agents: Agents) ->
     if outcome.info["pidns"] != os.readlink("/proc/self/ns/pid"):
         seen.add("pidns")
     assert seen == set(_containment.layers(expected)) - {"landlock"}
-
-
-async def test_the_pidns_agent_sees_only_its_namespace(agents: Agents) -> None:
-    needs("pidns")
-    spec = agents.spec(
-        """
-        import os, subprocess
-        def run(data):
-            subprocess.run(["true"])
-            return 1.0, {"pid": os.getpid(), "proc": sorted(int(p) for p in os.listdir("/proc")
-                                                           if p.isdigit())}
-        """,
-        containment="pidns",
-    )
-    outcome = await isolate.run_episode(spec, {})
-    assert outcome.status == "ok", outcome.summary()
-    assert outcome.info == {"pid": 2, "proc": [1, 2]}  # its PID 1 and itself, nothing else
 
 
 def test_a_process_limit_pidns_cannot_enforce_is_a_setup_error() -> None:

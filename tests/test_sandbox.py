@@ -1,6 +1,6 @@
 """The Sandbox model and its plan: validation, what is hidden and granted, and what a machine
 without a feature reports as missing (the plan takes the machine's features as arguments, so
-every kernel is covered here; tests/test_redteam.py runs the attacks on this one)."""
+every kernel is covered here; tests/wall/test_trainer_files.py runs the attacks on this one)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from ..model.errors import ArgumentError, SetupProblem
 from ..model.sandbox_config import SandboxReport
 from ..network.netserve import EpisodeNetwork
 from ..system import admission as _admission
-from ..system.env import describe_withheld, episode_env
+from ..system.env import describe_withheld, spec_env
 from .redact import Redactor
 
 #: The shim enforces its own deadline this long after the parent's (seconds): defence in depth
@@ -76,9 +76,6 @@ class Request:
         return cls(
             spec, data, dict(kwargs), wrapped, env, eid, _secrets.token_hex(16), Redactor(values)
         )
-
-    def secret_values(self) -> list[str]:
-        return [s.get_secret_value() for s in [*self.secrets.values(), *self.secret_env.values()]]
 
 
 def default_episode_id(data: Any) -> str:
@@ -189,14 +186,8 @@ def _check_paths(spec: EpisodeSpec, shim: Path) -> str | None:
 
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
     """The shim's exec environment, and the line that names what it withholds (or None)."""
-    spec = req.spec
-    env, withheld = episode_env(
-        spec.inherit_env,
-        spec.env,
-        req.episode_id,
-        secret_values=req.secret_values(),
-        delivered=req.secret_env,  # in the handshake, never in the exec environment
-    )
+    # The secret_env names go in the handshake, never in the exec environment.
+    env, withheld = spec_env(req.spec, req.episode_id, req.secrets, req.secret_env)
     return prep.wall.exec_env(env), describe_withheld(withheld) if withheld else None
 
 

@@ -13,8 +13,14 @@ import functools
 import os
 import re
 from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
 
 from agent_shim.shim_wire import EPISODE_ENV
+
+if TYPE_CHECKING:
+    from ..model.config import EpisodeSpec
 
 # Names that carry credentials by convention. They pass only when named exactly, never
 # through a wildcard: inherit_env=("*",) must not hand the parent's OPENAI_API_KEY over.
@@ -150,6 +156,23 @@ def episode_env(
     env.update(own)
     env[EPISODE_ENV] = episode_id
     return env, withheld
+
+
+def spec_env(
+    spec: EpisodeSpec,
+    episode_id: str,
+    secrets: Mapping[str, str | SecretStr] | None = None,
+    secret_env: Mapping[str, str | SecretStr] | None = None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """:func:`episode_env` for ``spec``: the one builder of the base environment of an episode,
+    a template and a parked fork. An inherited variable that holds the value of one of
+    ``secrets`` or ``secret_env`` is withheld; ``secret_env``'s names are left out (the
+    handshake carries them)."""
+    given = [*(secrets or {}).values(), *(secret_env or {}).values()]
+    values = [v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in given]
+    return episode_env(
+        spec.inherit_env, spec.env, episode_id, secret_values=values, delivered=secret_env or {}
+    )
 
 
 def describe_withheld(withheld: Mapping[str, str]) -> str:

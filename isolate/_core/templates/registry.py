@@ -30,7 +30,7 @@ from ..containment import wall as _wall
 from ..model.config import EpisodeSpec
 from ..model.errors import ArgumentError, IsolateError, SetupProblem
 from ..system import admission as _admission
-from ..system.env import episode_env
+from ..system.env import spec_env
 from ..system.shim import boot_path
 from .pool import MAX_PARKED, PARKED_FDS, Pool
 from .process import Template
@@ -312,7 +312,7 @@ async def try_start(spec: EpisodeSpec) -> tuple[str | None, float]:
     """Start a template for ``spec`` as its first episode would, outside the registry, and
     close it again: (why it would be refused, or None; seconds until it was ready)."""
     entry = _Entry("template.doctor")
-    env, _ = episode_env(spec.inherit_env, spec.env, entry.name)
+    env, _ = spec_env(spec, entry.name)
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
         found = await anyio.to_thread.run_sync(_wall.plan, spec)
@@ -365,11 +365,7 @@ async def park(
         raise ArgumentError(f"park: n must be an int from 0 to {MAX_PARKED}, got {n!r}")
     if not spec.preload:
         raise ArgumentError("park: the spec has no preload, so its episodes fork no template")
-    given = [*(secrets or {}).values(), *(secret_env or {}).values()]
-    values = [v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in given]
-    env, _ = episode_env(
-        spec.inherit_env, spec.env, "parked", secret_values=values, delivered=secret_env or {}
-    )
+    env, _ = spec_env(spec, "parked", secrets, secret_env)
     root = str(spec.agent_root.expanduser().absolute()) if spec.agent_root is not None else None
     try:
         found = await anyio.to_thread.run_sync(_wall.plan, spec)

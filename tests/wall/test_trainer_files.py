@@ -1,172 +1,58 @@
-"""Red team: what an untrusted agent tries under ``Sandbox()``, one attempt per test, each
-beside the legitimate work that must still succeed. The agent gets a fake ``$HOME`` made here,
-holding every default hidden path with a secret in it, a git checkout as its working
-directory, and a neighbour directory it must not touch.
+"""Promise: under ``Sandbox()`` an agent reads no hidden path and writes, renames or changes
+the metadata of nothing outside its writable paths. One attempt per test, each beside the
+legitimate work that must still succeed, run as agent code in the red team's world
+(``_attacks.World``: a fake ``$HOME`` with a secret in every default hidden path, a git
+checkout as working directory, a neighbour directory); the file system is checked from outside
+too. Which layer answers:
 
-Each attempt runs as agent code (``exec`` of a snippet inside the episode) and reports what
-happened; the test then checks the file system from outside as well. A case the kernel cannot
-enforce here is skipped with the reason.
-"""
+- reading a hidden path (directly, through a symlink or a hard link): a hiding mount (it reads
+  as empty) where the sandbox makes a mount namespace; Landlock (``EACCES``) behind it.
+- writing ``~/.bashrc``, site-packages, a neighbour, git hooks, ``/sys``, ``/proc``; renaming
+  out of the working directory: the read-only view (``EROFS``), then Landlock (``EACCES``).
+- ``chmod``, ``chown``, ``utime``, xattrs of the trainer's files: the read-only view; Landlock
+  alone does not cover metadata (a control from a plain process changes them).
+- the same at every containment combination (``test_the_walls_hold_at_every_containment_level``).
+A case the kernel cannot enforce here is skipped with the reason."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
-import socket
+import stat
 import subprocess
+import sys
 import sysconfig
 import tempfile
-import textwrap
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
-from pydantic import SecretStr
 
 import isolate
-from isolate._core.containment import COMBINATIONS
-from isolate._core.containment import problem as containment_problem
-from isolate._core.containment.sandbox import landlock_abi
 
-from .conftest import Agents, both_starts
-
-pytestmark = pytest.mark.anyio
-
-ABI = landlock_abi()
-needs_landlock = pytest.mark.skipif(ABI < 1, reason="this kernel has no Landlock")
-needs_net = pytest.mark.skipif(ABI < 4, reason=f"TCP rules need Landlock ABI 4, this has {ABI}")
-
-SECRET = "SECRET-7f3a9c"
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-HIDDEN_DIRS = ("~/.ssh", "~/.ray", "~/.gnupg", "~/.config/gcloud", "~/.config/gh")
-# What every sandbox hides (docs/sandbox.md), written here: a path dropped from the code's
-# defaults is then read by the agent below, not left out of the test.
-DEFAULT_HIDE = (
-    *HIDDEN_DIRS,
-    "~/.aws/credentials",
-    "~/.netrc",
-    "~/.docker/config.json",
-    "~/.kube/config",
-    "~/.cache/huggingface/token",
-    "~/.git-credentials",
-    "~/.pypirc",
+from .. import _internals
+from ..conftest import AS_NOBODY, NOBODY, SLOW, both_starts
+from ..test_containment import COMBINATIONS, needs
+from ._attacks import (
+    DEFAULT_HIDE,
+    SECRET,
+    Standin,
+    World,
+    _denied,
+    _no_secret,
+    linux_only,
+    needs_landlock,
+    nobody_root,
+    nobody_spec,
+    run_as,
+    scratch,
+    world,
 )
 
-# The snippet runs with ``home``, ``cwd``, ``other``, ``secret``, ``data`` and helpers ``try_``
-# (call a function; its value, or "denied: <error>") and ``read`` (a file's text) in scope, and
-# leaves what it found in ``out``.
-_AGENT = r"""
-import os, subprocess, sys, tempfile
-
-
-def try_(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except OSError as exc:
-        return "denied: %s" % exc
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def write(path, text="pwned"):
-    with open(path, "w") as f:
-        f.write(text)
-    return "written"
-
-
-def run(data):
-    scope = dict(data["paths"], data=data, try_=try_, read=read, write=write, os=os,
-                 subprocess=subprocess, sys=sys, tempfile=tempfile, out={})
-    exec(data["code"], scope)
-    return 1.0, scope["out"]
-"""
-
-
-class World:
-    """A fake home, a checkout as working directory, a neighbour, and an agent that runs
-    snippets in an episode under a sandbox."""
-
-    def __init__(self, agents: Agents, tmp_path: Path) -> None:
-        self.agents = agents
-        self.home = tmp_path / "home"
-        self.cwd = tmp_path / "checkout"
-        self.other = tmp_path / "other-episode"
-        for path in DEFAULT_HIDE:
-            target = self.home / path[2:]
-            if path in HIDDEN_DIRS:
-                target.mkdir(parents=True)
-                (target / "id_rsa").write_text(f"{SECRET} {path}\n")
-            else:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(f"{SECRET} {path}\n")
-        (self.home / ".bashrc").write_text("# the user's own\n")
-        (self.home / ".gitconfig").write_text("[user]\n\tname = Trainer\n\temail = t@x\n")
-        self.cwd.mkdir()
-        (self.cwd / "module.py").write_text("x = 1\n")
-        git = ["git", "-c", "init.defaultBranch=main"]
-        env = {**os.environ, "HOME": str(self.home)}
-        subprocess.run([*git, "init", "-q"], cwd=self.cwd, check=True, env=env)
-        subprocess.run(["git", "add", "-A"], cwd=self.cwd, check=True, env=env)
-        subprocess.run(["git", "commit", "-qm", "base"], cwd=self.cwd, check=True, env=env)
-        self.other.mkdir()
-        (self.other / "result.json").write_text("{}")
-
-    def spec(
-        self, sandbox: isolate.Sandbox | None = None, containment: str = "auto"
-    ) -> isolate.EpisodeSpec:
-        return self.agents.spec(
-            _AGENT,
-            containment=containment,
-            cwd=self.cwd,
-            env={"HOME": str(self.home), "PID_DIR": str(self.agents.pids)},
-            sandbox=isolate.Sandbox() if sandbox is None else sandbox,
-        )
-
-    def paths(self) -> dict[str, str]:
-        return {"home": str(self.home), "cwd": str(self.cwd), "other": str(self.other)}
-
-    async def attempt(
-        self,
-        code: str,
-        sandbox: isolate.Sandbox | None = None,
-        containment: str = "auto",
-        **data: Any,
-    ) -> dict[str, Any]:
-        record = {"code": textwrap.dedent(code), "paths": self.paths(), "secret": SECRET, **data}
-        outcome = await isolate.run_episode(self.spec(sandbox, containment), record)
-        assert outcome.status == "ok", outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
-        # A template that was refused would start fresh: then nothing here tested it.
-        wanted = "template" if self.agents.preload else "fresh"
-        assert outcome.start == wanted, outcome.preload_refused
-        assert outcome.sandbox is not None
-        assert outcome.sandbox.missing == ()
-        assert outcome.sandbox.tmpdir is not None
-        assert not outcome.sandbox.tmpdir.exists(), "the private TMPDIR outlived the episode"
-        result: dict[str, Any] = outcome.info
-        return result
-
-
-@pytest.fixture
-def world(agents: Agents, tmp_path: Path) -> World:
-    return World(agents, tmp_path)
-
-
-def _denied(value: Any) -> bool:
-    return isinstance(value, str) and value.startswith("denied:")
-
-
-def _no_secret(value: Any) -> bool:
-    return SECRET not in str(value)
-
-
-# --- reading --------------------------------------------------------------------------------
+pytestmark = pytest.mark.anyio
+__all__ = ["scratch", "world"]  # fixtures, used by name
 
 
 @needs_landlock
@@ -225,7 +111,7 @@ async def test_a_hidden_path_that_is_a_symlink_hides_its_target(world: World, le
     """As dotfile managers make them: ``~/.ssh -> ~/dotfiles/ssh`` (a default) and a file the
     caller hides, ``~/.tokens -> ~/dotfiles/tokens``. Neither reads through the link, nor by
     the target's own path; the rest of ``~/dotfiles`` stays readable."""
-    problem = containment_problem(level)
+    problem = _internals.containment_problem(level)
     if problem is not None:
         pytest.skip(f"containment {level!r} is not available here: {problem}")
     dotfiles = world.home / "dotfiles"
@@ -300,9 +186,6 @@ async def test_a_hard_link_planted_before_the_episode_is_named(world: World) -> 
     assert found.status == "ok", found.summary()
     assert found.sandbox is not None
     assert any(".netrc has 1 other hard link" in m for m in found.sandbox.missing)
-
-
-# --- writing --------------------------------------------------------------------------------
 
 
 @needs_landlock
@@ -470,64 +353,6 @@ async def test_write_into_sys_and_proc(world: World) -> None:
     assert found["read"] == "Name:"
 
 
-# --- network --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def two_servers() -> Iterator[tuple[int, int]]:
-    """Two TCP servers on 127.0.0.1 that answer every connection with ``hello``."""
-    servers = []
-    stop = threading.Event()
-    for _ in range(2):
-        sock = socket.create_server(("127.0.0.1", 0))
-        sock.settimeout(0.1)
-        servers.append(sock)
-
-    def serve(sock: socket.socket) -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.sendall(b"hello")
-
-    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
-    for thread in threads:
-        thread.start()
-    yield servers[0].getsockname()[1], servers[1].getsockname()[1]
-    stop.set()
-    for thread in threads:
-        thread.join()
-    for sock in servers:
-        sock.close()
-
-
-@needs_net
-async def test_connect_to_a_port_that_is_not_allowed(
-    world: World, two_servers: tuple[int, int]
-) -> None:
-    allowed, other = two_servers
-    code = """
-        import socket
-
-        def talk(port):
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                return s.recv(5).decode()
-
-        out["allowed"] = try_(talk, data["allowed"])
-        out["other"] = try_(talk, data["other"])
-        """
-    found = await world.attempt(
-        code, isolate.Sandbox(connect=[allowed]), allowed=allowed, other=other
-    )
-    assert found["allowed"] == "hello"
-    assert _denied(found["other"]), found
-    # connect=None leaves the network alone.
-    found = await world.attempt(code, isolate.Sandbox(), allowed=allowed, other=other)
-    assert found == {"allowed": "hello", "other": "hello"}
-
-
 @needs_landlock
 @both_starts
 @pytest.mark.parametrize("level", COMBINATIONS)
@@ -535,7 +360,7 @@ async def test_the_walls_hold_at_every_containment_level(world: World, level: st
     # With pidns the worker shares the namespace's mounts; otherwise it makes its own. With
     # the landlock layer, the sandbox's domain stacks on the layer's. From a template, the
     # template made the mounts and entered the domain; each worker stacks one of its own.
-    problem = containment_problem(level)
+    problem = _internals.containment_problem(level)
     if problem is not None:
         pytest.skip(f"containment {level!r} is not available here: {problem}")
     found = await world.attempt(
@@ -555,101 +380,159 @@ async def test_the_walls_hold_at_every_containment_level(world: World, level: st
     assert not (world.cwd / ".git" / "hooks" / "post-checkout").exists()
 
 
-# --- a real agent's work ------------------------------------------------------------------
+#: What an agent under Sandbox() tries on a trainer file it may read but not write, and on the
+#: trainer's terminal; and what it must still do in its working directory.
+VIEW_ATTACK = r"""
+import errno, os, subprocess, tempfile
 
 
-@needs_landlock
-async def test_a_mini_swe_agent_style_agent_works(world: World) -> None:
-    # What such an agent's bash steps do in a checkout: explore, write a reproduction script,
-    # edit with sed -i and a heredoc, run python, use TMPDIR and /dev/null, diff and stage.
-    steps = [
-        "ls -la && cat module.py && find . -name '*.py' | head",
-        "cat > reproduce.py <<'EOF'\nimport module\nprint('x is', module.x)\nEOF",
-        '"$PY" reproduce.py',
-        "sed -i 's/x = 1/x = 42/' module.py && \"$PY\" reproduce.py",
-        "mkdir -p tests && printf 'def test():\\n    assert 1\\n' > tests/test_m.py",
-        'echo scratch > "$TMPDIR/notes" && cat "$TMPDIR/notes" && mktemp >/dev/null',
-        "ls ~ >/dev/null && grep -r x module.py >/dev/null 2>&1; echo ok",
-        "git status --short && git diff --stat && git add -A && git diff --cached --stat",
+def err(call):
+    try:
+        call()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def attack(data):
+    target, folder = data["target"], os.path.dirname(data["target"])
+    out = {
+        "chmod": err(lambda: os.chmod(target, 0o4777)),
+        "chmod folder": err(lambda: os.chmod(folder, 0o777)),
+        "chown": err(lambda: os.chown(target, 65534, 65534)),
+        "utime": err(lambda: os.utime(target, (0, 0))),
+        "setxattr": err(lambda: os.setxattr(target, "user.isolate", b"1")),
+        "pty": err(lambda: os.close(os.open(data["pty"], os.O_RDWR | os.O_NOCTTY))),
+        "mknod": err(lambda: os.mknod("node", 0o600 | 0o20000, os.makedev(1, 3))),
+    }
+    # An agent's work: files, modes and a repository in its working directory, a temporary file.
+    out["work"] = [
+        err(lambda: open("made.txt", "w").write("x")),
+        err(lambda: os.chmod("made.txt", 0o600)),
+        err(lambda: os.utime("made.txt", (0, 0))),
+        err(lambda: tempfile.NamedTemporaryFile().close()),
+        subprocess.run(["git", "init", "-q", "repo"], capture_output=True).returncode,
     ]
-    found = await world.attempt(
-        """
-        results = []
-        for step in data["steps"]:
-            done = subprocess.run(["bash", "-lc", step], cwd=cwd, capture_output=True, text=True,
-                                  env=dict(os.environ, HOME=home, PY=sys.executable))
-            results.append([done.returncode, done.stdout + done.stderr])
-        out["steps"] = results
-        """,
-        steps=steps,
-    )
-    for step, (code, output) in zip(steps, found["steps"], strict=True):
-        assert code == 0, (step, output)
-    assert "x is 42" in found["steps"][3][1]
-    assert "module.py" in found["steps"][-1][1]
-    assert (world.cwd / "reproduce.py").exists()
+    return out
 
 
-@needs_landlock
-async def test_the_scripted_agent_and_its_venv_work(
-    world: World, tmp_path: Path, bare_venv: Path
-) -> None:
-    # The repository's scripted agent under its own plain venv interpreter, writing its report
-    # into result_dir, the workflow's extra writable path.
-    root = EXAMPLES / "scripted_agent"
-    results = tmp_path / "results"
-    results.mkdir()
-    spec = isolate.EpisodeSpec(
-        agent_root=root,
-        python=str(bare_venv),
-        cwd=world.cwd,
-        env={"HOME": str(world.home)},
-        timeout=30,
-        kill_grace=1,
-        sandbox=isolate.Sandbox(write=[results]),
-    )
-    data = {"instance_id": "scripted-1", "behaviour": {"report": {"seen": True}, "reward": 0.5}}
-    outcome = await isolate.run_episode(spec, data, kwargs={"result_dir": str(results)})
-    assert outcome.status == "ok", outcome.summary() + outcome.stderr_tail[-2000:]
-    assert outcome.reward == 0.5
-    assert (results / "scripted-1.json").exists()
+def run(data):
+    return 1.0, attack(data)
 
 
-def test_sandbox_none_changes_nothing(agents: Agents, tmp_path: Path) -> None:
-    spec = agents.spec("def run(data):\n    return 1.0\n")
-    assert spec.sandbox is None
-    outcome = anyio.run(isolate.run_episode, spec, {})
-    assert outcome.status == "ok"
-    assert outcome.sandbox is None
+if __name__ == "__main__":
+    import json, sys
+
+    print(json.dumps(attack(json.loads(sys.argv[1]))))
+"""
 
 
-@needs_net
-async def test_the_demos_agent_works(world: World, tmp_path: Path) -> None:
-    # The demo's real loop (LLM calls, bash, git apply, eval script) under the workflow's
-    # sandbox: result_dir writable, only the LLM's port reachable.
-    from isolate._cli.demo import AGENT_ROOT, load_records
-    from isolate._cli.demo.scripted_llm import ScriptedLLM, demo_script
-    from isolate.workflow import episode_kwargs, episode_spec, sandbox_of
+#: What the view leaves the agent: EROFS on what it may not write, its own work done.
+VIEW_REFUSED = {
+    "chmod": "EROFS",
+    "chmod folder": "EROFS",
+    "chown": "EROFS",
+    "utime": "EROFS",
+    "setxattr": "EROFS",
+    "pty": "ENOENT",
+    "mknod": "EPERM",
+    "work": ["done", "done", "done", "done", 0],
+}
 
-    records = load_records()
-    results = tmp_path / "results"
-    with ScriptedLLM() as llm:
-        key = SecretStr("sk-demo-" + "x" * 20)
-        llm.add_session(key, demo_script("demo__calc-1"))
-        kwargs = episode_kwargs({"agent_type": "swe"}, llm.base_url)
-        kwargs["result_dir"] = str(results)
-        econfig = {"kill_grace": 1.0, "env": {"HOME": str(world.home)}, "sandbox": {"connect": []}}
-        box = sandbox_of(econfig, str(results), llm.base_url)
-        assert box is not None
-        assert box.connect is not None
-        assert len(box.connect) == 1
-        spec = episode_spec(econfig, AGENT_ROOT, 60.0, None, box)
-        outcome = await isolate.run_episode(
-            spec, records["demo__calc-1"], kwargs=kwargs, secrets={"override_api_key": key}
+
+@pytest.fixture
+def trainer_file(scratch: Path) -> Path:
+    """A file of the trainer's, outside every writable path, that the agent may read."""
+    folder = scratch / "trainer"
+    folder.mkdir()
+    folder.chmod(0o755)
+    target = folder / "config.yaml"
+    target.write_text("model: x\n")
+    target.chmod(0o644)
+    return target
+
+
+def metadata(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns
+
+
+@linux_only
+def test_a_plain_process_changes_the_trainers_metadata(scratch: Path, trainer_file: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the control's chown needs root")
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    work = scratch / "work"
+    work.mkdir()
+    try:
+        (scratch / "view_attack.py").write_text(VIEW_ATTACK)
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        done = subprocess.run(
+            [sys.executable, str(scratch / "view_attack.py"), json.dumps(data)],
+            capture_output=True,
+            text=True,
+            cwd=work,
+            timeout=30 * SLOW,
         )
-        served = llm.served(key)
-    assert outcome.status == "ok", outcome.summary() + outcome.stderr_tail[-3000:]
-    assert outcome.reward == 1.0
-    assert served == 4
-    assert outcome.sandbox is not None
-    assert outcome.sandbox.missing == ()
+        assert done.returncode == 0, done.stderr
+        found = json.loads(done.stdout)
+        for name in ("chmod", "chmod folder", "chown", "utime", "pty", "mknod"):
+            assert found[name] == "done", (name, found)
+        assert found["setxattr"] in ("done", "ENOTSUP")  # tmpfs without user xattrs
+        assert found["work"] == VIEW_REFUSED["work"]
+        changed = os.stat(trainer_file)  # the chown after the chmod cleared its set-uid bit
+        assert (stat.S_IMODE(changed.st_mode), changed.st_uid) == (0o777, NOBODY)
+    finally:
+        standin.close()
+
+
+@linux_only
+@both_starts
+@pytest.mark.parametrize("containment", COMBINATIONS)
+async def test_under_the_sandbox_the_trainers_files_are_a_read_only_view(
+    agents: Any, scratch: Path, trainer_file: Path, containment: str
+) -> None:
+    needs(containment)
+    standin = Standin([], sys.executable, {"PATH": os.environ["PATH"]})
+    work = scratch / "work"
+    work.mkdir()
+    before = metadata(trainer_file), metadata(trainer_file.parent)
+    try:
+        spec = agents.spec(
+            VIEW_ATTACK, containment=containment, cwd=work, sandbox=isolate.Sandbox()
+        )
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        outcome = await isolate.run_episode(spec, data)
+        assert outcome.status == "ok", outcome.summary()
+        assert outcome.info == VIEW_REFUSED
+        assert (metadata(trainer_file), metadata(trainer_file.parent)) == before
+        assert (work / "made.txt").read_text() == "x"
+        assert agents.left() == []
+    finally:
+        standin.close()
+
+
+@linux_only
+def test_an_unprivileged_trainers_sandbox_is_a_read_only_view(
+    scratch: Path, trainer_file: Path, nobody: tuple[str, dict[str, str]]
+) -> None:
+    # The trainer's own file and folder: nobody may chmod them, as their owner.
+    os.chown(trainer_file, NOBODY, NOBODY)
+    os.chown(trainer_file.parent, NOBODY, NOBODY)
+    work = nobody_root(scratch, "view_attack", VIEW_ATTACK)
+    (work / "cwd").mkdir()
+    os.chown(work / "cwd", NOBODY, NOBODY)
+    standin = Standin(AS_NOBODY, *nobody)
+    before = metadata(trainer_file), metadata(trainer_file.parent)
+    try:
+        data = {"target": str(trainer_file), "pty": standin.held["pty"]}
+        spec = nobody_spec(
+            work, "view_attack:run", nobody[0], work / "cwd", sandbox=isolate.Sandbox()
+        )
+        info = run_as(AS_NOBODY, nobody, spec, data)["info"]
+        # chown to another user is EPERM before the mount is looked at, for an unprivileged one.
+        assert info == {**VIEW_REFUSED, "chown": info["chown"]}
+        assert info["chown"] in ("EROFS", "EPERM")
+        assert (metadata(trainer_file), metadata(trainer_file.parent)) == before
+    finally:
+        standin.close()

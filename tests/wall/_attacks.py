@@ -1,15 +1,8 @@
-"""The episode boundary against an agent that knows the shim: from inside an episode, at every
-containment combination this machine provides (and as an unprivileged trainer's agent), it
-undoes the mounts made for it, unshares, ptraces and reads the memory of its supervisor, takes
-the worker's and supervisor's fds to forge its reward, and reads its own capability sets; and
-it can still do an agent's work (git, venv + pip, pytest, gcc, strace, apt-get).
-
-Each attack's result is a word (what happened, or the errno name of the refusal), collected in
-the episode's info, so one episode runs many attacks and each test compares whole dicts.
-
-Destructive attacks on ``/proc`` run only where the agent has a mount namespace of its own: in
-the host's mount namespace a ``umount /proc`` that the wall fails to refuse would unmount the
-machine's /proc. There the same system calls go at a scratch directory instead."""
+"""What the files of ``tests/wall`` share: the hostile agent (attacks on mounts, namespaces,
+the supervisor's memory and fds, capabilities) and what it must find at each combination, the
+red team's world (a fake home with secrets, a checkout, a neighbour), a stand-in trainer,
+runs as an unprivileged trainer, and the fixtures ``combination``, ``standin``, ``world`` and
+``scratch``, which a test file imports and names in its ``__all__``."""
 
 from __future__ import annotations
 
@@ -22,34 +15,18 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 
-from .conftest import (
-    NOBODY,
-    SLOW,
-    Agents,
-    as_nobody,
-    episode_processes,
-    unprivileged_python,
-    wait_until,
-)
-from .test_containment import COMBINATIONS, needs, tree
-
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(
-        platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
-        reason="the attacks use x86_64 Linux system call numbers",
-    ),
-]
+from .. import _internals
+from ..conftest import RUN_SPEC, SLOW, Agents, episode_processes
+from ..test_containment import COMBINATIONS, needs
 
 CAP_NAMES = [
     "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
@@ -59,6 +36,7 @@ CAP_NAMES = [
     "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP", "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG",
     "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ", "PERFMON", "BPF", "CHECKPOINT_RESTORE",
 ]  # fmt: skip
+
 
 #: All a root agent may keep: Docker's default set less NET_RAW, MKNOD and SETFCAP (bits
 #: 0, 1, 3-7, 10, 18, 29).
@@ -461,8 +439,12 @@ def run(data):
     found["pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
     return 0.25, found
 '''
+
+
 # The child attacker runs the same helpers: everything above "# --- an exec'd child".
 _HELPERS = HOSTILE.split("# --- an exec'd child")[0]
+
+
 HOSTILE = HOSTILE.replace("    helpers = HELPERS\n", f"    helpers = {_HELPERS!r}\n")
 
 
@@ -505,7 +487,7 @@ def expected_findings(combination: str, *, root: bool) -> dict[str, Any]:
         "child mem worker": "EACCES",
         "child forged frames written": 0,
     }
-    walled = "pidns" in _containment.layers(combination)
+    walled = "pidns" in _internals.layers(combination)
     if root:
         expected["mount -t tmpfs"] = eperm
         if walled:
@@ -586,341 +568,258 @@ def combination(request: pytest.FixtureRequest) -> str:
     return needs(request.param)
 
 
-# --- root trainer: every combination ----------------------------------------------------------
+WALLED = [c for c in COMBINATIONS if "pidns" in _internals.layers(c)]
 
 
-async def test_the_hostile_agent_is_refused_everything_and_keeps_its_own_reward(
-    agents: Agents, standin: subprocess.Popen[bytes], combination: str
-) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("the root agent's attacks: the trainer here is not root")
-    scratch = agents.tmp / "scratch"
-    scratch.mkdir()
-    spec = agents.spec(HOSTILE, containment=combination, exit_grace=2.0, timeout=60.0)
-    data = {
-        "trainer": standin.pid,
-        "host_mnt": host_mnt(),
-        "scratch": str(scratch),
-        "binaries": True,
-    }
-    outcome = await isolate.run_episode(spec, data)
-    # The agent's own reward: nothing it started wrote a result frame.
-    assert (outcome.status, outcome.reward) == ("ok", 0.25), (
-        outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
-    )
-    assert outcome.containment == combination
-    found = dict(outcome.info)
-    expected = expected_findings(combination, root=True)
-    assert {**compare(found, expected), **cap_findings(found, root=True)} == {
-        **expected,
-        **expected_caps(root=True, found=found),
-    }
-    if "pidns" in _containment.layers(combination):
-        assert max(found["pids"]) < 100, found["pids"]  # only its own episode's
-    assert standin.poll() is None
-    assert not await anyio.Path(scratch).is_mount()
-    assert tree(agents) == []
+ABI = _internals.landlock_abi()
 
 
-# --- /dev/shm ----------------------------------------------------------------------------------
+needs_landlock = pytest.mark.skipif(ABI < 1, reason="this kernel has no Landlock")
 
-SHM_WRITER = """
-import os, time
-def run(data):
-    path = "/dev/shm/" + data["name"]
+
+needs_net = pytest.mark.skipif(ABI < 4, reason=f"TCP rules need Landlock ABI 4, this has {ABI}")
+
+
+SECRET = "SECRET-7f3a9c"
+
+
+HIDDEN_DIRS = ("~/.ssh", "~/.ray", "~/.gnupg", "~/.config/gcloud", "~/.config/gh")
+
+
+# What every sandbox hides (docs/sandbox.md), written here: a path dropped from the code's
+# defaults is then read by the agent below, not left out of the test.
+DEFAULT_HIDE = (
+    *HIDDEN_DIRS,
+    "~/.aws/credentials",
+    "~/.netrc",
+    "~/.docker/config.json",
+    "~/.kube/config",
+    "~/.cache/huggingface/token",
+    "~/.git-credentials",
+    "~/.pypirc",
+)
+
+
+# The snippet runs with ``home``, ``cwd``, ``other``, ``secret``, ``data`` and helpers ``try_``
+# (call a function; its value, or "denied: <error>") and ``read`` (a file's text) in scope, and
+# leaves what it found in ``out``.
+_AGENT = r"""
+import os, subprocess, sys, tempfile
+
+
+def try_(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except OSError as exc:
+        return "denied: %s" % exc
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def write(path, text="pwned"):
     with open(path, "w") as f:
-        f.write("episode data")
-    seen = os.path.exists(path)
-    open(os.path.join(os.environ["PID_DIR"], "written"), "w").close()
-    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "release")):
-        time.sleep(0.01)
-    return 1.0, {"own file": "visible" if seen else "absent"}
-"""
+        f.write(text)
+    return "written"
 
-SHM_SIBLING = """
-import os, time
-def run(data):
-    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "written")):
-        time.sleep(0.01)
-    seen = os.path.exists("/dev/shm/" + data["name"])
-    open(os.path.join(os.environ["PID_DIR"], "checked"), "w").close()
-    return 1.0, {"sibling": "visible" if seen else "absent"}
-"""
-
-WALLED = [c for c in COMBINATIONS if "pidns" in _containment.layers(c)]
-
-
-@pytest.mark.parametrize("combination", WALLED)
-async def test_dev_shm_is_private_to_the_episode(agents: Agents, combination: str) -> None:
-    needs(combination)
-    name = f"isolate-hostile-{secrets.token_hex(6)}"
-    host_path = Path("/dev/shm") / name
-    writer = agents.spec(SHM_WRITER, containment=combination)
-    sibling = agents.spec(SHM_SIBLING, containment=combination)
-    outcomes: dict[str, isolate.EpisodeOutcome] = {}
-    seen: dict[str, str] = {}
-
-    async def one(key: str, spec: isolate.EpisodeSpec) -> None:
-        outcomes[key] = await isolate.run_episode(spec, {"name": name})
-
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, "writer", writer)
-            tg.start_soon(one, "sibling", sibling)
-            await wait_until((agents.pids / "written").exists, 20.0)
-            seen["host while running"] = "visible" if host_path.exists() else "absent"
-            await wait_until((agents.pids / "checked").exists, 20.0)
-            (agents.pids / "release").touch()
-        seen["host after"] = "visible" if host_path.exists() else "absent"
-    finally:
-        host_path.unlink(missing_ok=True)
-    for outcome in outcomes.values():
-        assert outcome.status == "ok", outcome.summary()
-    seen.update(outcomes["writer"].info)
-    seen.update(outcomes["sibling"].info)
-    assert seen == {
-        "own file": "visible",
-        "sibling": "absent",
-        "host while running": "absent",
-        "host after": "absent",
-    }
-    assert tree(agents) == []
-
-
-# --- an agent's work still works ---------------------------------------------------------------
-
-TINY_BACKEND = """
-import base64, hashlib, os, zipfile
-
-NAME, VERSION = "tinypkg", "0.1"
-DIST = "%s-%s" % (NAME, VERSION)
-
-
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, NAME, "__init__.py"), "rb") as f:
-        source = f.read()
-    entries = [
-        (NAME + "/__init__.py", source),
-        (DIST + ".dist-info/METADATA", b"Metadata-Version: 2.1\\nName: tinypkg\\nVersion: 0.1\\n"),
-        (
-            DIST + ".dist-info/WHEEL",
-            b"Wheel-Version: 1.0\\nGenerator: tiny\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
-        ),
-    ]
-    record = []
-    for path, data in entries:
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-        record.append("%s,sha256=%s,%d" % (path, digest.decode(), len(data)))
-    record.append(DIST + ".dist-info/RECORD,,")
-    wheel = DIST + "-py3-none-any.whl"
-    with zipfile.ZipFile(os.path.join(wheel_directory, wheel), "w") as whl:
-        for path, data in entries:
-            whl.writestr(path, data)
-        whl.writestr(DIST + ".dist-info/RECORD", "\\n".join(record) + "\\n")
-    return wheel
-"""
-
-TINY_PYPROJECT = """
-[build-system]
-requires = []
-build-backend = "tinybackend"
-backend-path = ["."]
-
-[project]
-name = "tinypkg"
-version = "0.1"
-"""
-
-WORKER = r"""
-import os, subprocess, sys
-from concurrent.futures import ThreadPoolExecutor
-
-def sh(command, cwd, env=None, expect=None):
-    done = subprocess.run(
-        command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=120,
-        env=None if env is None else {**os.environ, **env},
-    )
-    out = (done.stdout + done.stderr).strip()
-    if done.returncode != 0:
-        return "exit %d: %s" % (done.returncode, out[-600:])
-    if expect is not None and expect not in out:
-        return "no %r in: %s" % (expect, out[-600:])
-    return "ok"
 
 def run(data):
-    here = os.getcwd()
-    py = sys.executable
-    for name in ("git", "venv", "pytest", "gcc"):
-        os.mkdir(os.path.join(here, name))
-    with open(os.path.join(here, "git", "README"), "w") as f:
-        f.write("work\n")
-    with open(os.path.join(here, "pytest", "test_tiny.py"), "w") as f:
-        f.write("def test_tiny():\n    assert 1 + 1 == 2\n")
-    with open(os.path.join(here, "gcc", "hello.c"), "w") as f:
-        f.write('#include <stdio.h>\nint main(void) { puts("hello from gcc"); return 0; }\n')
-    steps = {
-        "git": (
-            "git init -q && git add README"
-            " && git -c user.name=agent -c user.email=agent@example.invalid commit -q -m work"
-            " && git log --oneline",
-            "git", None, "work",
-        ),
-        "venv + pip": (
-            '"%s" -m venv --without-pip v'
-            ' && "%s" -m pip --python v/bin/python install -q --no-index --no-build-isolation'
-            ' --no-cache-dir --disable-pip-version-check "%s"'
-            ' && v/bin/python -c "import tinypkg; print(tinypkg.hello())"'
-            % (py, py, data["package"]),
-            "venv", None, "hi from tinypkg",
-        ),
-        "pytest": (
-            '"%s" -m pytest -q -p no:cacheprovider test_tiny.py' % py,
-            "pytest", {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, "1 passed",
-        ),
-    }
-    if data["gcc"]:
-        steps["gcc"] = ("gcc -o hello hello.c && ./hello", "gcc", None, "hello from gcc")
-    if data["strace"]:
-        steps["strace"] = ("strace -f -o /dev/null true", ".", None, None)
-    if data["apt"]:
-        steps["apt-get --version"] = ("apt-get --version", ".", None, "apt ")
-        # Only the dpkg database, not the package lists: the same work, quicker.
-        os.makedirs(os.path.join(here, "lists", "partial"))
-        steps["apt-get -s install"] = (
-            "apt-get -s -o Dir::State::Lists=%s install apt" % os.path.join(here, "lists"),
-            ".", None, "apt is already the newest version",
-        )
-    with ThreadPoolExecutor(len(steps)) as pool:
-        futures = {
-            name: pool.submit(sh, command, os.path.join(here, cwd), env, expect)
-            for name, (command, cwd, env, expect) in steps.items()
-        }
-    return 1.0, {name: future.result() for name, future in futures.items()}
+    scope = dict(data["paths"], data=data, try_=try_, read=read, write=write, os=os,
+                 subprocess=subprocess, sys=sys, tempfile=tempfile, out={})
+    exec(data["code"], scope)
+    return 1.0, scope["out"]
 """
 
 
-def tiny_package(root: Path) -> Path:
-    package = root / "tinypkg-src"
-    (package / "tinypkg").mkdir(parents=True)
-    (package / "tinypkg" / "__init__.py").write_text('def hello():\n    return "hi from tinypkg"\n')
-    (package / "tinybackend.py").write_text(TINY_BACKEND)
-    (package / "pyproject.toml").write_text(TINY_PYPROJECT)
-    return package
+class World:
+    """A fake home, a checkout as working directory, a neighbour, and an agent that runs
+    snippets in an episode under a sandbox."""
 
+    def __init__(self, agents: Agents, tmp_path: Path) -> None:
+        self.agents = agents
+        self.home = tmp_path / "home"
+        self.cwd = tmp_path / "checkout"
+        self.other = tmp_path / "other-episode"
+        for path in DEFAULT_HIDE:
+            target = self.home / path[2:]
+            if path in HIDDEN_DIRS:
+                target.mkdir(parents=True)
+                (target / "id_rsa").write_text(f"{SECRET} {path}\n")
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(f"{SECRET} {path}\n")
+        (self.home / ".bashrc").write_text("# the user's own\n")
+        (self.home / ".gitconfig").write_text("[user]\n\tname = Trainer\n\temail = t@x\n")
+        self.cwd.mkdir()
+        (self.cwd / "module.py").write_text("x = 1\n")
+        git = ["git", "-c", "init.defaultBranch=main"]
+        env = {**os.environ, "HOME": str(self.home)}
+        subprocess.run([*git, "init", "-q"], cwd=self.cwd, check=True, env=env)
+        subprocess.run(["git", "add", "-A"], cwd=self.cwd, check=True, env=env)
+        subprocess.run(["git", "commit", "-qm", "base"], cwd=self.cwd, check=True, env=env)
+        self.other.mkdir()
+        (self.other / "result.json").write_text("{}")
 
-@pytest.mark.parametrize("sandbox", [None, isolate.Sandbox()], ids=["default", "sandbox"])
-async def test_the_agent_can_still_do_its_work(
-    agents: Agents, combination: str, tmp_path: Path, sandbox: isolate.Sandbox | None
-) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    tools = {
-        "gcc": shutil.which("gcc") is not None,
-        "strace": shutil.which("strace") is not None,
-        "apt": shutil.which("apt-get") is not None and os.geteuid() == 0,
-    }
-    spec = agents.spec(WORKER, containment=combination, cwd=work, timeout=120.0, sandbox=sandbox)
-    outcome = await isolate.run_episode(spec, {"package": str(tiny_package(tmp_path)), **tools})
-    assert outcome.status == "ok", outcome.summary()
-    expected = {"git": "ok", "venv + pip": "ok", "pytest": "ok"}
-    if tools["gcc"]:
-        expected["gcc"] = "ok"
-    if tools["strace"]:
-        expected["strace"] = "ok"
-    if tools["apt"]:
-        expected["apt-get --version"] = "ok"
-        expected["apt-get -s install"] = "ok"
-    assert dict(outcome.info) == expected
-    assert tree(agents) == []
-
-
-# --- an unprivileged trainer ------------------------------------------------------------------
-
-PARENT = """
-import anyio, json, os, sys
-import isolate
-
-work = sys.argv[1]
-
-async def main():
-    outcomes = {}
-
-    async def one(containment):
-        spec = isolate.EpisodeSpec(
-            agent_root=os.path.join(work, "agent_root"),
-            entrypoint="hostile:run",
+    def spec(
+        self, sandbox: isolate.Sandbox | None = None, containment: str = "auto"
+    ) -> isolate.EpisodeSpec:
+        return self.agents.spec(
+            _AGENT,
             containment=containment,
-            timeout=60.0,
-            kill_grace=1.0,
-            exit_grace=2.0,
-            log_dir=os.path.join(work, "logs"),
-            cwd=work,
-            env={"PID_DIR": os.path.join(work, "pids")},
+            cwd=self.cwd,
+            env={"HOME": str(self.home), "PID_DIR": str(self.agents.pids)},
+            sandbox=isolate.Sandbox() if sandbox is None else sandbox,
         )
-        data = {
-            "trainer": os.getpid(),
-            "host_mnt": os.stat("/proc/self/ns/mnt").st_ino,
-            "scratch": os.path.join(work, "scratch"),
-            "binaries": False,
-        }
-        outcome = await isolate.run_episode(spec, data)
-        outcomes[containment] = json.loads(outcome.model_dump_json())
 
-    async with anyio.create_task_group() as tg:
-        for containment in ("auto", "pidns"):
-            tg.start_soon(one, containment)
-    print(json.dumps({"uid": os.getuid(), "python": sys.executable, "outcomes": outcomes}))
+    def paths(self) -> dict[str, str]:
+        return {"home": str(self.home), "cwd": str(self.cwd), "other": str(self.other)}
 
-anyio.run(main)
+    async def attempt(
+        self,
+        code: str,
+        sandbox: isolate.Sandbox | None = None,
+        containment: str = "auto",
+        **data: Any,
+    ) -> dict[str, Any]:
+        record = {"code": textwrap.dedent(code), "paths": self.paths(), "secret": SECRET, **data}
+        outcome = await isolate.run_episode(self.spec(sandbox, containment), record)
+        assert outcome.status == "ok", outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+        # A template that was refused would start fresh: then nothing here tested it.
+        wanted = "template" if self.agents.preload else "fresh"
+        assert outcome.start == wanted, outcome.preload_refused
+        assert outcome.sandbox is not None
+        assert outcome.sandbox.missing == ()
+        assert outcome.sandbox.tmpdir is not None
+        assert not outcome.sandbox.tmpdir.exists(), "the private TMPDIR outlived the episode"
+        result: dict[str, Any] = outcome.info
+        return result
+
+
+@pytest.fixture
+def world(agents: Agents, tmp_path: Path) -> World:
+    return World(agents, tmp_path)
+
+
+def _denied(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("denied:")
+
+
+def _no_secret(value: Any) -> bool:
+    return SECRET not in str(value)
+
+
+#: The stand-in trainer: a System V segment, semaphore set and message queue holding (or named
+#: by) its credential, and a terminal of its own; says where they are, holds them until EOF.
+STANDIN = r"""
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT = 0o1000
+credential = sys.argv[1].encode()
+shmid = libc.shmget(0, 4096, IPC_CREAT | 0o666)  # IPC_PRIVATE: found by id, not by key
+address = libc.shmat(shmid, None, 0)
+ctypes.memmove(address, credential, len(credential))
+semid = libc.semget(0, 1, IPC_CREAT | 0o666)
+msqid = libc.msgget(0, IPC_CREAT | 0o666)
+master, slave = os.openpty()
+os.fchmod(slave, 0o666)
+print(json.dumps({"shmid": shmid, "semid": semid, "msqid": msqid, "pty": os.ttyname(slave)}),
+      flush=True)
+sys.stdin.read()
+for remove in (lambda: libc.shmctl(shmid, 0, None), lambda: libc.semctl(semid, 0, 0),
+               lambda: libc.msgctl(msqid, 0, None)):
+    remove()  # IPC_RMID
 """
 
 
-def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> None:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    repo = Path(isolate.__file__).resolve().parent.parent
-    found_python = unprivileged_python(repo)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
-    work = Path(tempfile.mkdtemp(prefix="isolate-hostile-nobody-"))
-    marker = f"PID_DIR={work}/pids".encode()
-    try:
-        for sub in ("agent_root", "logs", "pids", "scratch"):
-            (work / sub).mkdir()
-        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE))
-        (work / "parent.py").write_text(PARENT)
-        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
-            path.chmod(0o777)
-        done = as_nobody(
-            [python, str(work / "parent.py"), str(work)],
-            cwd=work,
-            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-            timeout=120 * SLOW,
+class Standin:
+    """A stand-in trainer process with a unique marker in its environment."""
+
+    def __init__(self, argv_prefix: list[str], python: str, env: dict[str, str]) -> None:
+        self.marker = f"isolate-standin-{uuid.uuid4().hex}"
+        self.credential = f"sk-standin-{uuid.uuid4().hex}"
+        self.proc = subprocess.Popen(
+            [*argv_prefix, python, "-c", STANDIN, self.credential],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**env, "STANDIN_MARKER": self.marker},
+            text=True,
         )
-        assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads(done.stdout.splitlines()[-1])
-        assert report["uid"] == NOBODY
-        assert episode_processes(marker) == []
-        expected = expected_findings("pidns", root=False)
-        for requested, outcome in report["outcomes"].items():
-            assert (outcome["status"], outcome["reward"]) == ("ok", 0.25), (
-                requested,
-                outcome["status"],
-                outcome["error"],
-                outcome["stderr_tail"][-2000:],
-            )
-            assert outcome["containment"] == "pidns", requested  # auto: pidns in a userns
-            found = outcome["info"]
-            assert {
-                "requested": requested,
-                **compare(found, expected),
-                **cap_findings(found, root=False),
-            } == {
-                "requested": requested,
-                **expected,
-                **expected_caps(root=False, found=found),
-            }
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        assert self.proc.stdout is not None
+        self.held: dict[str, Any] = json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10 * SLOW)
+        self.proc.stdout.close()
+        assert episode_processes(f"STANDIN_MARKER={self.marker}".encode()) == []
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="isolate-world-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def nobody_root(scratch: Path, module: str, code: str) -> Path:
+    """An agent root with ``module`` holding ``code``, and a PID_DIR beside it, that the
+    unprivileged user may use: ``scratch/work``."""
+    work = scratch / "work"
+    for sub in ("agent_root", "pids"):
+        (work / sub).mkdir(parents=True)
+    (work / "agent_root" / f"{module}.py").write_text(code)
+    for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+        path.chmod(0o777)
+    return work
+
+
+def run_as(
+    prefix: list[str], nobody: tuple[str, dict[str, str]], spec: isolate.EpisodeSpec, data: Any
+) -> dict[str, Any]:
+    """One episode of ``spec`` run by a trainer started with ``prefix`` (as nobody), ``ok``;
+    its outcome as JSON, once no process of it is left."""
+    python, env = nobody
+    done = subprocess.run(
+        [*prefix, python, "-c", RUN_SPEC, spec.model_dump_json(), json.dumps(data)],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(spec.cwd), **env},
+        cwd=spec.cwd,
+        timeout=120 * SLOW,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    assert outcome["status"] == "ok", (outcome["error"], outcome["stderr_tail"][-2000:])
+    assert episode_processes(f"PID_DIR={spec.env['PID_DIR']}".encode()) == []
+    return outcome
+
+
+def nobody_spec(
+    work: Path, entrypoint: str, python: str, cwd: Path, **fields: Any
+) -> isolate.EpisodeSpec:
+    return isolate.EpisodeSpec(
+        agent_root=work / "agent_root",
+        entrypoint=entrypoint,
+        python=python,
+        timeout=60.0,
+        kill_grace=1.0,
+        cwd=cwd,
+        env={"PID_DIR": str(work / "pids")},
+        **fields,
+    )
+
+
+# The skips of the files the tests came from, for the tests that moved without their file.
+x86_64_linux = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+    reason="the attacks use x86_64 Linux system call numbers",
+)
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="namespaces are Linux's"
+)

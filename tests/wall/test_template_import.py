@@ -1,9 +1,16 @@
-"""A template's import is the agent's code: it runs inside the wall a fresh episode gets.
+"""Promise: a template's import is the agent's code and runs inside the wall a fresh episode
+gets. The hostile agent of ``_attacks.HOSTILE`` runs its attacks at import time, in the
+template, against a stand-in trainer with a unique marker, and each result must be what it is
+in a fresh episode at the same containment: refused (the same layers answer). Then what the
+import may start and what survives a template:
 
-The hostile agent of ``test_hostile_wall`` runs its attacks at import time, in the template,
-against a stand-in trainer with a unique marker, and each attack's result must be what it is
-in a fresh episode at the same containment: refused. Then what the import may start
-(daemons, writes outside the sandbox, reads of hidden paths) and what survives a template."""
+- daemons the import forks: refused (a template must have one thread and no child), killed.
+- what the template starts late: dies with it (its PID namespace, its cgroup leaf).
+- the parent's death: takes the template and what it started (``PR_SET_PDEATHSIG``, PID 1).
+- writes and reads of the sandboxed import: only what an episode may (the sandbox's mounts and
+  Landlock rules are made before the import).
+- episodes of one template: cannot reach each other (each fork's own PID namespace).
+- a refused template is not tried again for the next episode."""
 
 from __future__ import annotations
 
@@ -23,35 +30,35 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.containment import sandbox as _sandbox
+from isolate import EPISODE_ENV
 
-from .conftest import (
+from .. import _internals
+from ..conftest import (
+    NOBODY,
     SLOW,
     Agents,
+    as_nobody,
     episode_processes,
     is_gone,
     remove_dead_parents_leaves,
+    unprivileged_python,
     wait_for,
 )
-from .test_containment import tree
-from .test_hostile_wall import (
+from ..test_containment import tree
+from ..test_templates import template_processes
+from ._attacks import (
     HOSTILE,
-    NOBODY,
-    as_nobody,
     cap_findings,
     compare,
     expected_caps,
     expected_findings,
     host_mnt,
     standin,
-    unprivileged_python,
 )
-from .test_templates import template_processes
 
 pytestmark = [pytest.mark.anyio]
 __all__ = ["standin"]  # a fixture, used by name
+
 
 #: The hostile agent, attacking once more at import: what it finds goes to import.json.
 AT_IMPORT = """
@@ -61,12 +68,13 @@ with open(os.path.join(os.environ["PID_DIR"], "import.json"), "w") as _f:
     _json.dump(_found, _f)
 """
 
+
 #: The combinations a template is used at here (the others start fresh: see unusable()).
 TEMPLATE_COMBINATIONS = ("session", "cgroup", "landlock", "pidns", "cgroup+pidns", "auto")
 
 
 def needs_template(combination: str) -> str:
-    problem = _containment.problem(combination)
+    problem = _internals.containment_problem(combination)
     if problem is not None:
         pytest.skip(f"containment {combination!r} is not available here: {problem}")
     return combination
@@ -111,7 +119,7 @@ async def test_the_import_is_refused_everything_a_fresh_episode_is(
         **expected,
         **expected_caps(root=True, found=found),
     }
-    if "pidns" in _containment.layers(outcome.containment):
+    if "pidns" in _internals.layers(outcome.containment):
         assert max(found["pids"]) < 100, found["pids"]  # only its own namespace's
     assert standin.poll() is None
     assert not await anyio.Path(scratch).is_mount()
@@ -153,15 +161,13 @@ async def test_the_import_reads_the_trainers_environment_exactly_as_an_episode_w
     assert (forked.status, forked.start) == ("ok", "template"), forked.summary()
     at_import = (agents.pids / "import.txt").read_text()
     assert at_import == fresh.info == forked.info
-    layers = _containment.layers(fresh.containment)
+    layers = _internals.layers(fresh.containment)
     if "pidns" in layers:
         assert at_import == "FileNotFoundError"  # not in its /proc at all
     elif "landlock" in layers:
         assert at_import == "PermissionError"
     await isolate.close_templates()
 
-
-# --- an unprivileged trainer ------------------------------------------------------------------
 
 PARENT = """
 import anyio, json, os, sys
@@ -241,8 +247,6 @@ def test_the_unprivileged_trainers_import_has_no_capability_and_is_refused() -> 
         shutil.rmtree(work, ignore_errors=True)
 
 
-# --- what the import starts, writes and reads -------------------------------------------------
-
 DAEMON = """
 import os, sys, time
 if os.fork() == 0:
@@ -263,7 +267,7 @@ while not os.path.exists(os.path.join(os.environ["PID_DIR"], "daemon")):
 def tagged_daemons(agents: Agents) -> list[psutil.Process]:
     """Live processes of the test whose command line is the template's (a daemon the import
     forked) and that are neither a template's own process nor a fork of one."""
-    own = {pid for t in _templates.started_templates() for pid in t.own_pids()}
+    own = {pid for t in _internals.started_templates() for pid in t.own_pids()}
     return [p for p in episode_processes(f"PID_DIR={agents.pids}".encode()) if p.pid not in own]
 
 
@@ -306,7 +310,7 @@ async def test_what_the_template_starts_late_dies_with_it(agents: Agents, combin
     spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     os.kill(template.pid, signal.SIGUSR1)
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: tagged_daemons(agents), 5.0, "the late process")
@@ -363,7 +367,7 @@ def test_the_parents_death_takes_the_template_and_what_it_started(
     remove_dead_parents_leaves()
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_the_sandboxed_import_writes_and_reads_only_what_an_episode_may(
     agents: Agents,
 ) -> None:
@@ -407,7 +411,7 @@ def run(data):
     tmps = [Path(o.info["tmp"]) for o in outcomes]
     assert tmps[0] != tmps[1]
     assert tmps[0].parent == tmps[1].parent
-    assert len(_templates.started_templates()) == 1
+    assert len(_internals.started_templates()) == 1
     await isolate.close_templates()
     assert not tmps[0].parent.exists()
 
@@ -426,7 +430,7 @@ def test_a_control_message_is_never_cut() -> None:
             receive_message(theirs)
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_a_sandbox_whose_rules_outgrow_a_control_message(agents: Agents) -> None:
     """Hiding a file in a directory of 3,000 carves a rule for each of its neighbours: the
     template's wall is far larger than a control message, and reaches it whole."""
@@ -515,3 +519,31 @@ async def test_episodes_of_one_template_cannot_reach_each_other(
     }, attacker.info
     await isolate.close_templates()
     assert template_processes(agents) == []
+
+
+# Records each import of the agent's module with the environment tag of the process that
+# imports it (a template's name, or the episode's id), and keeps a thread running after import:
+# no template can be forked from it.
+REFUSED_AT_IMPORT = f"""
+import os, threading, time
+with open(os.path.join(os.environ["PID_DIR"], "imports"), "a") as f:
+    f.write(os.environ[{EPISODE_ENV!r}] + "\\n")
+threading.Thread(target=time.sleep, args=(60,), name="cost-map-retry", daemon=True).start()
+def run(data):
+    return 1.0
+"""
+
+
+async def test_a_refused_template_is_not_tried_again_for_the_next_episode(agents: Agents) -> None:
+    spec = agents.spec(REFUSED_AT_IMPORT, preload=True)
+    reason = "thread 'cost-map-retry' running after import"
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    for outcome in outcomes:
+        assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+        assert outcome.preload_refused == reason
+        assert f"preload refused: {reason}; this episode starts fresh" in outcome.stderr_tail
+    imports = (agents.pids / "imports").read_text().split()
+    templates = [tag for tag in imports if tag.startswith("template.")]
+    assert len(templates) == 1, imports  # one template started, for both episodes
+    assert sorted(set(imports) - set(templates)) == sorted(o.episode_id for o in outcomes)
+    assert "started (pid" not in outcomes[1].stderr_tail

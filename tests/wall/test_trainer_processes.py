@@ -1,6 +1,14 @@
-"""The wall between an agent and the rest of the machine: real attacks on a stand-in trainer at
-every containment combination this machine provides, broad attacks on sibling episodes where
-a PID namespace makes them safe, and what doctor says is left."""
+"""Promise: an agent cannot signal, trace, read or kill the trainer, its supervisor or a
+sibling episode, nor see them. Real attacks on a stand-in trainer at every containment
+combination this machine provides, and broad ones (``pkill``) where a PID namespace makes them
+safe. Which layer answers:
+
+- signals, ``ptrace``, ``/proc/PID/{environ,mem}`` of the trainer: the PID namespace (``pidns``:
+  no pid to name, ``ENOENT``/``ESRCH``); Landlock's scope (``landlock``: ``EPERM``/``EACCES``);
+  nothing at ``cgroup`` and ``session``, where the test checks what doctor says is exposed.
+- ``pkill`` of every shim or python from one episode: the PID namespace; the sibling runs on.
+- listing processes (``/proc``, ``ps``): the PID namespace shows PID 1 and the agent only.
+- the supervisor's memory and fds: ``test_privileges.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +18,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,13 +25,15 @@ import pytest
 
 import isolate
 from isolate._cli import doctor as _doctor
-from isolate._core import containment as _containment
 
-from .conftest import SLOW, Agents, wait_until
-from .test_cli import SCRIPTED
-from .test_containment import COMBINATIONS, needs, tree
+from .. import _internals
+from ..conftest import SLOW, Agents, wait_until
+from ..test_containment import needs, tree
+from ._attacks import WALLED, combination
 
 pytestmark = pytest.mark.anyio
+__all__ = ["combination"]  # a fixture, used by name
+
 
 # What a careless (or hostile) agent does to a process it found. Each result is a word: what
 # happened, or the errno name of the refusal.
@@ -90,11 +99,11 @@ def trainer() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 
 def expected_attack(combination: str) -> tuple[dict[str, Any], bool]:
     """What each attack gives at ``combination``, and whether the stand-in survives."""
-    on = _containment.layers(combination)
+    on = _internals.layers(combination)
     if "pidns" in on:  # the trainer's pid means nothing in the agent's namespace
         return {"environ": "ENOENT", "mem": "ENOENT", "ptrace": "ESRCH", "pkill": 1}, True
     if "landlock" in on:
-        readable = _containment.landlock().environ_readable and os.geteuid() != 0
+        readable = _internals.landlock().environ_readable and os.geteuid() != 0
         environ = "read, key in it" if readable else "EACCES"
         return {"environ": environ, "mem": "EACCES", "ptrace": "EPERM", "kill": "EPERM"}, True
     # No wall: what doctor warns about, every part of it true.
@@ -111,11 +120,6 @@ def expected_attack(combination: str) -> tuple[dict[str, Any], bool]:
         "ptrace": ptrace,
         "pkill": 0,
     }, False
-
-
-@pytest.fixture(params=COMBINATIONS)
-def combination(request: pytest.FixtureRequest) -> str:
-    return needs(request.param)
 
 
 async def test_attacks_on_the_trainer(
@@ -137,8 +141,6 @@ async def test_attacks_on_the_trainer(
         assert stand_in.wait(timeout=10 * SLOW) == -9  # killed by the agent's pkill -9 -f
 
 
-# --- broad attacks: only where the PID namespace makes them safe ------------------------------
-
 # Refuses to attack unless it is inside a PID namespace whose PID 1 is the shim: should the
 # wall be missing, the attack would reach the test runner and every process of the machine.
 BROAD = """
@@ -156,6 +158,7 @@ def run(data):
     time.sleep(30)  # the attack takes this episode down too
 """
 
+
 SIBLING = """
 import os, time
 
@@ -165,8 +168,6 @@ def run(data):
         time.sleep(0.01)
     return 1.0
 """
-
-WALLED = [c for c in COMBINATIONS if "pidns" in _containment.layers(c)]
 
 
 @pytest.mark.parametrize("combination", WALLED)
@@ -223,103 +224,18 @@ async def test_the_agent_sees_only_its_own_episode(agents: Agents, combination: 
     assert outcome.info["ps"] == ["1", "2", "3"]
 
 
-# --- a machine without the stronger layers ----------------------------------------------------
-
-# Makes the landlock_* system calls fail with ENOSYS for this process and all it starts, as on
-# a kernel without Landlock, then runs the command in argv.
-NO_LANDLOCK = r"""
-import ctypes, os, struct, sys
-ALLOW, ENOSYS = 0x7FFF0000, 0x00050000 | 38
-program = [
-    (0x20, 0, 0, 0),  # load the system call number
-    (0x35, 0, 2, 444),  # < landlock_create_ruleset: allow
-    (0x25, 1, 0, 446),  # > landlock_restrict_self: allow
-    (0x06, 0, 0, ENOSYS),
-    (0x06, 0, 0, ALLOW),
-]
-code = b"".join(struct.pack("HBBI", *op) for op in program)
-buf = ctypes.create_string_buffer(code)
-fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(buf))
-fbuf = ctypes.create_string_buffer(fprog)
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p] + [ctypes.c_ulong] * 2
-assert libc.prctl(38, 1, None, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
-assert libc.prctl(22, 2, ctypes.addressof(fbuf), 0, 0) == 0, ctypes.get_errno()  # SECCOMP filter
-os.execv(sys.argv[1], sys.argv[1:])
-"""
-
-# Run as root: a mount namespace with every cgroup tree read-only, then a user namespace that
-# allows no further ones and no CAP_SYS_ADMIN: no cgroup layer, no PID namespace.
-WITHOUT_NAMESPACES = """
-set -e
-for point in $CGROUP_MOUNTS; do mount -o remount,bind,ro "$point"; done
-exec unshare --user --map-root-user sh -c '
-    echo 0 > /proc/sys/user/max_user_namespaces
-    exec setpriv --inh-caps=-sys_admin --bounding-set=-sys_admin "$@"' sh "$@"
-"""
-
-
-@pytest.mark.parametrize("landlock", [False, True], ids=["nothing", "landlock only"])
-def test_without_the_stronger_layers_episodes_run_and_doctor_says_what_is_missing(
-    tmp_path: Path, landlock: bool
-) -> None:
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
-        pytest.skip("needs root, unshare and setpriv to take the layers away for real")
-    if landlock:
-        needs("landlock")
-    script = tmp_path / "without.sh"
-    script.write_text(WITHOUT_NAMESPACES)
-    mounts = [p for t, _, p, _ in _containment.probes._mounts() if t in ("cgroup", "cgroup2")]
-    command = [sys.executable, "-m", "isolate", "doctor", "--agent-root", str(SCRIPTED)]
-    if not landlock:
-        command = [sys.executable, "-c", NO_LANDLOCK, *command]
-    done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", str(script), *command],
-        capture_output=True,
-        text=True,
-        timeout=120 * SLOW,
-        env={**os.environ, "CGROUP_MOUNTS": " ".join(mounts)},
+async def test_the_pidns_agent_sees_only_its_namespace(agents: Agents) -> None:
+    needs("pidns")
+    spec = agents.spec(
+        """
+        import os, subprocess
+        def run(data):
+            subprocess.run(["true"])
+            return 1.0, {"pid": os.getpid(), "proc": sorted(int(p) for p in os.listdir("/proc")
+                                                           if p.isdigit())}
+        """,
+        containment="pidns",
     )
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr  # a weaker layer is a warning, not a failure
-    assert "warn  layer cgroup: not available: cgroup tree" in out
-    assert "warn  layer pidns: not available: namespaces not permitted" in out
-    used = "landlock" if landlock else "session"
-    assert f"ok    containment auto: {used}\n" in out
-    assert f"containment {used})" in out  # the shim's round trip ran there
-    assert f"warn  at {used} an agent can still, whatever it runs:" in out
-    # Root inside that user namespace is the host's root: its file access is not walled.
-    assert "warn  the trainer runs as root, and so does the agent" in out
-    assert "info  to add pidns: PID namespaces: allow user namespaces" in out
-    assert "info  to add cgroup: a delegated cgroup v2 subtree" in out
-    if landlock:
-        assert "ok    layer landlock: available" in out
-        assert "kill the trainer" not in out
-        assert "to add landlock" not in out
-    else:
-        assert "warn  layer landlock: not available: the kernel has no Landlock" in out
-        assert "- kill the trainer and every sibling episode" in out
-        assert "info  to add landlock: Landlock ABI 6" in out
-
-
-# Bits of linux/capability.h, for the names doctor and the README give.
-CAPABILITY_BITS = {
-    "CHOWN": 0,
-    "DAC_OVERRIDE": 1,
-    "FOWNER": 3,
-    "FSETID": 4,
-    "KILL": 5,
-    "SETGID": 6,
-    "SETUID": 7,
-    "NET_BIND_SERVICE": 10,
-    "SYS_CHROOT": 18,
-    "AUDIT_WRITE": 29,
-}
-
-
-def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
-    import agent_shim.shim
-
-    named = sorted(CAPABILITY_BITS[name] for name in _containment.KEPT_CAPABILITIES)
-    assert named == sorted(agent_shim.shim.load_part("worker").KEPT_CAPABILITIES)
-    assert sum(1 << bit for bit in named) == 0x200404FB  # as docs/containment.md gives CapEff
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == {"pid": 2, "proc": [1, 2]}  # its PID 1 and itself, nothing else

@@ -1,0 +1,193 @@
+"""Promise: an agent holds no privilege to take its wall down or to forge its reward. The
+hostile agent of ``_attacks.HOSTILE`` knows the shim; at every combination (and as an
+unprivileged trainer's agent) it undoes the mounts made for it, unshares, ptraces and reads the
+memory of its supervisor, takes the worker's and supervisor's fds, and reads its own capability
+sets. Each attack's result is a word, collected in the episode's info. Which layer answers:
+
+- ``mount``, ``umount``, ``unshare``, ``setns``, ``keyctl``, ``bpf``: the syscall filter
+  (``EPERM``), behind it the capability sets (no ``SYS_ADMIN``).
+- ``ptrace``, ``process_vm_readv``, ``/proc/PID/mem`` of the supervisor: the filter, and the
+  supervisor is not dumpable; in a PID namespace it is PID 1.
+- ``pidfd_getfd`` of the worker's and supervisor's fds (a forged result frame): the filter; the
+  nonce is not in the agent's memory, so the reward stays the agent's own.
+- capabilities: the shim keeps only ``KEPT_CAPS`` (root) or none (an unprivileged trainer).
+
+Destructive attacks on ``/proc`` run only where the agent has a mount namespace of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+
+import isolate
+
+from .. import _internals
+from ..conftest import NOBODY, SLOW, Agents, as_nobody, episode_processes, unprivileged_python
+from ..test_containment import tree
+from ._attacks import (
+    HOSTILE,
+    cap_findings,
+    combination,
+    compare,
+    expected_caps,
+    expected_findings,
+    host_mnt,
+    standin,
+    x86_64_linux,
+)
+
+pytestmark = [pytest.mark.anyio, x86_64_linux]
+__all__ = ["combination", "standin"]  # fixtures, used by name
+
+
+async def test_the_hostile_agent_is_refused_everything_and_keeps_its_own_reward(
+    agents: Agents, standin: subprocess.Popen[bytes], combination: str
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the root agent's attacks: the trainer here is not root")
+    scratch = agents.tmp / "scratch"
+    scratch.mkdir()
+    spec = agents.spec(HOSTILE, containment=combination, exit_grace=2.0, timeout=60.0)
+    data = {
+        "trainer": standin.pid,
+        "host_mnt": host_mnt(),
+        "scratch": str(scratch),
+        "binaries": True,
+    }
+    outcome = await isolate.run_episode(spec, data)
+    # The agent's own reward: nothing it started wrote a result frame.
+    assert (outcome.status, outcome.reward) == ("ok", 0.25), (
+        outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+    )
+    assert outcome.containment == combination
+    found = dict(outcome.info)
+    expected = expected_findings(combination, root=True)
+    assert {**compare(found, expected), **cap_findings(found, root=True)} == {
+        **expected,
+        **expected_caps(root=True, found=found),
+    }
+    if "pidns" in _internals.layers(combination):
+        assert max(found["pids"]) < 100, found["pids"]  # only its own episode's
+    assert standin.poll() is None
+    assert not await anyio.Path(scratch).is_mount()
+    assert tree(agents) == []
+
+
+PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work = sys.argv[1]
+
+async def main():
+    outcomes = {}
+
+    async def one(containment):
+        spec = isolate.EpisodeSpec(
+            agent_root=os.path.join(work, "agent_root"),
+            entrypoint="hostile:run",
+            containment=containment,
+            timeout=60.0,
+            kill_grace=1.0,
+            exit_grace=2.0,
+            log_dir=os.path.join(work, "logs"),
+            cwd=work,
+            env={"PID_DIR": os.path.join(work, "pids")},
+        )
+        data = {
+            "trainer": os.getpid(),
+            "host_mnt": os.stat("/proc/self/ns/mnt").st_ino,
+            "scratch": os.path.join(work, "scratch"),
+            "binaries": False,
+        }
+        outcome = await isolate.run_episode(spec, data)
+        outcomes[containment] = json.loads(outcome.model_dump_json())
+
+    async with anyio.create_task_group() as tg:
+        for containment in ("auto", "pidns"):
+            tg.start_soon(one, containment)
+    print(json.dumps({"uid": os.getuid(), "python": sys.executable, "outcomes": outcomes}))
+
+anyio.run(main)
+"""
+
+
+def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    repo = Path(isolate.__file__).resolve().parent.parent
+    found_python = unprivileged_python(repo)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    work = Path(tempfile.mkdtemp(prefix="isolate-hostile-nobody-"))
+    marker = f"PID_DIR={work}/pids".encode()
+    try:
+        for sub in ("agent_root", "logs", "pids", "scratch"):
+            (work / sub).mkdir()
+        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE))
+        (work / "parent.py").write_text(PARENT)
+        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+            path.chmod(0o777)
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["uid"] == NOBODY
+        assert episode_processes(marker) == []
+        expected = expected_findings("pidns", root=False)
+        for requested, outcome in report["outcomes"].items():
+            assert (outcome["status"], outcome["reward"]) == ("ok", 0.25), (
+                requested,
+                outcome["status"],
+                outcome["error"],
+                outcome["stderr_tail"][-2000:],
+            )
+            assert outcome["containment"] == "pidns", requested  # auto: pidns in a userns
+            found = outcome["info"]
+            assert {
+                "requested": requested,
+                **compare(found, expected),
+                **cap_findings(found, root=False),
+            } == {
+                "requested": requested,
+                **expected,
+                **expected_caps(root=False, found=found),
+            }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# Bits of linux/capability.h, for the names doctor and the README give.
+CAPABILITY_BITS = {
+    "CHOWN": 0,
+    "DAC_OVERRIDE": 1,
+    "FOWNER": 3,
+    "FSETID": 4,
+    "KILL": 5,
+    "SETGID": 6,
+    "SETUID": 7,
+    "NET_BIND_SERVICE": 10,
+    "SYS_CHROOT": 18,
+    "AUDIT_WRITE": 29,
+}
+
+
+def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
+    import agent_shim.shim
+
+    named = sorted(CAPABILITY_BITS[name] for name in _internals.KEPT_CAPABILITIES)
+    assert named == sorted(agent_shim.shim.load_part("worker").KEPT_CAPABILITIES)
+    assert sum(1 << bit for bit in named) == 0x200404FB  # as docs/containment.md gives CapEff
