@@ -470,6 +470,23 @@ def test_doctor_on_a_good_checkout() -> None:
     assert "pydantic 2." in proc.stdout  # this interpreter has pydantic
 
 
+def test_doctor_tells_whether_a_move_into_a_leaf_waits_for_a_grace_period() -> None:
+    lacks = _containment.probes.lacks_favordynmods
+    plain = ("cgroup2", "/", "/sys/fs/cgroup/unified", {"rw", "nsdelegate"})
+    favoured = ("cgroup2", "/", "/sys/fs/cgroup", {"rw", "favordynmods"})
+    v1 = ("cgroup", "/", "/sys/fs/cgroup/pids", {"rw", "pids"})
+    assert lacks(Path("/sys/fs/cgroup/unified/a/isolate"), [favoured, plain, v1]) is True
+    assert lacks(Path("/sys/fs/cgroup/a/isolate"), [favoured, v1]) is False
+    assert lacks(Path("/sys/fs/cgroup/unifiedx/isolate"), [plain]) is None
+    assert lacks(Path("/srv/isolate"), [favoured, plain, v1]) is None
+    # What the doctor says is what this machine's mount says.
+    v2 = _containment.cgroups().v2
+    waits = v2 is not None and bool(_containment.move_waits_for_rcu(v2))
+    proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("cgroup2 mount option favordynmods" in proc.stdout) is waits, proc.stdout
+
+
 def test_doctor_under_a_bare_interpreter(bare_venv: Path) -> None:
     proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED), "--python", str(bare_venv))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -86,6 +86,16 @@ os.write(answer, (json.dumps(report) + "\n").encode())
 """
 
 
+MOVE_HINT = (
+    "cgroup: each fresh episode's move into its leaf waits for an RCU grace period (1-20 ms\n"
+    "on a 2-core VM) unless another move came within one; it overlaps the interpreter's\n"
+    "start-up, and shows where that start is faster (a plain venv). The\n"
+    "cgroup2 mount option favordynmods (Linux 6.0+; as root, for the whole machine:\n"
+    "mount -o remount,favordynmods <its mount>) takes it off, at some cost to every fork\n"
+    "and exit. isolate leaves the option to the machine."
+)
+
+
 class _Report:
     def __init__(self) -> None:
         self.failed = False
@@ -181,6 +191,9 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         else:
             how = f"Landlock ABI {_sandbox.landlock_abi()}, scoped signals"
         report.line("ok", f"layer {layer}: available ({how})")
+        v2 = _containment.cgroups().v2 if layer == "cgroup" else None
+        if v2 is not None and _containment.move_waits_for_rcu(v2):
+            report.line("info", MOVE_HINT)
     try:
         used = _containment.resolve(requested, None)[0]
     except SetupProblem as exc:

@@ -163,6 +163,31 @@ def probe_cgroups() -> Cgroups:
     return Cgroups(None, frozenset(), v1, problem)
 
 
+def move_waits_for_rcu(v2: Path) -> bool | None:
+    """Whether moving a process into a leaf under ``v2`` waits for an RCU grace period: the
+    cgroup v2 mount that shows ``v2`` lacks the ``favordynmods`` option (Linux 6.0 and later),
+    which keeps the lock a move takes ready for writers. None where no such mount is found."""
+    try:
+        return lacks_favordynmods(v2, _mounts())
+    except OSError:
+        return None
+
+
+def lacks_favordynmods(v2: Path, mounts: list[tuple[str, str, str, set[str]]]) -> bool | None:
+    """:func:`move_waits_for_rcu` on these mounts (``_mounts()``: fstype, root, mount point,
+    super options)."""
+    path = str(v2)
+    found = [
+        (point, options)
+        for fstype, _, point, options in mounts
+        if fstype == "cgroup2" and (path == point or path.startswith(point.rstrip("/") + "/"))
+    ]
+    if not found:
+        return None
+    _, options = max(found, key=lambda mount: len(mount[0]))
+    return "favordynmods" not in options
+
+
 def _enable_v2_controllers(root: Path) -> frozenset[str]:
     """Enable memory and pids for our subtree where the tree above delegates them to us."""
     try:
