@@ -370,8 +370,9 @@ def leave(code):
     os._exit(code)
 
 
-def main(ahead=None):
-    """``ahead``: in a parked fork of a template, its worker forked ahead (shim_parked.py)."""
+def main(ahead=None, alone=False):
+    """``ahead``: in a parked fork of a template, its worker forked ahead; ``alone``: a parked
+    fork that is its own worker, supervised by the parent (shim_parked.py)."""
     if sys.argv[1:2] == ["--probe-pidns"]:
         return load_part("probe").pidns(sys.argv[2:] == ["userns"])
     if sys.argv[1:] == ["--probe-landlock"]:
@@ -400,7 +401,7 @@ def main(ahead=None):
     if hs is None:
         return 2
     channel = Channel(frames_fd, hs["nonce"])
-    subreaper = set_subreaper()
+    subreaper = False if alone else set_subreaper()  # the agent's process sees its own children
     level = hs.get("containment", "session")
     channel.send(
         "hello",
@@ -420,6 +421,9 @@ def main(ahead=None):
         sys.stderr.write("isolate shim: %s\n" % problem)
         channel.send("error", kind="setup", type=kind, message=problem)
         return 2
+    if alone:
+        os.close(parent_fd)  # the parent signals this process; it reads nothing more
+        load_part("worker").run(hs, channel, None, None)  # exits
     supervisor = part.Supervisor(parent_fd, pending)
     worker = ahead.hand(raw, frames_fd, supervisor.exit_w) if ahead is not None else None
     del raw

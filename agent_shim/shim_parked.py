@@ -43,8 +43,14 @@ def park(hand, own, shim_main, random_state):
     ahead = None
     message, fds = take(hand)
     if message is not None and message.get("t") == "moved" and not fds:
-        ahead = fork_ahead(hand, random_state)
-        message, fds = wait(hand, ahead) if ahead is not None else take(hand)
+        if message.get("alone"):
+            # Its own worker: SIGINT (the episode's cancellation) waits for the handler.
+            shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            message, fds = take(hand)
+        else:
+            ahead = fork_ahead(hand, random_state)
+            message, fds = wait(hand, ahead) if ahead is not None else take(hand)
     hand.close()
     if message is None or message.get("t") != "episode" or len(fds) != 2:
         for fd in fds:
@@ -72,7 +78,9 @@ def episode(message, pipes, shim_main, random_state, ahead):
     os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
     reseed(random_state)
     sys.argv[1:] = []
-    code = shim_main(ahead)
+    if message.get("alone"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    code = shim_main(ahead, bool(message.get("alone")))
     return code if isinstance(code, int) else 0
 
 

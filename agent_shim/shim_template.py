@@ -390,15 +390,16 @@ def loop(control, shim_main, random_state, process_table):
                     os.close(fd)
         while True:  # its forks, and orphans of this subreaper: a dead parked fork's worker
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             reply = replies.pop(pid, None)
             if reply is not None:
+                cpu = usage.ru_utime + usage.ru_stime
                 try:
-                    send(reply, {"t": "exit", "status": status})
+                    send(reply, {"t": "exit", "status": status, "cpu_s": cpu})
                 except OSError:
                     pass  # the parent stopped waiting for it
                 reply.close()

@@ -29,18 +29,20 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 def run(hs, channel, supervisor_pid, supervisor):
     """The worker's life, at once after the fork: its exit code after the final frame, or the
-    shim's own failure with a traceback in the log. Never returns."""
+    shim's own failure with a traceback in the log. Never returns. ``supervisor`` None: a
+    template's fork that is its own worker, supervised by the parent (shim_parked.py)."""
     code = 1
     try:
-        if sys.platform.startswith("linux"):
+        if sys.platform.startswith("linux") and supervisor is not None:
             # Should the supervisor be SIGKILLed (say by a cluster agent killing the parent's
             # children), the worker dies with it instead of running on under init.
             shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != supervisor_pid:
                 os._exit(1)
-        exit_w = supervisor.as_worker()
+        exit_w = supervisor.as_worker() if supervisor is not None else None
         code = worker(hs, channel)
-        os.write(exit_w, b"x")
+        if exit_w is not None:
+            os.write(exit_w, b"x")
     except BaseException:
         import traceback
 

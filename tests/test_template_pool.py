@@ -66,6 +66,23 @@ def has_cgroups() -> bool:
     return _containment.layer_problem("cgroup") is None
 
 
+@pytest.fixture(params=["default", "pairs"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """``default``: the template's forks as it makes them (each the episode's worker itself,
+    where each has a cgroup leaf); ``pairs``: each fork a shim's supervisor that forks its
+    worker ahead, as where there is no leaf."""
+    return str(request.param)
+
+
+async def park_in(mode: str, spec: isolate.EpisodeSpec, n: int) -> int:
+    """``isolate.park`` with the template's forks made as ``mode`` says."""
+    if mode == "pairs":
+        await isolate.park(spec, 0)  # the template, started
+        (template,) = _templates.started_templates()
+        template.forks_alone = False
+    return await isolate.park(spec, n)
+
+
 async def test_episodes_take_parked_forks_and_the_pool_refills(agents: Agents) -> None:
     spec = agents.spec(AGENT, preload=True)
     assert await isolate.park(spec, 3) == 3
@@ -89,9 +106,9 @@ async def test_episodes_take_parked_forks_and_the_pool_refills(agents: Agents) -
     assert not {f.pid for f in parked()} & before
 
 
-async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents) -> None:
+async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents, mode: str) -> None:
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 2)
+    await park_in(mode, spec, 2)
     outcome = await isolate.run_episode(
         spec, {}, secrets={"key": SECRET}, secret_env={"API_KEY": SECRET}
     )
@@ -99,8 +116,11 @@ async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents) ->
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
     (template,) = _templates.started_templates()
     for forked in parked():
-        fork, worker = await anyio.to_thread.run_sync(pair, forked)
-        for pid in (fork.pid, worker.pid):
+        alone = mode == "default" and has_cgroups() and "pidns" in outcome.containment
+        assert forked.alone == alone
+        procs = await anyio.to_thread.run_sync(parked_procs, forked)
+        fork = procs[0]
+        for pid in (p.pid for p in procs):
             environ = await anyio.Path(f"/proc/{pid}/environ").read_bytes()
             cmdline = await anyio.Path(f"/proc/{pid}/cmdline").read_bytes()
             assert SECRET.encode() not in environ + cmdline
@@ -109,15 +129,18 @@ async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents) ->
             assert f"{isolate.EPISODE_ENV}={template.name}".encode() in environ.split(b"\0")
             assert os.readlink(f"/proc/{pid}/fd/0") == "/dev/null"
             assert os.getsid(pid) == fork.pid  # a session of its own already
-        assert fork.children() == [worker]  # its worker, forked ahead, and nothing else
-        assert worker.children() == []
+        assert fork.children() == procs[1:]  # its worker forked ahead, if any, and no other
+        assert procs[-1].children() == []
 
 
-def pair(forked: _templates.Forked) -> tuple[psutil.Process, psutil.Process]:
-    """A parked fork and its worker, forked once the parent has moved the fork into its leaf."""
+def parked_procs(forked: _templates.Forked) -> list[psutil.Process]:
+    """A parked fork, and its worker if it forks one (forked once the parent has moved the
+    fork into its leaf); the last of them runs the episode."""
     fork = psutil.Process(forked.pid)
+    if forked.alone:
+        return [fork]
     kids = wait_for(fork.children, what="the worker forked ahead")
-    return fork, kids[0]
+    return [fork, kids[0]]
 
 
 def innermost_pid(pid: int) -> int:
@@ -139,15 +162,16 @@ def run(data):
 """
 
 
-async def test_the_worker_is_forked_ahead_in_the_leaf_and_runs_nothing_before_its_episode(
-    agents: Agents,
+async def test_the_worker_waits_in_the_leaf_and_runs_nothing_before_its_episode(
+    agents: Agents, mode: str
 ) -> None:
     spec = agents.spec(MARKED, preload=True)
-    await isolate.park(spec, 2)
-    pairs = [await anyio.to_thread.run_sync(pair, f) for f in parked()]
-    ahead = {innermost_pid(worker.pid) for _, worker in pairs}
-    for fork, worker in pairs:
-        assert worker.ppid() == fork.pid
+    await park_in(mode, spec, 2)
+    groups = [await anyio.to_thread.run_sync(parked_procs, f) for f in parked()]
+    ahead = {innermost_pid(procs[-1].pid) for procs in groups}
+    for procs in groups:
+        fork, worker = procs[0], procs[-1]
+        assert len(procs) == 1 or worker.ppid() == fork.pid
         cgroup = await anyio.Path(f"/proc/{worker.pid}/cgroup").read_text()
         assert cgroup == await anyio.Path(f"/proc/{fork.pid}/cgroup").read_text()  # its leaf
         if has_cgroups():
@@ -165,9 +189,9 @@ async def test_a_parked_worker_killed_from_outside_is_replaced_with_its_fork(
     agents: Agents,
 ) -> None:
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 1)
+    await park_in("pairs", spec, 1)
     (victim,) = parked()
-    _, worker = await anyio.to_thread.run_sync(pair, victim)
+    _, worker = await anyio.to_thread.run_sync(parked_procs, victim)
     worker.kill()
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
     outcome = await isolate.run_episode(spec, {})
@@ -175,7 +199,7 @@ async def test_a_parked_worker_killed_from_outside_is_replaced_with_its_fork(
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: [f.pid for f in parked()] not in ([], [victim.pid]))
     )
-    fork, fresh = await anyio.to_thread.run_sync(pair, parked()[0])
+    _, fresh = await anyio.to_thread.run_sync(parked_procs, parked()[0])
     assert fresh.pid != worker.pid
     assert not parked()[0].parked_dead()
 
@@ -299,20 +323,24 @@ async def test_an_empty_pool_refills_without_a_quiet_period(agents: Agents) -> N
     assert started == [waiting.pid]  # the next of the stream from the pool, not forked anew
 
 
-async def test_a_pool_episode_times_out_with_its_clean_up_as_before(agents: Agents) -> None:
+async def test_a_pool_episode_times_out_with_its_clean_up_as_before(
+    agents: Agents, mode: str
+) -> None:
     spec = agents.spec(SLEEPER, preload=True, timeout=1.0, kill_grace=0.5)
-    await isolate.park(spec, 1)
-    await anyio.to_thread.run_sync(pair, parked()[0])
+    await park_in(mode, spec, 1)
+    await anyio.to_thread.run_sync(parked_procs, parked()[0])
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("timeout", "template"), outcome.summary()
     assert (agents.pids / "cleaned").read_text() == "yes"
     assert outcome.cleanup == "finished"
 
 
-async def test_a_pool_episode_cancelled_by_its_caller_cleans_up_as_before(agents: Agents) -> None:
+async def test_a_pool_episode_cancelled_by_its_caller_cleans_up_as_before(
+    agents: Agents, mode: str
+) -> None:
     spec = agents.spec(SLEEPER, preload=True, kill_grace=1.0)
-    await isolate.park(spec, 1)
-    await anyio.to_thread.run_sync(pair, parked()[0])
+    await park_in(mode, spec, 1)
+    await anyio.to_thread.run_sync(parked_procs, parked()[0])
     ended: list[isolate.EpisodeOutcome] = []
     async with anyio.create_task_group() as tg:
 
@@ -334,12 +362,12 @@ async def test_a_pool_episode_cancelled_by_its_caller_cleans_up_as_before(agents
 
 
 async def test_close_templates_kills_parked_forks_and_removes_their_leaves(
-    agents: Agents,
+    agents: Agents, mode: str
 ) -> None:
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 3)
-    procs = [p for f in parked() for p in await anyio.to_thread.run_sync(pair, f)]
-    assert len(procs) == 6  # each fork with its worker
+    await park_in(mode, spec, 3)
+    procs = [p for f in parked() for p in await anyio.to_thread.run_sync(parked_procs, f)]
+    assert len(procs) == (3 if parked()[0].alone else 6)  # each fork, with its worker if any
     leaves = parked_leaves()
     assert len(leaves) == (3 if has_cgroups() else 0)
     await isolate.close_templates()
@@ -351,16 +379,16 @@ async def test_close_templates_kills_parked_forks_and_removes_their_leaves(
     )
 
 
-async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents) -> None:
+async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents, mode: str) -> None:
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 1)
+    await park_in(mode, spec, 1)
     (victim,) = parked()
-    _, worker = await anyio.to_thread.run_sync(pair, victim)
+    procs = await anyio.to_thread.run_sync(parked_procs, victim)
     os.kill(victim.pid, signal.SIGKILL)
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
-    # Its worker forked ahead dies with it.
+    # Its worker forked ahead, if any, dies with it.
     await anyio.to_thread.run_sync(
-        lambda: wait_for(lambda: is_gone(worker.pid, worker.create_time()))
+        lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
     )
     # The episode that would have taken it takes another, or a fork of its own.
     outcome = await isolate.run_episode(spec, {})
@@ -372,14 +400,14 @@ async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents) -> 
 
 
 async def test_a_template_that_dies_takes_its_parked_forks_and_the_next_refills(
-    agents: Agents,
+    agents: Agents, mode: str
 ) -> None:
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 2)
+    await park_in(mode, spec, 2)
     procs = [psutil.Process(f.pid) for f in parked()]
     leaves = parked_leaves()
     for forked in parked():  # each in a session of its own, no longer the template's
-        await anyio.to_thread.run_sync(pair, forked)
+        procs += (await anyio.to_thread.run_sync(parked_procs, forked))[1:]
     (importer,) = template_processes(agents)
     importer.kill()
     await anyio.to_thread.run_sync(
@@ -468,11 +496,11 @@ def test_the_parents_death_ends_its_parked_forks(agents: Agents) -> None:
     remove_dead_parents_leaves()
 
 
-async def test_a_large_handshake_reaches_the_worker_forked_ahead_whole(agents: Agents) -> None:
+async def test_a_large_handshake_reaches_the_parked_worker_whole(agents: Agents, mode: str) -> None:
     code = "import os\ndef run(data):\n    return 1.0, {'n': len(data['x']), 'pid': os.getpid()}\n"
     spec = agents.spec(code, preload=True)
-    await isolate.park(spec, 1)
-    _, worker = await anyio.to_thread.run_sync(pair, parked()[0])
+    await park_in(mode, spec, 1)
+    worker = (await anyio.to_thread.run_sync(parked_procs, parked()[0]))[-1]
     ahead = innermost_pid(worker.pid)
     outcome = await isolate.run_episode(spec, {"x": "y" * (3 << 20)})  # many packets
     assert (outcome.status, outcome.start, outcome.info["n"]) == ("ok", "template", 3 << 20)
@@ -483,10 +511,10 @@ PY39 = os.path.expanduser("~/.pyenv/versions/3.9.18/bin/python3.9")
 
 
 @pytest.mark.skipif(not os.path.exists(PY39), reason=f"{PY39} is not installed")
-async def test_a_parked_pair_under_python_3_9(agents: Agents) -> None:
+async def test_a_parked_pair_under_python_3_9(agents: Agents, mode: str) -> None:
     spec = agents.spec(MARKED, preload=True, python=PY39)
-    await isolate.park(spec, 1)
-    _, worker = await anyio.to_thread.run_sync(pair, parked()[0])
+    await park_in(mode, spec, 1)
+    worker = (await anyio.to_thread.run_sync(parked_procs, parked()[0]))[-1]
     ahead = innermost_pid(worker.pid)
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start, outcome.info["pid"]) == ("ok", "template", ahead)
@@ -618,21 +646,22 @@ def test_a_refill_that_meets_emfile_tries_again(agents: Agents) -> None:
     assert episode_processes(f"PID_DIR={agents.pids}".encode()) == []
 
 
-async def test_a_parked_fork_whose_hand_over_fails_ends_as_a_dead_pair(agents: Agents) -> None:
+async def test_a_parked_fork_whose_hand_over_fails_ends_as_a_dead_pair(
+    agents: Agents, mode: str
+) -> None:
     # Its hand-over socket closed on the parent's side: the send fails (or the fork, at EOF
     # there, is dead by the time it is taken); either way it is killed with its worker, its
     # leaves removed, and the episode takes a fork of its own.
     spec = agents.spec(AGENT, preload=True)
-    await isolate.park(spec, 1)
+    await park_in(mode, spec, 1)
     pool().quiet_s = 3600.0
     (victim,) = parked()
-    fork, worker = await anyio.to_thread.run_sync(pair, victim)
+    procs = await anyio.to_thread.run_sync(parked_procs, victim)
     leaves = parked_leaves()
     assert victim.hand is not None
     victim.hand.close()
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
-    procs = (fork, worker)
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
     )

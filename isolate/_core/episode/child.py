@@ -41,6 +41,15 @@ class Child(Protocol):
     def status_known(self) -> bool:
         """False when the exit status was lost (a template that died before reporting it)."""
 
+    @property
+    def alone(self) -> bool:
+        """The agent's own process, supervised from the parent (a template's fork that is its
+        own worker), rather than a shim that supervises the worker it forks."""
+
+    @property
+    def cpu_s(self) -> float | None:
+        """The process's CPU time (seconds) where the parent learns it (``alone``), else None."""
+
     def stderr_fd(self) -> int: ...
 
     def poll(self) -> int | None: ...
@@ -62,6 +71,10 @@ class Fresh:
     """A shim the parent started itself with ``subprocess``: its child, waited for by pidfd."""
 
     status_known = True
+    #: A fresh shim supervises the worker it forks (``templates.Forked.alone``: a fork that
+    #: is its own worker, supervised from the parent).
+    alone = False
+    cpu_s: float | None = None
 
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
@@ -234,7 +247,9 @@ def send_handshake(
     rest = write_some(channel, memoryview(line))
     if prep.leaves is not None and not forked:
         move(child, prep.leaves)  # overlaps the shim's start-up
-    tree = ProcessTree(_process(child), child.pid, req.episode_id, prep.leaves)
+    tree = ProcessTree(
+        _process(child), child.pid, req.episode_id, prep.leaves, shim_counts=child.alone
+    )
     if isinstance(child, Fresh):
         child.open_pidfd()
     return rest, tree

@@ -61,6 +61,7 @@ class Frames:
         #: (:meth:`cut_short`).
         self.cleanup: Cleanup | None = None
         self.cleanup_seen = anyio.Event()
+        self.final_seen = anyio.Event()  # a result or error frame came
         self.sandbox_missing: list[str] | None = None  # from the worker's sandbox frame
         self.violations: list[str] = []  # the first MAX_NOTED
         self._nonce_bytes = nonce.encode()
@@ -100,6 +101,14 @@ class Frames:
         if self._unnoted_violations:
             self._note(f"{self._unnoted_violations} more protocol violations")
             self._unnoted_violations = 0
+
+    def cleaned_up(self) -> None:
+        """The agent exited within its clean-up grace, as the parent saw it: a fork that is its
+        own worker has no supervisor to send a ``cleanup`` frame."""
+        if self.cleanup is None:
+            self.cleanup = "finished"
+            self._note("the agent's clean-up finished")
+        self.cleanup_seen.set()
 
     def cut_short(self) -> None:
         """The parent stopped waiting for the agent's clean-up frame: unless one came, the
@@ -175,6 +184,7 @@ class Frames:
                 self.violate(f"a second final frame ({frame.t!r} after {self.final.t!r})")
             else:
                 self.final = frame
+                self.final_seen.set()
         elif isinstance(frame, proto.CleanupFrame):
             if self.cleanup is None:
                 self.cleanup = frame.how

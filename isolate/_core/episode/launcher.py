@@ -338,7 +338,7 @@ def _spawn(
         frames=frames,
         log=ep.log,
         redact=ep.req.redact,
-        graces=Graces(spec.timeout, spec.kill_grace, spec.cancel_grace),
+        graces=Graces(spec.timeout, spec.kill_grace, spec.cancel_grace, spec.exit_grace),
         leaves=prep.leaves,
         network=prep.network,
         at_hello=slot.release,

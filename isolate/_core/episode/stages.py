@@ -149,6 +149,7 @@ def observed(ep: Episode, seen: Seen, cancelled: Cancelled | None) -> _verdict.O
         last_line=_verdict.last_line(ep.log.tail.value()),
         oom_kills=sup.oom_kills if sup is not None else None,
         pids_limit_hits=sup.pids_limit_hits if sup is not None else 0,
+        cpu_s=child.cpu_s if child is not None else None,
     )
 
 

@@ -43,6 +43,9 @@ class Observed:
     """The log's last line that is not isolate's own (at most 300 characters)."""
     oom_kills: int | None = None
     pids_limit_hits: int = 0
+    cpu_s: float | None = None
+    """The agent's process's CPU time (seconds), where no done frame says it: a fork that is
+    its own worker, from its template's wait."""
 
 
 Verdict = tuple[Status, ErrorInfo | None, float | dict[str, float] | None, Any, str | None]
@@ -77,7 +80,7 @@ def limit_hit(obs: Observed) -> str | None:
         return f"process limit {limits.max_processes}"
     if limits.cpu_seconds is not None:
         _, sig = exit_of(obs)
-        cpu = obs.done.cpu_s if obs.done is not None else None
+        cpu = obs.done.cpu_s if obs.done is not None else obs.cpu_s
         if sig == "SIGXCPU" or (sig == "SIGKILL" and (cpu or 0) >= limits.cpu_seconds):
             return f"CPU limit {limits.cpu_seconds} s"
     return None

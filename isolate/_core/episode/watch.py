@@ -16,6 +16,7 @@ from agent_shim.shim_wire import CANCEL
 from .. import containment as _containment
 from ..network.netserve import EpisodeNetwork
 from ..system.tree import ProcessTree
+from ..templates import Forked
 from .child import Child, write_some
 from .episode_log import EpisodeLog
 from .frames import Frames
@@ -51,6 +52,7 @@ class Graces:
     timeout: float
     kill_grace: float
     cancel_grace: float
+    exit_grace: float = 10.0
 
 
 class EpisodeWatch:
@@ -103,7 +105,7 @@ class EpisodeWatch:
             if self.network is not None:
                 tg.start_soon(self.network.serve)
             with anyio.move_on_after(deadline - time.monotonic()):
-                await self.child.wait_exit()
+                await self._wait_exit()
             if self.child.returncode is None:
                 # Deadline. A final frame that made it in time still counts.
                 self.timed_out = self.frames.final is None
@@ -133,9 +135,34 @@ class EpisodeWatch:
         with anyio.move_on_after(self.graces.kill_grace + _SHIM_STUCK_S):
             await self.child.wait_exit()
 
+    async def _wait_exit(self) -> None:
+        """Until the child exits. For a fork that is its own worker, once its final frame is
+        out its exit may take ``exit_grace`` seconds (a shim's supervisor bounds a worker's
+        so); then it is killed, and its result stands."""
+        if not self.child.alone:
+            await self.child.wait_exit()
+            return
+
+        async def bound() -> None:
+            await self.frames.final_seen.wait()
+            await anyio.sleep(self.graces.exit_grace)
+            self.log.note(
+                f"the agent's exit took longer than exit_grace ({self.graces.exit_grace:g} s): "
+                "killed; its result stands"
+            )
+            self.child.kill()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bound)
+            await self.child.wait_exit()
+            tg.cancel_scope.cancel()
+
     def _clean_exit(self) -> bool:
-        """The shim exited after killing and reaping everything below it, as a subreaper."""
+        """The shim exited after killing and reaping everything below it, as a subreaper; a
+        fork that is its own worker: it exited, and its leaf (``_settled``) says the rest."""
         hello, done = self.frames.hello, self.frames.done
+        if self.child.alone:
+            return self.child.returncode is not None and hello is not None
         return (
             self.child.returncode == 0
             and hello is not None
@@ -195,6 +222,12 @@ class EpisodeWatch:
         if self._cancel_until is None and not self._ask_cancel():
             return
         assert self._cancel_until is not None
+        if self.child.alone:
+            with anyio.move_on_after(self._cancel_until - time.monotonic()):
+                await self.child.wait_exit()
+                self.frames.cleaned_up()
+            self.frames.cut_short()
+            return
         with anyio.move_on_after(self._cancel_until - time.monotonic()):
             async with anyio.create_task_group() as tg:
 
@@ -220,6 +253,14 @@ class EpisodeWatch:
             or self.child.returncode is not None
         ):
             return False
+        if isinstance(self.child, Forked) and self.child.alone:
+            # The agent's own process: SIGINT cancels it (shim_cancel.py), as the shim's
+            # supervisor does it; SIGCONT after, so that a stopped one wakes with it pending.
+            self.child.signal(signal.SIGINT)
+            self.child.signal(signal.SIGCONT)
+            self._cancel_until = time.monotonic() + grace
+            self.log.note(f"cancelling the agent; it has {grace:g} s to clean up")
+            return True
         try:
             os.write(self.channel, CANCEL)
         except OSError:

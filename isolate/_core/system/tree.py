@@ -76,10 +76,13 @@ class ProcessTree:
         sid: int,
         episode_id: str | None,
         box: Box | None = None,
+        shim_counts: bool = False,
     ) -> None:
         """``episode_id`` None: no scan for the environment tag (a template's forks carry its
-        tag, and must not be taken for its own processes)."""
+        tag, and must not be taken for its own processes). ``shim_counts``: the top process
+        is the agent's own (a template's fork that is its own worker), counted when killed."""
         self.shim = shim
+        self.shim_counts = shim_counts
         self.sid = sid
         self.episode_id = episode_id
         self.box = box
@@ -117,6 +120,8 @@ class ProcessTree:
 
     def _counted(self, proc: psutil.Process) -> bool:
         """Whether a killed process counts: not the shim, nor its PID 1 in a namespace."""
+        if self.shim_counts:
+            return True
         return (self.shim is None or proc.pid != self.shim.pid) and not _is_pid_1(proc.pid)
 
     def signal(self, procs: list[psutil.Process], sig: signal.Signals) -> int:

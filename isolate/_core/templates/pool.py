@@ -223,7 +223,7 @@ def _moved(forked: Forked) -> str | None:
     now, born there. A problem or None."""
     assert forked.hand is not None
     try:
-        send_message(forked.hand, {"t": "moved"})
+        send_message(forked.hand, {"t": "moved", "alone": forked.alone})
     except OSError as exc:
         return f"the parked fork {forked.pid} is gone ({exc.strerror})"
     return None

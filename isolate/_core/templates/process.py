@@ -68,13 +68,15 @@ def _readable(fd: int, seconds: float) -> bool:
 
 
 def _send_episode(
-    hand: socket.socket, episode_id: str, channel: int, pipe: tuple[int, int]
+    hand: socket.socket, episode_id: str, channel: int, pipe: tuple[int, int], alone: bool
 ) -> int | None:
     """Hand a parked fork its episode and the write end of its stderr ``pipe`` (closed here;
-    its read end too on failure): the read end, or None if the fork is gone."""
+    its read end too on failure): the read end, or None if the fork is gone. ``alone``: the
+    fork is its own worker."""
     err_r, err_w = pipe
+    message = {"t": "episode", "episode_id": episode_id, "alone": alone}
     try:
-        send_message(hand, {"t": "episode", "episode_id": episode_id}, [channel, err_w])
+        send_message(hand, message, [channel, err_w])
     except OSError:
         os.close(err_r)
         return None
@@ -85,7 +87,13 @@ def _send_episode(
 
 class Forked:
     """The parent's handle on one episode forked from a template (a ``child.Child``). Its exit
-    status comes from the template, the fork's parent, on the fork's reply socket."""
+    status comes from the template, the fork's parent, on the fork's reply socket.
+
+    ``alone``: the fork is the episode's worker itself, one process of the agent's image per
+    episode, supervised from here (its deadline, cancellation and the kill of what it leaves
+    in its leaf: ``episode.watch``); else it is a shim's supervisor that forks its worker, as
+    a fresh start is (where the episode has no cgroup leaf, whose ``cgroup.kill`` takes what a
+    process of the agent's left behind)."""
 
     def __init__(
         self,
@@ -94,8 +102,13 @@ class Forked:
         reply: socket.socket,
         hand: socket.socket | None,
         template: Template | None = None,
+        alone: bool = False,
     ) -> None:
         self.pid = pid
+        self.alone = alone
+        #: Its CPU time (seconds, user and system, its reaped children's included), from the
+        #: template once it reaped it.
+        self.cpu_s: float | None = None
         self.pidfd = pidfd
         self.reply = reply
         #: Its hand-over socket, until it is handed its episode (EOF there: it exits).
@@ -120,7 +133,7 @@ class Forked:
         ``pipe`` (both ends owned from here on); blocking. Raises :class:`TemplateGone` if it
         is gone."""
         assert self.hand is not None
-        err = _send_episode(self.hand, episode_id, channel, pipe)
+        err = _send_episode(self.hand, episode_id, channel, pipe, self.alone)
         if err is None:
             raise TemplateGone(f"the parked fork {self.pid} is gone")
         self.hand.close()
@@ -146,6 +159,8 @@ class Forked:
                 self._eof = True  # the template is gone: wait for the fork itself
             elif message.get("t") == "exit" and isinstance(message.get("status"), int):
                 self.returncode = os.waitstatus_to_exitcode(message["status"])
+                cpu = message.get("cpu_s")
+                self.cpu_s = float(cpu) if isinstance(cpu, (int, float)) else None
         if self.returncode is None and self._eof and self._exited():
             self.returncode, self.status_known = _UNKNOWN, False
         return self.returncode
@@ -172,11 +187,15 @@ class Forked:
             self.returncode, self.status_known = _UNKNOWN, False
 
     def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the fork itself (through its pidfd: never to a reused pid)."""
         try:
             if self.pidfd is not None:
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                signal.pidfd_send_signal(self.pidfd, sig)
             else:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
         except OSError:
             pass  # gone already
 
@@ -233,6 +252,10 @@ class Template:
         self.wall = wall
         self.leaves = wall.leaves
         self.sandbox = wall.sandbox
+        #: Its forks are the episodes' workers themselves (``Forked.alone``): where each has a
+        #: cgroup leaf, whose ``cgroup.kill`` takes whatever the agent left behind, and the
+        #: template a PID namespace, whose end takes them all when the parent dies.
+        self.forks_alone = wall.leaves is not None and "pidns" in wall.layers
         self.importer: int | None = None
         self.importer_fd: int | None = None
         self.status: int | None = None
@@ -349,14 +372,15 @@ class Template:
             finally:
                 theirs.close()
                 its_hand.close()
+            alone = self.forks_alone
             if episode is not None:  # read by the fork once it is there: no round trip more
-                err = _send_episode(hand, *episode, os.pipe())
+                err = _send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
             if episode is not None and err is None:  # its hand-over could not be sent
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
                 raise TemplateGone(f"template {self.name}: the fork took no hand-over")
-            forked = Forked(pid, pidfd, mine, hand if err is None else None, self)
+            forked = Forked(pid, pidfd, mine, hand if err is None else None, self, alone)
             if err is not None:
                 hand.close()
                 forked.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
