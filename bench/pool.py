@@ -56,6 +56,9 @@ async def _filled(n: int) -> None:
 
 
 def _has_worker(forked: _templates.Forked) -> bool:
+    """Whether the parked fork is ready: its own worker, or one that has forked its worker."""
+    if forked.alone:
+        return True
     try:
         return bool(psutil.Process(forked.pid).children())
     except psutil.Error:
@@ -107,7 +110,7 @@ async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]
     pairs = []
     for forked in template.pool.parked:
         fork = psutil.Process(forked.pid)
-        while not fork.children():  # noqa: ASYNC110 - forked once the fork is in its leaf
+        while not forked.alone and not fork.children():  # noqa: ASYNC110 - once in its leaf
             await anyio.sleep(0.005)
         pairs.append([forked.pid] + [c.pid for c in fork.children()])
     uss = [
@@ -120,8 +123,8 @@ async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]
     pte = [sum(_kib(pid, "status", "VmPTE") for pid in pids) for pids in pairs]
     await isolate.park(spec, 0)
     return {
-        f"parked pair ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
-        f"parked pair ({n} parked): page tables, KiB": [statistics.mean(pte)],
+        f"parked fork ({n} parked): own pages (USS), KiB": [statistics.mean(uss)],
+        f"parked fork ({n} parked): page tables, KiB": [statistics.mean(pte)],
     }
 
 
