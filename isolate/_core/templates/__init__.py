@@ -22,8 +22,9 @@ The parts: ``process`` (one template and its forks), ``pool`` (its parked forks)
 ``registry`` (the templates of this process, by key).
 """
 
+from .forked import Forked, TemplateGone, pidfd_pid
 from .pool import MAX_PARKED, QUIET_MS, Pool
-from .process import Forked, Template, TemplateGone, pidfd_pid
+from .process import Template
 from .registry import (
     acquire,
     close_all,

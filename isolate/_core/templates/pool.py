@@ -24,7 +24,8 @@ from agent_shim.shim_wire import send_message
 from .. import containment as _containment
 from ..model.errors import SetupProblem
 from ..system import admission as _admission
-from .process import Forked, Template, TemplateGone
+from .forked import Forked, TemplateGone
+from .process import Template
 
 #: The most forks one template keeps parked: each, with its worker forked ahead, holds two
 #: copies of its page tables (~0.4 MiB each for a 200 MB image) and three of the parent's fds.

@@ -1,231 +1,39 @@
-"""One running template and the episodes forked from it, as the parent sees them: the
-template's processes, its control socket and leaf, each fork's handle and exit status.
+"""One running template as the parent sees it: its processes, its control socket and leaf,
+and the forks it makes (``forked.Forked``).
 
-Everything here blocks but :meth:`Forked.wait_exit`: run it in a worker thread.
+Everything here blocks: run it in a worker thread.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import subprocess
 import threading
 import time
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
-import anyio
 import psutil
 
 from agent_shim.shim_wire import receive_message, send_message
 
-from .. import containment as _containment
 from ..containment import sandbox as _sandbox
 from ..containment import wall as _wall
 from ..model.outcome import describe_exit, signal_name
 from ..system import admission as _admission
-from ..system.procfs import exited, parent_pid
+from ..system.procfs import parent_pid
 from ..system.reaping import GIVE_UP_S, Reaper
 from ..system.tree import ProcessTree
+from .forked import STATUS_WAIT_S, Forked, TemplateGone, pidfd_pid, readable, send_episode
 
 if TYPE_CHECKING:
     from .pool import Pool
 
 #: A template answers a fork request within milliseconds; one that does not is stuck (seconds).
 _FORK_TIMEOUT_S = 10.0
-#: After the fork has exited, how long its status may take to come from the template (seconds).
-_STATUS_WAIT_S = 2.0
 #: After its control socket closes, how long a template gets to exit before SIGKILL (seconds).
 _CLOSE_GRACE_S = 2.0
-#: ``returncode`` of a fork whose template died before reporting its exit status.
-_UNKNOWN = 255
-
-
-class TemplateGone(Exception):
-    """The template did not fork the episode (it died, or is stuck); the episode starts fresh."""
-
-
-def pidfd_pid(pidfd: int) -> int | None:
-    """The pid, in our PID namespace, of the process a pidfd refers to; None if it is gone or
-    the fd is no pidfd. (A template in a namespace of its own knows only its own numbers.)"""
-    try:
-        with open(f"/proc/self/fdinfo/{pidfd}") as f:
-            for line in f:
-                if line.startswith("Pid:"):
-                    pid = int(line.split()[1])
-                    return pid if pid > 0 else None
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _readable(fd: int, seconds: float) -> bool:
-    """Whether ``fd`` is readable within ``seconds`` (poll: the fd may be past 1023)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(seconds * 1000))
-
-
-def _send_episode(
-    hand: socket.socket, episode_id: str, channel: int, pipe: tuple[int, int], alone: bool
-) -> int | None:
-    """Hand a parked fork its episode and the write end of its stderr ``pipe`` (closed here;
-    its read end too on failure): the read end, or None if the fork is gone. ``alone``: the
-    fork is its own worker."""
-    err_r, err_w = pipe
-    message = {"t": "episode", "episode_id": episode_id, "alone": alone}
-    try:
-        send_message(hand, message, [channel, err_w])
-    except OSError:
-        os.close(err_r)
-        return None
-    finally:
-        os.close(err_w)
-    return err_r
-
-
-class Forked:
-    """The parent's handle on one episode forked from a template (a ``child.Child``). Its exit
-    status comes from the template, the fork's parent, on the fork's reply socket.
-
-    ``alone``: the fork is the episode's worker itself, one process of the agent's image per
-    episode, supervised from here (its deadline, cancellation and the kill of what it leaves
-    in its leaf: ``episode.watch``); else it is a shim's supervisor that forks its worker, as
-    a fresh start is (where the episode has no cgroup leaf, whose ``cgroup.kill`` takes what a
-    process of the agent's left behind)."""
-
-    def __init__(
-        self,
-        pid: int,
-        pidfd: int | None,
-        reply: socket.socket,
-        hand: socket.socket | None,
-        template: Template | None = None,
-        alone: bool = False,
-    ) -> None:
-        self.pid = pid
-        self.alone = alone
-        #: Its CPU time (seconds, user and system, its reaped children's included), from the
-        #: template once it reaped it.
-        self.cpu_s: float | None = None
-        self.pidfd = pidfd
-        self.reply = reply
-        #: Its hand-over socket, until it is handed its episode (EOF there: it exits).
-        self.hand = hand
-        self.template = template
-        # Its stdin and stdout are the launcher's channel socket, as for a fresh start.
-        self.stderr: IO[bytes] | None = None
-        #: A parked fork's cgroup leaves, made and entered ahead; the episode adopts them.
-        self.leaves: _containment.Leaves | None = None
-        self.returncode: int | None = None
-        #: False when the template died before it could report the exit status.
-        self.status_known = True
-        self._eof = False
-        reply.setblocking(False)
-
-    def stderr_fd(self) -> int:
-        assert self.stderr is not None
-        return self.stderr.fileno()
-
-    def hand_over(self, episode_id: str, channel: int, pipe: tuple[int, int]) -> None:
-        """Send the parked fork its episode: ``channel`` and the write end of its stderr
-        ``pipe`` (both ends owned from here on); blocking. Raises :class:`TemplateGone` if it
-        is gone."""
-        assert self.hand is not None
-        err = _send_episode(self.hand, episode_id, channel, pipe, self.alone)
-        if err is None:
-            raise TemplateGone(f"the parked fork {self.pid} is gone")
-        self.hand.close()
-        self.hand = None
-        self.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
-
-    def parked_dead(self) -> bool:
-        """Whether this parked fork has exited (killed from outside, say)."""
-        return self._exited()
-
-    def poll(self) -> int | None:
-        """The exit code (negative: killed by that signal) once known, else None."""
-        while self.returncode is None and not self._eof:
-            try:
-                message, fds = receive_message(self.reply)
-            except BlockingIOError:
-                break
-            except (OSError, ValueError):
-                message, fds = None, []
-            for fd in fds:
-                os.close(fd)
-            if message is None:
-                self._eof = True  # the template is gone: wait for the fork itself
-            elif message.get("t") == "exit" and isinstance(message.get("status"), int):
-                self.returncode = os.waitstatus_to_exitcode(message["status"])
-                cpu = message.get("cpu_s")
-                self.cpu_s = float(cpu) if isinstance(cpu, (int, float)) else None
-        if self.returncode is None and self._eof and self._exited():
-            self.returncode, self.status_known = _UNKNOWN, False
-        return self.returncode
-
-    def _exited(self) -> bool:
-        if self.pidfd is not None:
-            return _readable(self.pidfd, 0)
-        return exited(self.pid)
-
-    async def wait_exit(self) -> None:
-        """Until the fork has exited and its status is in (or known to be lost)."""
-        if self.poll() is not None:
-            return
-        if self.pidfd is not None:
-            await anyio.wait_readable(self.pidfd)
-        else:
-            while not self._exited():  # noqa: ASYNC110 - no pidfd on this platform
-                await anyio.sleep(0.01)
-        # The template reaps it at once; should the template be stopped, the status is lost.
-        with anyio.move_on_after(_STATUS_WAIT_S):
-            while self.poll() is None and not self._eof:
-                await anyio.wait_readable(self.reply.fileno())
-        if self.returncode is None:
-            self.returncode, self.status_known = _UNKNOWN, False
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the fork itself (through its pidfd: never to a reused pid)."""
-        try:
-            if self.pidfd is not None:
-                signal.pidfd_send_signal(self.pidfd, sig)
-            else:
-                os.kill(self.pid, sig)
-        except OSError:
-            pass  # gone already
-
-    def wait(self) -> int:
-        """Block until the fork has exited (for a spawn that failed half-way)."""
-        end = time.monotonic() + _STATUS_WAIT_S
-        while self.poll() is None and (not self._exited() or time.monotonic() < end):
-            time.sleep(0.005)
-        if self.returncode is None:
-            self.returncode, self.status_known = _UNKNOWN, False
-        return self.returncode
-
-    def close(self) -> None:
-        if self.stderr is not None:
-            self.stderr.close()
-        if self.hand is not None:  # parked, never handed over: EOF there ends it
-            self.hand.close()
-            self.hand = None
-        if self.leaves is not None:  # a parked fork's: killed, emptied, removed
-            self.leaves.remove()
-            self.leaves = None
-        if self.returncode is None:
-            self.poll()
-        self.reply.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
-        if self.template is not None:
-            self.template.fork_ended(self)
-            self.template = None
 
 
 class Template:
@@ -302,16 +110,16 @@ class Template:
 
     def alive(self) -> bool:
         if self.importer_fd is not None:
-            return not _readable(self.importer_fd, 0)
+            return not readable(self.importer_fd, 0)
         return self.popen.poll() is None
 
     def death(self) -> str:
         """How the dead template's importer ended, in words."""
-        end = time.monotonic() + _STATUS_WAIT_S
+        end = time.monotonic() + STATUS_WAIT_S
         while self.status is None and self.life.fileno() >= 0:
             # Its parent sends it once it has reaped it: just after the pidfd said so.
             left = end - time.monotonic()
-            if left <= 0 or not _readable(self.life.fileno(), left):
+            if left <= 0 or not readable(self.life.fileno(), left):
                 break
             try:
                 message, fds = receive_message(self.life)
@@ -374,7 +182,7 @@ class Template:
                 its_hand.close()
             alone = self.forks_alone
             if episode is not None:  # read by the fork once it is there: no round trip more
-                err = _send_episode(hand, *episode, os.pipe(), alone)
+                err = send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
             if episode is not None and err is None:  # its hand-over could not be sent
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -443,7 +251,7 @@ class Template:
             self._signal_importer(signal.SIGSTOP)
             self._kill_leftovers()
             self._signal_importer(signal.SIGKILL)
-            _readable(self.importer_fd, GIVE_UP_S)
+            readable(self.importer_fd, GIVE_UP_S)
         self.control.close()
         if self.leaves is not None:
             self.leaves.remove()  # what is left in it killed, until it is empty
@@ -464,7 +272,7 @@ class Template:
         """SIGKILL every process below the importer but its forks (and what is below them),
         until none is left, for at most ``GIVE_UP_S``. The importer is a subreaper: whatever
         it started, double-forked or not, is below it."""
-        if self.importer_fd is None or _readable(self.importer_fd, 0):
+        if self.importer_fd is None or readable(self.importer_fd, 0):
             return  # it is gone: its number may name another process now
         with self._forks_lock:
             forks = {forked.pid for forked in self.forks}
@@ -506,7 +314,7 @@ class Template:
             # id) names no other process.
             outer = os.pidfd_open(self.popen.pid) if hasattr(os, "pidfd_open") else None
             try:
-                if outer is None or not _readable(outer, grace):
+                if outer is None or not readable(outer, grace):
                     self.popen.send_signal(signal.SIGKILL)
                 # What is left in its session (the outer process leads it).
                 Reaper(ProcessTree(None, self.popen.pid, None).live, stop_first=True).kill()
