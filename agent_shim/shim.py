@@ -387,16 +387,7 @@ def main(ahead=None, alone=False):
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID
         # 1 and the worker inherit it; an exec does not).
         c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
-    frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
-    os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
-    for stream in (sys.stdout, sys.stderr):
-        # Explicit, so nothing the agent printed is lost on a crash, whatever the env says.
-        stream.reconfigure(line_buffering=True, write_through=True)
-    parent_fd = os.dup(0)
-    raw, pending = read_handshake(parent_fd)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    frames_fd, parent_fd, raw, pending = take_stdio()
     hs = parse_handshake(raw)
     if hs is None:
         return 2
@@ -433,6 +424,23 @@ def main(ahead=None, alone=False):
         hs.pop(name, None)
     reaper = subreaper or os.getpid() == 1  # PID 1 of a namespace needs no prctl
     return supervisor.run(hs, channel, worker, reaper)
+
+
+def take_stdio():
+    """fd 1 kept as the private frames fd, then pointed at the log (stderr); the handshake read
+    from a private copy of fd 0, then fd 0 is /dev/null. Returns the frames fd, the parent's
+    fd, the handshake as read and what came after it."""
+    frames_fd = os.dup(1)  # private and close-on-exec: no exec'd process can write frames
+    os.dup2(2, 1)  # fd 1 now goes to the log, for us, the agent and every subprocess
+    for stream in (sys.stdout, sys.stderr):
+        # Explicit, so nothing the agent printed is lost on a crash, whatever the env says.
+        stream.reconfigure(line_buffering=True, write_through=True)
+    parent_fd = os.dup(0)
+    raw, pending = read_handshake(parent_fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return frames_fd, parent_fd, raw, pending
 
 
 def parse_handshake(raw):
