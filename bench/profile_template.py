@@ -43,6 +43,7 @@ PHASES = [
     ("worker: its fork to its exit", "worker", "worker exit"),
     ("worker forked ahead: the handshake to its exit", "handshake", "worker exit"),
     ("fork: its worker's exit to its own", "worker exit", "fork exit"),
+    ("fork, its own worker: the handshake to its exit", "handshake", "fork exit"),
     ("parent: the fork's exit to knowing its status", "fork exit", "status"),
     ("parent: its status to run_episode's return", "status", "end"),
     ("total", "start", "end"),
@@ -204,11 +205,16 @@ def main() -> None:
         (root / "noop_agent.py").write_text(head + "def run(data, **kwargs):\n    return 1.0\n")
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         containment, episodes = anyio.run(_run, args.n, root, args.park)
-    # Parked: no fork, no move, and the worker forked ahead; else no worker forked ahead.
+    # Parked: no fork, no move, and the worker forked ahead; else no worker forked ahead. A
+    # fork that is its own worker (where forks have leaves and a PID namespace) forks none.
+    alone = not any("worker exit" in e for e in episodes)
     gone = {"forked", "move", "moved", "worker"} if args.park else set()
+    gone |= {"worker", "worker exit"} if alone else set()
     needed = [(a, b) for name, a, b in PHASES if not {a, b} & gone]
-    if not args.park:
-        needed.remove(("handshake", "worker exit"))
+    if not alone:
+        needed.remove(("handshake", "fork exit"))
+        if not args.park:
+            needed.remove(("handshake", "worker exit"))
     complete = [e for e in episodes if all(a in e and b in e for a, b in needed)]
     agent = args.agent or "none"
     print(f"## A template fork's no-op episode, {started}, containment {containment}")
