@@ -181,6 +181,8 @@ class Template:
                 theirs.close()
                 its_hand.close()
             alone = self.forks_alone
+            if episode is not None and self.leaves is not None and self.importer is not None:
+                self._prime_move()
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
@@ -203,6 +205,15 @@ class Template:
                 hand.close()
                 if err is not None:
                     os.close(err)
+
+    def _prime_move(self) -> None:
+        """While the importer forks, write its pid into its own leaf (a move to where it is):
+        the kernel's cgroup lock switches to its writers' mode, an RCU grace period (up to
+        ~10 ms), beside the fork instead of at the fork's move into its leaf, which then
+        finds the lock ready. In a thread of its own; the move changes nothing."""
+        leaves, importer = self.leaves, self.importer
+        assert leaves is not None and importer is not None
+        threading.Thread(target=leaves.move, args=(importer,), daemon=True).start()
 
     def _forked(self, reply_socket: socket.socket) -> tuple[int, int]:
         """The template's answer to a park request: the fork's pid and pidfd. Raises
