@@ -18,6 +18,7 @@ import psutil
 
 from agent_shim.shim_wire import receive_message, send_message
 
+from .. import containment as _containment
 from ..containment import sandbox as _sandbox
 from ..containment import wall as _wall
 from ..model.outcome import describe_exit, signal_name
@@ -182,7 +183,7 @@ class Template:
                 its_hand.close()
             alone = self.forks_alone
             if episode is not None and self.leaves is not None and self.importer is not None:
-                self._prime_move()
+                _prime_move(self.leaves, self.importer)
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
@@ -205,15 +206,6 @@ class Template:
                 hand.close()
                 if err is not None:
                     os.close(err)
-
-    def _prime_move(self) -> None:
-        """While the importer forks, write its pid into its own leaf (a move to where it is):
-        the kernel's cgroup lock switches to its writers' mode, an RCU grace period (up to
-        ~10 ms), beside the fork instead of at the fork's move into its leaf, which then
-        finds the lock ready. In a thread of its own; the move changes nothing."""
-        leaves, importer = self.leaves, self.importer
-        assert leaves is not None and importer is not None
-        threading.Thread(target=leaves.move, args=(importer,), daemon=True).start()
 
     def _forked(self, reply_socket: socket.socket) -> tuple[int, int]:
         """The template's answer to a park request: the fork's pid and pidfd. Raises
@@ -339,3 +331,11 @@ class Template:
         self.life.close()
         if self.sandbox is not None:
             _sandbox.remove_tmpdir(self.sandbox.tmpdir)
+
+
+def _prime_move(leaves: _containment.Leaves, importer: int) -> None:
+    """While the importer forks, write its pid into its own leaves (a move to where it is): the
+    kernel's cgroup lock switches to its writers' mode, an RCU grace period (up to ~10 ms),
+    beside the fork instead of at the fork's move into its leaf, which then finds the lock
+    ready. In a thread of its own; the move changes nothing."""
+    threading.Thread(target=leaves.move, args=(importer,), daemon=True).start()
