@@ -130,14 +130,30 @@ def command_name(pid):
 
 def kill_children(process_table, spared=()):
     """Kill every child but the ``spared`` until none is left (a subreaper: their orphans come
-    back here): the supervisor's ``kill_until_gone``, SIGKILL at once. The parent's clean-up of
-    the template's session and leaf comes after."""
+    back here): the supervisor's ``kill_until_gone``, SIGKILL at once. Spared too: a child in
+    cgroups other than this process's, an orphan of an episode (a fork that is its own worker
+    leaves its orphans here), which goes with its episode's leaf. The parent's clean-up of the
+    template's session and leaf comes after."""
+    own = cgroups_of("self")
 
     def find():
-        kids = [pid for pid, _ in children_after(0, process_table) if pid not in spared]
+        kids = [
+            pid
+            for pid, _ in children_after(0, process_table)
+            if pid not in spared and cgroups_of(pid) in (own, None)
+        ]
         return kids, not kids
 
     shim.load_part("supervisor").kill_until_gone(find)
+
+
+def cgroups_of(pid):
+    """``/proc/PID/cgroup`` as read (``pid`` may be "self"); None once the process is gone."""
+    try:
+        with open("/proc/%s/cgroup" % pid, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def serve():

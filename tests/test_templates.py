@@ -288,6 +288,52 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
     assert own_zombies() == []
 
 
+DAEMON_AGENT = """
+import os, time
+def run(data):
+    if os.fork() == 0:  # a daemon: its parent exits, so it is re-parented above the episode
+        if os.fork() == 0:
+            with open(os.path.join(os.environ["PID_DIR"], "daemon"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(300)
+        os._exit(0)
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "daemon")):
+        time.sleep(0.01)
+    daemon = int(open(os.path.join(os.environ["PID_DIR"], "daemon")).read())
+    open(os.path.join(os.environ["PID_DIR"], "running"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "go")):
+        time.sleep(0.01)
+    try:
+        os.kill(daemon, 0)
+    except ProcessLookupError:
+        return 0.0
+    return 1.0
+"""
+
+
+async def test_closing_a_template_spares_what_its_running_episodes_started(
+    agents: Agents,
+) -> None:
+    """Closing kills what the template's import left, not the episodes' own processes: a
+    daemon an episode double-forked (re-parented to the importer, where a fork is its own
+    worker) lives until its episode ends, then goes with its leaf."""
+    spec = agents.spec(DAEMON_AGENT, preload=True)
+    result: list[isolate.EpisodeOutcome] = []
+
+    async def close_then_release() -> None:
+        await wait_until((agents.pids / "running").exists)
+        await isolate.close_templates()
+        (agents.pids / "go").touch()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close_then_release)
+        result.append(await isolate.run_episode(spec, {}))
+    (outcome,) = result
+    assert (outcome.status, outcome.reward) == ("ok", 1.0), outcome.summary()
+    assert outcome.killed >= 1  # the daemon, by the episode's sweep
+    assert agents.left() == []
+
+
 PARENT = """
 import anyio, isolate, sys
 spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])

@@ -282,14 +282,17 @@ class Template:
         Reaper(lambda: self._leftovers(forks), stop_first=True).kill()
 
     def _leftovers(self, forks: set[int]) -> list[psutil.Process]:
-        """The processes below the importer but ``forks`` and what is below them."""
+        """The processes below the importer but ``forks`` and what is below them, and but the
+        orphans of its episodes (in cgroups not the importer's: a fork that is its own worker
+        leaves its orphans to the importer), which go with their episodes' leaves."""
         try:
             children = psutil.Process(self.pid).children()
         except psutil.Error:
             return []
+        own = _cgroups_of(self.pid)
         left: list[psutil.Process] = []
         for child in children:
-            if child.pid in forks:
+            if child.pid in forks or _cgroups_of(child.pid) not in (own, None):
                 continue
             left.append(child)
             try:
@@ -331,6 +334,15 @@ class Template:
         self.life.close()
         if self.sandbox is not None:
             _sandbox.remove_tmpdir(self.sandbox.tmpdir)
+
+
+def _cgroups_of(pid: int) -> bytes | None:
+    """``/proc/PID/cgroup`` as read; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _prime_move(leaves: _containment.Leaves, importer: int) -> None:
