@@ -66,6 +66,7 @@ def _instrument(mark: Marks) -> None:
     wait_exit = _process.Forked.wait_exit
 
     def marked_fork(self: Any, *a: Any, **k: Any) -> Any:
+        mark(f"importer {self.importer}")  # the process whose fork is the episode's
         mark("request")
         forked = fork(self, *a, **k)
         mark("reply")
@@ -109,7 +110,7 @@ def _episodes(trace: str) -> list[dict[str, float]]:
     """Each episode's steps (seconds on the trace clock), from the trace's text."""
     found: list[dict[str, float]] = []
     steps: dict[str, float] | None = None
-    fork_pid = worker_pid = None
+    fork_pid = worker_pid = importer = None
     for line in trace.splitlines():
         m = _LINE.search(line)
         if m is None:
@@ -122,6 +123,8 @@ def _episodes(trace: str) -> list[dict[str, float]]:
                 if fork_pid != int(rest[5:]):  # a parked fork; what forked was the refill
                     fork_pid = int(rest[5:])
                     steps.pop("forked", None)
+            elif rest.startswith("importer ") and rest[9:].isdigit():
+                importer = int(rest[9:])
             elif rest.startswith("ahead ") and steps is not None:
                 worker_pid = int(rest[6:])
             elif steps is not None:
@@ -135,7 +138,7 @@ def _episodes(trace: str) -> list[dict[str, float]]:
         fields = dict(re.findall(r"(\w+)=(\S+)", rest))
         if event == "sched_process_fork":
             child = int(fields["child_pid"])
-            if fork_pid is None and "request" in steps:
+            if fork_pid is None and "request" in steps and pid == importer:
                 fork_pid = child
                 steps["forked"] = at
             elif pid == fork_pid and worker_pid is None:
