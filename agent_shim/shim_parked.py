@@ -43,10 +43,8 @@ def park(hand, own, shim_main, random_state):
     ahead = None
     message, fds = take(hand)
     if message is not None and message.get("t") == "moved" and not fds:
-        if message.get("alone"):
-            # Its own worker: SIGINT (the episode's cancellation) waits for the handler.
-            shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
-            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        if message.get("alone"):  # its own worker: nothing to fork ahead
+            shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)  # as shim.main() does first
             message, fds = take(hand)
         else:
             ahead = fork_ahead(hand, random_state)
@@ -78,7 +76,7 @@ def episode(message, pipes, shim_main, random_state, ahead):
     os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
     reseed(random_state)
     sys.argv[1:] = []
-    if message.get("alone"):
+    if message.get("alone"):  # SIGINT, the episode's cancellation, waits for its handler
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     code = shim_main(ahead, bool(message.get("alone")))
     return code if isinstance(code, int) else 0

@@ -60,6 +60,9 @@ class Child(Protocol):
     def kill(self) -> None:
         """SIGKILL, if it is still there."""
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process itself, if it is still there."""
+
     def wait(self) -> int:
         """Block until it has exited (for a start that failed half-way)."""
 
@@ -111,6 +114,9 @@ class Fresh:
 
     def kill(self) -> None:
         self.popen.kill()
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
 
     def wait(self) -> int:
         return self.popen.wait()

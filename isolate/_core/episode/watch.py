@@ -16,7 +16,6 @@ from agent_shim.shim_wire import CANCEL
 from .. import containment as _containment
 from ..network.netserve import EpisodeNetwork
 from ..system.tree import ProcessTree
-from ..templates import Forked
 from .child import Child, write_some
 from .episode_log import EpisodeLog
 from .frames import Frames
@@ -253,7 +252,7 @@ class EpisodeWatch:
             or self.child.returncode is not None
         ):
             return False
-        if isinstance(self.child, Forked) and self.child.alone:
+        if self.child.alone:
             # The agent's own process: SIGINT cancels it (shim_cancel.py), as the shim's
             # supervisor does it; SIGCONT after, so that a stopped one wakes with it pending.
             self.child.signal(signal.SIGINT)
