@@ -6,6 +6,7 @@ runs as an unprivileged trainer, and the fixtures ``combination``, ``standin``, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -25,7 +26,15 @@ import pytest
 import isolate
 
 from .. import _internals
-from ..conftest import RUN_SPEC, SLOW, Agents, episode_processes
+from ..conftest import (
+    NOBODY,
+    RUN_SPEC,
+    SLOW,
+    Agents,
+    as_nobody,
+    episode_processes,
+    unprivileged_python,
+)
 from ..test_containment import COMBINATIONS, needs
 
 CAP_NAMES = [
@@ -823,3 +832,39 @@ x86_64_linux = pytest.mark.skipif(
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="namespaces are Linux's"
 )
+
+
+@contextlib.contextmanager
+def hostile_as_nobody(prefix: str, hostile: str, parent: str) -> Iterator[tuple[Path, Any]]:
+    """Run the script ``parent`` (given its work directory) as ``nobody``, with ``hostile`` as
+    ``agent_root/hostile.py``, in a fresh work directory (``agent_root``, ``logs``, ``pids``,
+    ``scratch``; all mode 0777) removed afterwards. Yields the directory and the JSON line the
+    script printed last, once the script exited 0 as ``nobody``. Skips the test where root
+    cannot act as ``nobody`` or ``nobody`` has no interpreter that runs isolate."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
+    repo = Path(isolate.__file__).resolve().parent.parent
+    found_python = unprivileged_python(repo)
+    if isinstance(found_python, str):
+        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
+    python, env = found_python
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        for sub in ("agent_root", "logs", "pids", "scratch"):
+            (work / sub).mkdir()
+        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(hostile))
+        (work / "parent.py").write_text(parent)
+        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
+            path.chmod(0o777)
+        done = as_nobody(
+            [python, str(work / "parent.py"), str(work)],
+            cwd=work,
+            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
+            timeout=120 * SLOW,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report["uid"] == NOBODY
+        yield work, report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -16,13 +16,8 @@ Destructive attacks on ``/proc`` run only where the agent has a mount namespace 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
-import tempfile
-import textwrap
-from pathlib import Path
 
 import anyio
 import pytest
@@ -30,7 +25,7 @@ import pytest
 import isolate
 
 from .. import _internals
-from ..conftest import NOBODY, SLOW, Agents, as_nobody, episode_processes, unprivileged_python
+from ..conftest import Agents, episode_processes
 from ..test_containment import tree
 from ._attacks import (
     HOSTILE,
@@ -40,6 +35,7 @@ from ._attacks import (
     expected_caps,
     expected_findings,
     host_mnt,
+    hostile_as_nobody,
     standin,
     x86_64_linux,
 )
@@ -121,32 +117,8 @@ anyio.run(main)
 
 
 def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> None:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
-    repo = Path(isolate.__file__).resolve().parent.parent
-    found_python = unprivileged_python(repo)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
-    work = Path(tempfile.mkdtemp(prefix="isolate-hostile-nobody-"))
-    marker = f"PID_DIR={work}/pids".encode()
-    try:
-        for sub in ("agent_root", "logs", "pids", "scratch"):
-            (work / sub).mkdir()
-        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE))
-        (work / "parent.py").write_text(PARENT)
-        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
-            path.chmod(0o777)
-        done = as_nobody(
-            [python, str(work / "parent.py"), str(work)],
-            cwd=work,
-            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-            timeout=120 * SLOW,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads(done.stdout.splitlines()[-1])
-        assert report["uid"] == NOBODY
-        assert episode_processes(marker) == []
+    with hostile_as_nobody("isolate-hostile-nobody-", HOSTILE, PARENT) as (work, report):
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
         expected = expected_findings("pidns", root=False)
         for requested, outcome in report["outcomes"].items():
             assert (outcome["status"], outcome["reward"]) == ("ok", 0.25), (
@@ -166,8 +138,6 @@ def test_the_unprivileged_trainers_agent_has_no_capability_and_is_refused() -> N
                 **expected,
                 **expected_caps(root=False, found=found),
             }
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # Bits of linux/capability.h, for the names doctor and the README give.

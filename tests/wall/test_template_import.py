@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +31,10 @@ from isolate import EPISODE_ENV
 
 from .. import _internals
 from ..conftest import (
-    NOBODY,
-    SLOW,
     Agents,
-    as_nobody,
     episode_processes,
     is_gone,
     remove_dead_parents_leaves,
-    unprivileged_python,
     wait_for,
 )
 from ..test_containment import tree
@@ -53,6 +46,7 @@ from ._attacks import (
     expected_caps,
     expected_findings,
     host_mnt,
+    hostile_as_nobody,
     standin,
 )
 
@@ -202,33 +196,10 @@ anyio.run(main)
 
 
 def test_the_unprivileged_trainers_import_has_no_capability_and_is_refused() -> None:
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to act as an unprivileged user (nobody)")
     if os.uname().machine != "x86_64":
         pytest.skip("the attacks use x86_64 Linux system call numbers")
-    repo = Path(isolate.__file__).resolve().parent.parent
-    found_python = unprivileged_python(repo)
-    if isinstance(found_python, str):
-        pytest.skip(f"no interpreter the unprivileged user can run isolate with: {found_python}")
-    python, env = found_python
-    work = Path(tempfile.mkdtemp(prefix="isolate-template-nobody-"))
-    marker = f"PID_DIR={work}/pids".encode()
-    try:
-        for sub in ("agent_root", "logs", "pids", "scratch"):
-            (work / sub).mkdir()
-        (work / "agent_root" / "hostile.py").write_text(textwrap.dedent(HOSTILE + AT_IMPORT))
-        (work / "parent.py").write_text(PARENT)
-        for path in (work, *work.iterdir(), *(work / "agent_root").iterdir()):
-            path.chmod(0o777)
-        done = as_nobody(
-            [python, str(work / "parent.py"), str(work)],
-            cwd=work,
-            env={"PATH": os.environ["PATH"], "HOME": str(work), **env},
-            timeout=120 * SLOW,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads(done.stdout.splitlines()[-1])
-        assert report["uid"] == NOBODY
+    prefix = "isolate-template-nobody-"
+    with hostile_as_nobody(prefix, HOSTILE + AT_IMPORT, PARENT) as (work, report):
         outcome = report["outcome"]
         assert (outcome["status"], outcome["reward"], outcome["start"]) == (
             "ok",
@@ -242,9 +213,7 @@ def test_the_unprivileged_trainers_import_has_no_capability_and_is_refused() -> 
             **expected,
             **expected_caps(root=False, found=found),
         }
-        assert episode_processes(marker) == []
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
 
 
 DAEMON = """
