@@ -32,6 +32,7 @@ from .conftest import (
     wait_for,
     wait_until,
 )
+from .test_teardown import SILENT_SHIM
 from .test_templates import TEMP_AGENT, template_processes
 
 pytestmark = pytest.mark.anyio
@@ -254,10 +255,6 @@ async def test_no_refill_between_hand_overs_within_the_quiet_period(agents: Agen
     pool().resize(4)  # wakes its thread: quiet long enough now
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 4))
     assert pool().made == made + 2
-
-
-# A shim that reads its handshake and never says hello: it holds its place at the start gate.
-SILENT_SHIM = "import sys, time\nsys.stdin.buffer.readline()\ntime.sleep(300)\n"
 
 
 @pytest.mark.parametrize("parked_ahead", [1, 0], ids=["from the pool", "forked on demand"])
