@@ -253,7 +253,7 @@ def enter_wall(wall, control, life):
         child = os.fork()
         if child:
             control.close()
-            init(child, life)
+            shim.load_part("init").init(child, life)
     else:
         # The outer process is single-threaded: its death is the parent-death signal's.
         shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -289,15 +289,6 @@ def enter_wall(wall, control, life):
     return None
 
 
-def tell(life, status):
-    """Send the importer's wait status to the parent (on LIFE)."""
-    if life is not None:
-        try:
-            send(socket.socket(fileno=os.dup(life)), {"t": "exit", "status": status})
-        except OSError:
-            pass  # the parent is gone
-
-
 def watch(child, life, leaves, below):
     """The outer process: exit once ``child`` has. Should the parent go first, kill ``child``:
     PID 1, and with it the whole namespace; or, without a namespace (``below``),
@@ -325,7 +316,7 @@ def watch(child, life, leaves, below):
             kill_all(child, leaves, below)
             status = os.waitpid(child, 0)[1]
     if below:
-        tell(life, status)
+        shim.load_part("init").tell(life, status)
     os._exit(0)
 
 
@@ -354,20 +345,6 @@ def kill_all(child, leaves, below):
         return found, not found
 
     supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last
-
-
-def init(importer, life):
-    """PID 1 of the template's namespace: report the importer's end, reap, and exit once no
-    process is left. Never returns."""
-    while True:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            os._exit(0)
-        except InterruptedError:
-            continue
-        if pid == importer:
-            tell(life, status)
 
 
 def loop(control, shim_main, random_state, process_table):
