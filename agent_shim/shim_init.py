@@ -1,15 +1,34 @@
 """PID 1 of a preloaded template's PID namespace (``shim_template.py``), and how a template's
 process tells the parent the importer's wait status (on LIFE).
 
+PID 1 reaps, reports the importer's end, and exits once no process is left. Should the parent
+die, the template's outer process sends it SIGTERM: it cancels every episode forked from the
+template as the parent would (SIGINT, then SIGCONT), waits for them to exit for at most the
+template's ``cancel_grace``, and exits, which ends the namespace (the kernel kills what is
+left). A SIGTERM sent from inside the namespace is ignored: only one from outside it (its
+sender's pid reads 0 here) counts.
+
 Loaded by the template with ``load_part("init")``. Standard library only, Python 3.9+.
 """
 
+import math
 import os
+import select
 import socket
 import sys
+import time
 
 shim = sys.modules["_isolate_shim"]
+signal = shim.signal
 send = shim.wire.send_message
+
+
+def grace_of(message):
+    """The ``cancel_grace`` of the template's preload message, in seconds (0 when absent)."""
+    grace = message.get("cancel_grace")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        return 0.0
+    return float(grace) if math.isfinite(grace) and grace > 0 else 0.0
 
 
 def tell(life, status):
@@ -21,15 +40,103 @@ def tell(life, status):
             pass  # the parent is gone
 
 
-def init(importer, life):
+def init(importer, life, grace):
     """PID 1 of the template's namespace: report the importer's end, reap, and exit once no
-    process is left. Never returns."""
+    process is left; on SIGTERM from outside the namespace, cancel the episodes first
+    (``grace`` seconds at most). Never returns."""
+    # Blocked, so taken by sigwaitinfo only: and a blocked signal reaches PID 1 even without a
+    # handler. The importer, forked before, does not inherit the mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD, signal.SIGTERM])
+    while True:
+        if not reap(importer, life):
+            os._exit(0)
+        info = signal.sigwaitinfo([signal.SIGCHLD, signal.SIGTERM])
+        if info.si_signo == signal.SIGTERM and info.si_pid == 0:
+            cancel_episodes(importer, life, grace)
+            os._exit(0)  # the namespace ends with PID 1: the kernel kills what is left
+
+
+def reap(importer, life):
+    """Reap every child that has exited, telling the parent of the importer's end; False once
+    no child is left."""
     while True:
         try:
-            pid, status = os.wait()
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            os._exit(0)
+            return False
         except InterruptedError:
             continue
+        if pid == 0:
+            return True
         if pid == importer:
             tell(life, status)
+
+
+def cancel_episodes(importer, life, grace):
+    """Send each episode fork SIGINT, then SIGCONT (a stopped one wakes with it pending), and
+    wait until all have exited, ``grace`` seconds at most, reaping meanwhile. ``grace`` 0:
+    none is cancelled, as a fresh episode with ``cancel_grace=0`` is not."""
+    if grace <= 0:
+        return
+    end = time.monotonic() + grace
+    poller = select.poll()
+    waiting = set()
+    for pid in episode_forks(importer):
+        pidfd = open_fork(pid, importer)
+        if pidfd is None:
+            continue
+        for sig in (signal.SIGINT, signal.SIGCONT):
+            try:
+                signal.pidfd_send_signal(pidfd, sig)
+            except OSError:
+                pass  # it exited meanwhile
+        poller.register(pidfd, select.POLLIN)
+        waiting.add(pidfd)
+    while waiting:
+        reap(importer, life)
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        # A short step: this process's own children are reaped as they end.
+        for pidfd, _ in poller.poll(min(left, 0.05) * 1000):
+            poller.unregister(pidfd)
+            waiting.discard(pidfd)
+            os.close(pidfd)
+
+
+def episode_forks(importer):
+    """The pids of the template's forks: the children of the importer (or, once it is gone,
+    of PID 1) that lead a session of their own, as a fork does from its start. A process the
+    agent's code started in the template in a session of its own is among them: it gets the
+    same SIGINT."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and is_fork(int(entry), importer):
+            found.append(int(entry))
+    return found
+
+
+def is_fork(pid, importer):
+    """Whether ``pid`` is a fork of the template now (see episode_forks)."""
+    if pid in (1, importer):
+        return False
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    # After the command: state, ppid, process group, session.
+    return int(fields[1]) in (1, importer) and int(fields[3]) == pid
+
+
+def open_fork(pid, importer):
+    """A pidfd of the fork ``pid``, checked once open (its number could have been reused
+    since the scan); None if it is gone or not a fork."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if is_fork(pid, importer):
+        return pidfd
+    os.close(pidfd)
+    return None

@@ -6,9 +6,10 @@ or died, and the template exits. LIFE is the fd of a second socket pair, held by
 for as long as it lives: EOF there means the parent is gone. Messages are JSON, one per
 packet:
 
-- parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...]}``
-  carrying a file (a memfd) that holds the wall as JSON: an episode's containment
-  (``containment``, ``cgroups``, ``userns``, ``sandbox``), which can outgrow a message;
+- parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...],
+  "cancel_grace"}`` (the episodes', for the parent's death: shim_init.py) carrying a file
+  (a memfd) that holds the wall as JSON: an episode's containment (``containment``,
+  ``cgroups``, ``userns``, ``sandbox``), which can outgrow a message;
 - template -> parent: ``{"t": "ready", "seconds"}`` carrying a pidfd of the importing process,
   or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
   containable, not importable, or not safe to fork (a thread running, a process the import
@@ -27,11 +28,14 @@ The import is the agent's code: it runs inside the wall a fresh episode gets, en
 it. Three processes, of which only the last ever holds the agent's code:
 
 - the outer one (the parent's child) watches LIFE and its child. When the parent is gone it
-  kills the rest; with a PID namespace its child is that namespace's PID 1, otherwise the
-  importer, whose wait status it sends on LIFE;
+  ends the rest: with a PID namespace its child is that namespace's PID 1, which it tells
+  (SIGTERM) to cancel the episodes and end, killing it should it outlast their
+  ``cancel_grace``; otherwise it kills the importer and all below it at once, and sends the
+  importer's wait status on LIFE;
 - with a PID namespace, its PID 1: it mounts the namespace's /proc, forks the importer, sends
   its wait status on LIFE and reaps what is left; it ends, and the namespace with it, once
-  the importer and every episode forked from it have ended;
+  the importer and every episode forked from it have ended, or once the episodes have had
+  their clean-up after the parent's death (shim_init.py);
 - the importer joins its cgroup leaf, enters the Landlock domain, the sandbox and the syscall
   filter, drops its capabilities, and only then imports.
 
@@ -57,6 +61,9 @@ signal, wire = shim.signal, shim.wire
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
+#: After the parent's death, how long past the episodes' ``cancel_grace`` PID 1 gets to end
+#: its namespace before the outer process kills it (seconds).
+END_MARGIN = 1.0
 
 
 def fork_hazard(control, process_table):
@@ -190,7 +197,8 @@ def preload_and_loop():
     wall = wire.read_json_file(fds.pop(0)) if fds else {}
     for fd in fds:
         os.close(fd)
-    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life)
+    grace = shim.load_part("init").grace_of(message)
+    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life, grace)
     if problem is not None:
         sys.stderr.write("isolate template: cannot contain the template: %s\n" % problem)
         send(control, {"t": "refused", "reason": "cannot contain the template: " + problem})
@@ -229,9 +237,10 @@ def preload_and_loop():
     return 0
 
 
-def enter_wall(wall, control, life):
+def enter_wall(wall, control, life, grace):
     """Become the importer, inside what a fresh episode of this containment gets; a problem,
-    or None. The outer process and PID 1 stay in here until they exit."""
+    or None. The outer process and PID 1 stay in here until they exit; ``grace``: how long
+    PID 1 lets the episodes clean up after the parent's death (their ``cancel_grace``)."""
     supervisor, worker = shim.load_part("supervisor"), shim.load_part("worker")
     layers = shim.layers_of(wall)
     pidns = "pidns" in layers
@@ -244,7 +253,7 @@ def enter_wall(wall, control, life):
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        watch(child, life, leaves, below=not pidns)
+        watch(child, life, leaves, not pidns, grace)
     if pidns:
         # Dies with the outer process. /sys stays writable until the importer is in its leaf.
         problem = supervisor.become_init(guard=False)
@@ -253,7 +262,7 @@ def enter_wall(wall, control, life):
         child = os.fork()
         if child:
             control.close()
-            shim.load_part("init").init(child, life)
+            shim.load_part("init").init(child, life, grace)
     else:
         # The outer process is single-threaded: its death is the parent-death signal's.
         shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -289,11 +298,12 @@ def enter_wall(wall, control, life):
     return None
 
 
-def watch(child, life, leaves, below):
-    """The outer process: exit once ``child`` has. Should the parent go first, kill ``child``:
-    PID 1, and with it the whole namespace; or, without a namespace (``below``),
-    the importer, its cgroup ``leaves`` and every process below it (a subreaper: whatever it
-    started is there), and send its wait status on LIFE. Never returns."""
+def watch(child, life, leaves, below, grace):
+    """The outer process: exit once ``child`` has. Should the parent go first, end ``child``:
+    PID 1, which lets the episodes clean up (``grace``) and ends the whole namespace
+    (end_namespace); or, without a namespace (``below``), kill the importer, its cgroup
+    ``leaves`` and every process below it (a subreaper: whatever it started is there), and
+    send its wait status on LIFE. Never returns."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
     poller = select.poll()
@@ -313,11 +323,31 @@ def watch(child, life, leaves, below):
                         kill_leaves(leaves)
                 break
         if life in ready and not os.read(life, 64):
-            kill_all(child, leaves, below)
+            if below or pidfd is None:
+                kill_all(child, leaves, below)
+            else:
+                end_namespace(pidfd, grace)
             status = os.waitpid(child, 0)[1]
     if below:
         shim.load_part("init").tell(life, status)
     os._exit(0)
+
+
+def end_namespace(pidfd, grace):
+    """After the parent's death: SIGTERM to PID 1, which cancels the episodes and exits once
+    they have ended, ``grace`` seconds at most (shim_init.py); SIGKILL should it still be there
+    ``END_MARGIN`` seconds past that. The namespace, and all in it, ends with PID 1."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    except OSError:
+        return  # gone already
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if not poller.poll((grace + END_MARGIN) * 1000):
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass  # it exited just now
 
 
 def kill_leaves(leaves):

@@ -432,6 +432,102 @@ def run(data):
     remove_dead_parents_leaves()
 
 
+# Runs one episode from a preloaded template, its forks each the episode's worker ("alone", the
+# default where episodes have cgroup leaves and a PID namespace) or a shim's supervisor and its
+# worker ("pairs", as where they have not).
+PARENT_OF_A_TEMPLATE = """
+import anyio, isolate, sys
+from isolate._core import templates as _templates
+spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
+async def main():
+    if sys.argv[2] == "pairs":
+        await isolate.park(spec, 0)  # the template, started
+        (template,) = _templates.started_templates()
+        template.forks_alone = False
+    await isolate.run_episode(spec, {})
+anyio.run(main)
+"""
+
+# Says in "ready" whether it is a template's fork, and whether it is the fork itself (a fork
+# leads a session of its own; a pair's worker is its child).
+FORKED = """
+def where():
+    with open("/proc/self/cmdline", "rb") as f:
+        template = b"--template" in f.read()
+    return "%s %s" % (template, os.getsid(0) == os.getpid())
+"""
+
+
+def kill_the_parent_of_a_template(agents: Agents, code: str, mode: str, grace: float) -> float:
+    """Run ``code`` as a template's episode under a parent process, at ``cgroup+pidns``; once
+    it is ready, SIGKILL the parent and wait until no process of the test is left (the
+    template's included): the seconds that took."""
+    problem = _containment.problem("cgroup+pidns")
+    if problem is not None:
+        pytest.skip(f"containment 'cgroup+pidns' is not available here: {problem}")
+    spec = agents.spec(
+        HELPERS + FORKED + code,
+        timeout=120.0,
+        kill_grace=1.0,
+        cancel_grace=grace,
+        containment="cgroup+pidns",
+        preload=True,
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PARENT_OF_A_TEMPLATE), spec.model_dump_json(), mode]
+    )
+    try:
+        wait_for(lambda: (agents.pids / "ready").exists(), 30.0, "the agent to be ready")
+        assert (agents.pids / "ready").read_text() == f"True {mode == 'alone'}"
+        os.kill(parent.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        parent.wait()
+        marker = f"PID_DIR={agents.pids}".encode()
+        wait_for(lambda: not episode_processes(marker), grace + 5.0, "the template to be gone")
+        took = time.monotonic() - killed_at
+    finally:
+        parent.kill()
+        parent.wait()
+    remove_dead_parents_leaves()
+    return took
+
+
+@pytest.mark.parametrize("mode", ["alone", "pairs"])
+def test_clean_up_runs_after_the_parent_of_a_template_is_killed(agents: Agents, mode: str) -> None:
+    """The template's PID 1 cancels its episodes and gives them ``cancel_grace`` before the
+    namespace ends."""
+    code = """
+def run(data):
+    child = subprocess.Popen(["sleep", "300"])
+    try:
+        mark("ready", where())
+        time.sleep(300)
+    finally:
+        time.sleep(0.1)  # a release that takes a moment
+        mark("cleaned", str(child.poll() is None))
+"""
+    took = kill_the_parent_of_a_template(agents, code, mode, 10.0)
+    assert (agents.pids / "cleaned").read_text() == "True"  # its subprocess still there
+    # The clean-up's 0.1 s, then the bound of a fresh episode (2 s), far below cancel_grace.
+    assert took <= 0.1 + 2.0 * SLOW
+
+
+@pytest.mark.parametrize("mode", ["alone", "pairs"])
+def test_a_template_episode_that_ignores_sigint_ends_after_the_parents_death(
+    agents: Agents, mode: str
+) -> None:
+    """Cut short at ``cancel_grace``: gone by then, plus the margin of the template's outer
+    process (1 s) and the teardown's."""
+    code = """
+def run(data):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mark("ready", where())
+    time.sleep(300)
+"""
+    took = kill_the_parent_of_a_template(agents, code, mode, 2.0)
+    assert 2.0 <= took <= 2.0 + 1.0 + 1.0 * SLOW
+
+
 def test_clean_up_runs_at_ctrl_c_of_isolate_run(agents: Agents) -> None:
     spec = agents.spec(ASYNC_SLEEP)
     record = agents.tmp / "record.json"

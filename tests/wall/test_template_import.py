@@ -10,6 +10,8 @@ import may start and what survives a template:
 - writes and reads of the sandboxed import: only what an episode may (the sandbox's mounts and
   Landlock rules are made before the import).
 - episodes of one template: cannot reach each other (each fork's own PID namespace).
+- PID 1 of the template's namespace: ends it only on a SIGTERM from outside (the parent's
+  death); the import's is ignored, and an episode cannot signal it.
 - a refused template is not tried again for the next episode."""
 
 from __future__ import annotations
@@ -486,6 +488,61 @@ async def test_episodes_of_one_template_cannot_reach_each_other(
         "9": "PermissionError",
         "environ": "PermissionError",
     }, attacker.info
+    await isolate.close_templates()
+    assert template_processes(agents) == []
+
+
+# Sends PID 1 of the template's namespace SIGTERM at import (the importer may: it is in no
+# Landlock domain without the ``landlock`` layer) and waits until PID 1 has taken it; its
+# episode tries the same.
+SIGTERM_TO_PID_1 = """
+import os, signal, time
+
+def pending(pid):
+    with open("/proc/%d/status" % pid) as f:
+        fields = dict(line.split(":", 1) for line in f.read().splitlines())
+    return int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+
+def send(sig):
+    try:
+        os.kill(1, sig)
+        return "sent"
+    except OSError as exc:
+        return type(exc).__name__
+
+AT_IMPORT = send(signal.SIGTERM)
+end = time.monotonic() + 10.0
+while pending(1) & (1 << (signal.SIGTERM - 1)) and time.monotonic() < end:
+    time.sleep(0.01)
+TAKEN = not pending(1) & (1 << (signal.SIGTERM - 1))
+
+def run(data):
+    return 1.0, {"import": AT_IMPORT, "taken": TAKEN, "0": send(0), "15": send(signal.SIGTERM)}
+"""
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns"])
+async def test_only_the_parents_death_makes_pid_1_end_the_template(
+    agents: Agents, combination: str
+) -> None:
+    """PID 1 cancels the episodes and ends the namespace on SIGTERM from outside it (the outer
+    process, at the parent's death) only: the import's SIGTERM changes nothing, and an episode
+    cannot signal PID 1 at all (its Landlock domain)."""
+    needs_template(combination)
+    spec = agents.spec(SIGTERM_TO_PID_1, containment=combination, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    assert first.info == {
+        "import": "sent",
+        "taken": True,
+        "0": "PermissionError",
+        "15": "PermissionError",
+    }, first.info
+    (template,) = _internals.started_templates()
+    second = await isolate.run_episode(spec, {})
+    assert (second.status, second.start) == ("ok", "template"), second.summary()
+    assert _internals.started_templates() == [template]
+    assert template.alive()
     await isolate.close_templates()
     assert template_processes(agents) == []
 

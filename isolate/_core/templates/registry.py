@@ -80,6 +80,8 @@ def _key(
         # The importer is walled in as its episodes are: their limits and sandbox are its.
         spec.limits.model_dump_json() if spec.limits is not None else None,
         spec.sandbox.model_dump_json() if spec.sandbox is not None else None,
+        # Should the parent die, the template's PID 1 gives its episodes this long to clean up.
+        spec.cancel_grace,
     )
 
 
@@ -207,6 +209,7 @@ async def _start(
             "entrypoint": spec.entrypoint,
             "agent_root": agent_root,
             "preload": list(preload_list(spec)),
+            "cancel_grace": spec.cancel_grace,
         }
         try:
             # The wall goes as a file: a sandbox's rules can outgrow a control message.
