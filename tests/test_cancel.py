@@ -458,7 +458,9 @@ def where():
 """
 
 
-def kill_the_parent_of_a_template(agents: Agents, code: str, mode: str, grace: float) -> float:
+def kill_the_parent_of_a_template(
+    agents: Agents, code: str, mode: str, grace: float, python: str = sys.executable
+) -> float:
     """Run ``code`` as a template's episode under a parent process, at ``cgroup+pidns``; once
     it is ready, SIGKILL the parent and wait until no process of the test is left (the
     template's included): the seconds that took."""
@@ -472,6 +474,7 @@ def kill_the_parent_of_a_template(agents: Agents, code: str, mode: str, grace: f
         cancel_grace=grace,
         containment="cgroup+pidns",
         preload=True,
+        python=python,
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PARENT_OF_A_TEMPLATE), spec.model_dump_json(), mode]
@@ -492,8 +495,22 @@ def kill_the_parent_of_a_template(agents: Agents, code: str, mode: str, grace: f
     return took
 
 
-@pytest.mark.parametrize("mode", ["alone", "pairs"])
-def test_clean_up_runs_after_the_parent_of_a_template_is_killed(agents: Agents, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "python"),
+    [
+        pytest.param("alone", sys.executable, id="alone"),
+        pytest.param("pairs", sys.executable, id="pairs"),
+        pytest.param(
+            "alone",
+            PY39,
+            id="alone-python3.9",
+            marks=pytest.mark.skipif(not os.path.exists(PY39), reason=f"{PY39} is not installed"),
+        ),
+    ],
+)
+def test_clean_up_runs_after_the_parent_of_a_template_is_killed(
+    agents: Agents, mode: str, python: str
+) -> None:
     """The template's PID 1 cancels its episodes and gives them ``cancel_grace`` before the
     namespace ends."""
     code = """
@@ -506,7 +523,7 @@ def run(data):
         time.sleep(0.1)  # a release that takes a moment
         mark("cleaned", str(child.poll() is None))
 """
-    took = kill_the_parent_of_a_template(agents, code, mode, 10.0)
+    took = kill_the_parent_of_a_template(agents, code, mode, 10.0, python)
     assert (agents.pids / "cleaned").read_text() == "True"  # its subprocess still there
     # The clean-up's 0.1 s, then the bound of a fresh episode (2 s), far below cancel_grace.
     assert took <= 0.1 + 2.0 * SLOW
