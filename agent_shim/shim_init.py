@@ -6,7 +6,8 @@ die, the template's outer process sends it SIGTERM: it cancels every episode for
 template as the parent would (SIGINT, then SIGCONT), waits for them to exit for at most the
 template's ``cancel_grace``, and exits, which ends the namespace (the kernel kills what is
 left). A SIGTERM sent from inside the namespace is ignored: only one from outside it (its
-sender's pid reads 0 here) counts.
+sender's pid reads 0 here) counts. Without a PID namespace the outer process does the same
+itself (stop_and_cancel), the importer stopped meanwhile, then kills all below it.
 
 Loaded by the template with ``load_part("init")``. Standard library only, Python 3.9+.
 """
@@ -52,7 +53,7 @@ def init(importer, life, grace):
             os._exit(0)
         info = signal.sigwaitinfo([signal.SIGCHLD, signal.SIGTERM])
         if info.si_signo == signal.SIGTERM and info.si_pid == 0:
-            cancel_episodes(importer, life, grace)
+            cancel_episodes((1, importer), grace, lambda: reap(importer, life))
             os._exit(0)  # the namespace ends with PID 1: the kernel kills what is left
 
 
@@ -72,17 +73,29 @@ def reap(importer, life):
             tell(life, status)
 
 
-def cancel_episodes(importer, life, grace):
-    """Send each episode fork SIGINT, then SIGCONT (a stopped one wakes with it pending), and
-    wait until all have exited, ``grace`` seconds at most, reaping meanwhile. ``grace`` 0:
-    none is cancelled, as a fresh episode with ``cancel_grace=0`` is not."""
+def stop_and_cancel(importer, grace):
+    """Without a PID namespace, in the outer process once the parent is gone: stop the
+    importer (it neither forks nor exits meanwhile: its forks stay its children), then cancel
+    its forks as PID 1 does. The outer process kills all below the importer after."""
+    try:
+        os.kill(importer, signal.SIGSTOP)  # its child: the pid is not reused before the wait
+    except OSError:
+        return
+    cancel_episodes((importer,), grace, lambda: None)
+
+
+def cancel_episodes(parents, grace, reap):
+    """Send each episode fork (see episode_forks) SIGINT, then SIGCONT (a stopped one wakes
+    with it pending), and wait until all have exited, ``grace`` seconds at most, calling
+    ``reap`` meanwhile. ``grace`` 0: none is cancelled, as a fresh episode with
+    ``cancel_grace=0`` is not."""
     if grace <= 0:
         return
     end = time.monotonic() + grace
     poller = select.poll()
     waiting = set()
-    for pid in episode_forks(importer):
-        pidfd = open_fork(pid, importer)
+    for pid in episode_forks(parents):
+        pidfd = open_fork(pid, parents)
         if pidfd is None:
             continue
         for sig in (signal.SIGINT, signal.SIGCONT):
@@ -93,7 +106,7 @@ def cancel_episodes(importer, life, grace):
         poller.register(pidfd, select.POLLIN)
         waiting.add(pidfd)
     while waiting:
-        reap(importer, life)
+        reap()
         left = end - time.monotonic()
         if left <= 0:
             return
@@ -104,21 +117,21 @@ def cancel_episodes(importer, life, grace):
             os.close(pidfd)
 
 
-def episode_forks(importer):
-    """The pids of the template's forks: the children of the importer (or, once it is gone,
-    of PID 1) that lead a session of their own, as a fork does from its start. A process the
-    agent's code started in the template in a session of its own is among them: it gets the
-    same SIGINT."""
+def episode_forks(parents):
+    """The pids of the template's forks: the children of ``parents`` (the importer; with a
+    PID namespace also its PID 1, their parent once the importer is gone) that lead a session
+    of their own, as a fork does from its start. A process the agent's code started in the
+    template in a session of its own is among them: it gets the same SIGINT."""
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and is_fork(int(entry), importer):
+        if entry.isdigit() and is_fork(int(entry), parents):
             found.append(int(entry))
     return found
 
 
-def is_fork(pid, importer):
+def is_fork(pid, parents):
     """Whether ``pid`` is a fork of the template now (see episode_forks)."""
-    if pid in (1, importer):
+    if pid in parents:
         return False
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
@@ -126,17 +139,17 @@ def is_fork(pid, importer):
     except (OSError, IndexError):
         return False
     # After the command: state, ppid, process group, session.
-    return int(fields[1]) in (1, importer) and int(fields[3]) == pid
+    return int(fields[1]) in parents and int(fields[3]) == pid
 
 
-def open_fork(pid, importer):
+def open_fork(pid, parents):
     """A pidfd of the fork ``pid``, checked once open (its number could have been reused
     since the scan); None if it is gone or not a fork."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         return None
-    if is_fork(pid, importer):
+    if is_fork(pid, parents):
         return pidfd
     os.close(pidfd)
     return None

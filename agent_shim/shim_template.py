@@ -30,8 +30,8 @@ it. Three processes, of which only the last ever holds the agent's code:
 - the outer one (the parent's child) watches LIFE and its child. When the parent is gone it
   ends the rest: with a PID namespace its child is that namespace's PID 1, which it tells
   (SIGTERM) to cancel the episodes and end, killing it should it outlast their
-  ``cancel_grace``; otherwise it kills the importer and all below it at once, and sends the
-  importer's wait status on LIFE;
+  ``cancel_grace``; otherwise it stops the importer, cancels the forks itself as PID 1 does,
+  then kills the importer and all below it, and sends the importer's wait status on LIFE;
 - with a PID namespace, its PID 1: it mounts the namespace's /proc, forks the importer, sends
   its wait status on LIFE and reaps what is left; it ends, and the namespace with it, once
   the importer and every episode forked from it have ended, or once the episodes have had
@@ -301,9 +301,10 @@ def enter_wall(wall, control, life, grace):
 def watch(child, life, leaves, below, grace):
     """The outer process: exit once ``child`` has. Should the parent go first, end ``child``:
     PID 1, which lets the episodes clean up (``grace``) and ends the whole namespace
-    (end_namespace); or, without a namespace (``below``), kill the importer, its cgroup
-    ``leaves`` and every process below it (a subreaper: whatever it started is there), and
-    send its wait status on LIFE. Never returns."""
+    (end_namespace); or, without a namespace (``below``), stop the importer, let its forks
+    clean up (``grace``, shim_init.stop_and_cancel), then kill it, its cgroup ``leaves`` and
+    every process below it (a subreaper: whatever it started is there), and send its wait
+    status on LIFE. Never returns."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
     poller = select.poll()
@@ -324,6 +325,8 @@ def watch(child, life, leaves, below, grace):
                 break
         if life in ready and not os.read(life, 64):
             if below or pidfd is None:
+                if below:  # its forks, each a supervisor and its worker, clean up first
+                    shim.load_part("init").stop_and_cancel(child, grace)
                 kill_all(child, leaves, below)
             else:
                 end_namespace(pidfd, grace)

@@ -459,20 +459,25 @@ def where():
 
 
 def kill_the_parent_of_a_template(
-    agents: Agents, code: str, mode: str, grace: float, python: str = sys.executable
+    agents: Agents,
+    code: str,
+    mode: str,
+    grace: float,
+    python: str = sys.executable,
+    containment: str = "cgroup+pidns",
 ) -> float:
-    """Run ``code`` as a template's episode under a parent process, at ``cgroup+pidns``; once
+    """Run ``code`` as a template's episode under a parent process, at ``containment``; once
     it is ready, SIGKILL the parent and wait until no process of the test is left (the
     template's included): the seconds that took."""
-    problem = _containment.problem("cgroup+pidns")
+    problem = _containment.problem(containment)
     if problem is not None:
-        pytest.skip(f"containment 'cgroup+pidns' is not available here: {problem}")
+        pytest.skip(f"containment {containment!r} is not available here: {problem}")
     spec = agents.spec(
         HELPERS + FORKED + code,
         timeout=120.0,
         kill_grace=1.0,
         cancel_grace=grace,
-        containment="cgroup+pidns",
+        containment=containment,
         preload=True,
         python=python,
     )
@@ -495,13 +500,23 @@ def kill_the_parent_of_a_template(
     return took
 
 
+#: How a template's episode is run: its forks ``alone`` or in ``pairs``, its containment (with a
+#: PID namespace, or without one: then always pairs) and its Python.
+TEMPLATE_RUNS = [
+    pytest.param("alone", "cgroup+pidns", sys.executable, id="alone"),
+    pytest.param("pairs", "cgroup+pidns", sys.executable, id="pairs"),
+    pytest.param("pairs", "cgroup", sys.executable, id="cgroup"),
+    pytest.param("pairs", "session", sys.executable, id="session"),
+]
+
+
 @pytest.mark.parametrize(
-    ("mode", "python"),
+    ("mode", "containment", "python"),
     [
-        pytest.param("alone", sys.executable, id="alone"),
-        pytest.param("pairs", sys.executable, id="pairs"),
+        *TEMPLATE_RUNS,
         pytest.param(
             "alone",
+            "cgroup+pidns",
             PY39,
             id="alone-python3.9",
             marks=pytest.mark.skipif(not os.path.exists(PY39), reason=f"{PY39} is not installed"),
@@ -509,10 +524,10 @@ def kill_the_parent_of_a_template(
     ],
 )
 def test_clean_up_runs_after_the_parent_of_a_template_is_killed(
-    agents: Agents, mode: str, python: str
+    agents: Agents, mode: str, containment: str, python: str
 ) -> None:
-    """The template's PID 1 cancels its episodes and gives them ``cancel_grace`` before the
-    namespace ends."""
+    """The template's PID 1 (without a PID namespace, its outer process) cancels its episodes
+    and gives them ``cancel_grace`` before it kills what is left."""
     code = """
 def run(data):
     child = subprocess.Popen(["sleep", "300"])
@@ -523,15 +538,15 @@ def run(data):
         time.sleep(0.1)  # a release that takes a moment
         mark("cleaned", str(child.poll() is None))
 """
-    took = kill_the_parent_of_a_template(agents, code, mode, 10.0, python)
+    took = kill_the_parent_of_a_template(agents, code, mode, 10.0, python, containment)
     assert (agents.pids / "cleaned").read_text() == "True"  # its subprocess still there
     # The clean-up's 0.1 s, then the bound of a fresh episode (2 s), far below cancel_grace.
     assert took <= 0.1 + 2.0 * SLOW
 
 
-@pytest.mark.parametrize("mode", ["alone", "pairs"])
+@pytest.mark.parametrize(("mode", "containment", "python"), TEMPLATE_RUNS)
 def test_a_template_episode_that_ignores_sigint_ends_after_the_parents_death(
-    agents: Agents, mode: str
+    agents: Agents, mode: str, containment: str, python: str
 ) -> None:
     """Cut short at ``cancel_grace``: gone by then, plus the margin of the template's outer
     process (1 s) and the teardown's."""
@@ -541,7 +556,7 @@ def run(data):
     mark("ready", where())
     time.sleep(300)
 """
-    took = kill_the_parent_of_a_template(agents, code, mode, 2.0)
+    took = kill_the_parent_of_a_template(agents, code, mode, 2.0, python, containment)
     assert 2.0 <= took <= 2.0 + 1.0 + 1.0 * SLOW
 
 
