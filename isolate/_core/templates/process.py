@@ -63,7 +63,8 @@ class Template:
         self.sandbox = wall.sandbox
         #: Its forks are the episodes' workers themselves (``Forked.alone``): where each has a
         #: cgroup leaf, whose ``cgroup.kill`` takes whatever the agent left behind, and the
-        #: template a PID namespace, whose end takes them all when the parent dies.
+        #: template a PID namespace, whose PID 1 cancels them all when the parent dies, and
+        #: whose end then takes what is left.
         self.forks_alone = wall.leaves is not None and "pidns" in wall.layers
         self.importer: int | None = None
         self.importer_fd: int | None = None
