@@ -120,8 +120,11 @@ def cancel_episodes(parents, grace, reap):
 def episode_forks(parents):
     """The pids of the template's forks: the children of ``parents`` (the importer; with a
     PID namespace also its PID 1, their parent once the importer is gone) that lead a session
-    of their own, as a fork does from its start. A process the agent's code started in the
-    template in a session of its own is among them: it gets the same SIGINT."""
+    of their own, as a fork does from its start. Any other process there that leads a session
+    of its own is among them, and gets the same SIGINT and wait: one the agent's code started
+    in the template, or a daemon an episode left to the importer (a fork that is its own
+    worker leaves its orphans there). That costs at most the wait: nothing holds the namespace
+    past ``cancel_grace``."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and is_fork(int(entry), parents):
