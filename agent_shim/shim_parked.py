@@ -12,6 +12,10 @@ the pipe on which the worker says its final frame is out; the worker then runs
 A fork handed its episode at once (no pool) forks its worker after the handshake, as a fresh
 start does. Should the parked worker die, the fork exits too, and the pool replaces the pair.
 
+Where the parent asks for it, each fork first makes a user namespace of its own, and in it
+IPC and UTS ones (``own_namespaces``), before the template reports it: no fork of a template
+reaches another's System V objects, message queues or hostname.
+
 Loaded by the template before its first fork, with ``load_part("parked")``. Standard library
 only, Python 3.9+.
 """
@@ -28,6 +32,46 @@ EPISODE_ENV = wire.EPISODE_ENV
 send, receive = wire.send_message, wire.receive_message
 #: The handshake goes to the worker in packets of at most this many bytes.
 PACKET = 65536
+
+
+#: The namespaces each fork of a template makes for itself where the parent asks it to
+#: (``fork_unshare`` in the template's wall): a user namespace, so that it may, and in it IPC
+#: and UTS ones, so that no System V object, POSIX message queue or hostname of another
+#: episode of the same template is in its reach.
+OWN_NAMESPACES = shim.CLONE_NEWUSER | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
+
+
+def unshare_flags(wall):
+    """The flags of ``unshare`` a template's filter allows, for its forks: :data:`OWN_NAMESPACES`
+    where its ``wall`` asks for them, else 0."""
+    return OWN_NAMESPACES if wall.get("fork_unshare") else 0
+
+
+def own_namespaces(gate):
+    """In a fork just made: unshare :data:`OWN_NAMESPACES`, then say ``ok`` (or the problem)
+    on the write end of ``gate``, a pipe the template reads before it reports the fork. The
+    parent maps the new user namespace's ids (root to root: only a process that holds
+    CAP_SETFCAP outside may, and neither the template nor its forks do). True if done."""
+    os.close(gate[0])
+    result, errno = shim.c_call("unshare", OWN_NAMESPACES)
+    said = b"ok" if result == 0 else ("unshare(user+ipc+uts): " + os.strerror(errno)).encode()
+    try:
+        os.write(gate[1], said)
+    finally:
+        os.close(gate[1])
+    return result == 0
+
+
+def namespaces():
+    """This process's namespaces, as the inode numbers of ``/proc/self/ns/*``: the template
+    compares them before and after its import."""
+    found = []
+    for kind in ("user", "ipc", "uts", "mnt", "net", "pid", "cgroup"):
+        try:
+            found.append(os.stat("/proc/self/ns/" + kind).st_ino)
+        except OSError:
+            found.append(None)
+    return found
 
 
 def park(hand, own, shim_main, random_state):

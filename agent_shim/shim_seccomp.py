@@ -15,7 +15,10 @@ What the filter decides, on x86_64 and aarch64 (little-endian, 64-bit processes)
   other processes' memory, kernel modules and kexec, bpf, the key store, userfaultfd, io_uring
   (whose operations no filter sees) and perf events;
 - ``clone`` and ``unshare`` asking for a new namespace (``NAMESPACE_FLAGS`` in the low 32 bits
-  of their first argument, the flags on both architectures): EPERM;
+  of their first argument, the flags on both architectures): EPERM. A template's importer
+  (``install(unshare=FLAGS)``) may call ``unshare`` with exactly ``FLAGS``, so that each of its
+  forks can make namespaces of its own (shim_parked.py); the forks' workers, under a second
+  filter without it, cannot;
 - ``clone3``: ENOSYS, since its flags lie in memory a filter cannot read; glibc then falls back
   to ``clone``, so threads and fork keep working;
 - everything else (``chroot`` too): allowed.
@@ -150,9 +153,11 @@ _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, _SECCOMP_FILTER_FLAG_SPEC_ALLOW = 1, 1, 4
 
 
-def program(machine):
+def program(machine, unshare=0):
     """The filter for ``machine`` (``os.uname().machine``) as struct sock_filter bytes, or None
-    where there is no table for it (or this process is not a 64-bit little-endian one)."""
+    where there is no table for it (or this process is not a 64-bit little-endian one).
+    ``unshare``: flags (of ``NAMESPACE_FLAGS``) that ``unshare`` may take, all at once and
+    nothing else; 0: none."""
     if machine not in _ARCHES or sys.maxsize < 1 << 32 or sys.byteorder != "little":
         return None
     audit_arch, numbers = _ARCHES[machine]
@@ -160,18 +165,25 @@ def program(machine):
     tests = [(_JSET, _X32_BIT, "eperm")] if machine == "x86_64" else []
     tests += [(_JEQ, numbers[name], "eperm") for name in SYSCALLS_REFUSED]
     tests += [(_JEQ, numbers[name], "enosys") for name in SYSCALLS_ENOSYS]
+    if unshare:
+        tests.append((_JEQ, numbers["unshare"], "unshare"))
     tests += [(_JEQ, numbers[name], "flags") for name in SYSCALLS_NO_NAMESPACE]
     # By index: 0 load the arch, 1 another one: kill, 2 load the number, 3... the tests; then
-    # allow; "flags": load the low half of argument 0, a namespace flag: eperm, allow; "eperm";
-    # "enosys"; "kill". A jump's offset counts from the next instruction.
+    # allow; "unshare": load the low half of argument 0, exactly the flags allowed: allow, else
+    # on to "flags": load it (again), a namespace flag: eperm, allow; "eperm"; "enosys";
+    # "kill". A jump's offset counts from the next instruction. The kernel refuses flags in
+    # the high half (EINVAL).
     end = 3 + len(tests)
-    at = {"flags": end + 1, "eperm": end + 4, "enosys": end + 5, "kill": end + 6}
+    at = {"unshare": end + 1, "flags": end + 3, "eperm": end + 6, "enosys": end + 7}
+    at["kill"] = end + 8
     code = [(_LD_ABS_W, 0, 0, _ARCH), (_JEQ, 0, at["kill"] - 2, audit_arch)]
     code.append((_LD_ABS_W, 0, 0, _NR))
     code += [(op, at[to] - 4 - i, 0, k) for i, (op, k, to) in enumerate(tests)]
     code += [
         (_RET, 0, 0, _ALLOW),
-        (_LD_ABS_W, 0, 0, _ARG0_LOW),
+        (_LD_ABS_W, 0, 0, _ARG0_LOW),  # "unshare"
+        (_JEQ, 2, 0, unshare),  # to the allow after "flags"
+        (_LD_ABS_W, 0, 0, _ARG0_LOW),  # "flags"
         (_JSET, 1, 0, NAMESPACE_FLAGS),  # to "eperm"
         (_RET, 0, 0, _ALLOW),
         (_RET, 0, 0, _ERRNO | EPERM),
@@ -185,11 +197,12 @@ def program(machine):
     )
 
 
-def install():
+def install(unshare=0):
     """Load the filter into this process, every thread of it (TSYNC) and all it starts from
-    then on: a problem in words, or None when the filter is in place."""
+    then on: a problem in words, or None when the filter is in place. ``unshare``: as for
+    :func:`program`."""
     machine = os.uname().machine
-    code = program(machine)
+    code = program(machine, unshare)
     if code is None:
         if machine in _ARCHES:
             return "no seccomp syscall table for a %d-bit process on %s" % (

@@ -9,7 +9,7 @@ packet:
 - parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...],
   "cancel_grace"}`` (the episodes', for the parent's death: shim_init.py) carrying a file
   (a memfd) that holds the wall as JSON: an episode's containment (``containment``,
-  ``cgroups``, ``userns``, ``sandbox``), which can outgrow a message;
+  ``cgroups``, ``userns``, ``sandbox``, ``fork_unshare``), which can outgrow a message;
 - template -> parent: ``{"t": "ready", "seconds"}`` carrying a pidfd of the importing process,
   or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
   containable, not importable, or not safe to fork (a thread running, a process the import
@@ -66,8 +66,11 @@ THREAD_GRACE = 0.5
 END_MARGIN = 1.0
 
 
-def fork_hazard(control, process_table):
-    """Why forking this process would not give each episode a clean copy, or None."""
+def fork_hazard(control, process_table, spaces):
+    """Why forking this process would not give each episode a clean copy, or None.
+    ``spaces``: its namespaces before the import (``shim_parked.namespaces``)."""
+    if shim.load_part("parked").namespaces() != spaces:
+        return "the import entered namespaces of its own: its forks would share them"
     end = time.monotonic() + THREAD_GRACE
     while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < end:
         time.sleep(0.01)
@@ -198,11 +201,13 @@ def preload_and_loop():
     for fd in fds:
         os.close(fd)
     grace = shim.load_part("init").grace_of(message)
-    problem = enter_wall(wall if isinstance(wall, dict) else {}, control, life, grace)
+    wall = wall if isinstance(wall, dict) else {}
+    problem = enter_wall(wall, control, life, grace)
     if problem is not None:
         sys.stderr.write("isolate template: cannot contain the template: %s\n" % problem)
         send(control, {"t": "refused", "reason": "cannot contain the template: " + problem})
         return 1
+    spaces = shim.load_part("parked").namespaces()
     started = time.monotonic()
     try:
         shim.load_part("worker").load_entrypoint(message["entrypoint"], message.get("agent_root"))
@@ -216,7 +221,7 @@ def preload_and_loop():
         send(control, {"t": "refused", "reason": reason})
         return 1
     process_table = shim.load_part("supervisor").process_table
-    reason = fork_hazard(control, process_table)
+    reason = fork_hazard(control, process_table, spaces)
     if reason is not None:
         sys.stderr.write("isolate template: preload refused: %s\n" % reason)
         kill_children(process_table)  # nothing the import started outlives the refusal
@@ -233,7 +238,7 @@ def preload_and_loop():
     send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
     if me is not None:
         os.close(me)
-    loop(control, shim.main, state, process_table)
+    loop(control, shim.main, state, process_table, bool(wall.get("fork_unshare")))
     return 0
 
 
@@ -294,7 +299,8 @@ def enter_wall(wall, control, life, grace):
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
-        return worker.harden()
+        # Its forks (not their workers) may make namespaces of their own: own_namespaces.
+        return worker.harden(shim.load_part("parked").unshare_flags(wall))
     return None
 
 
@@ -380,7 +386,7 @@ def kill_all(child, leaves, below):
     supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last
 
 
-def loop(control, shim_main, random_state, process_table):
+def loop(control, shim_main, random_state, process_table, unshare):
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -408,7 +414,7 @@ def loop(control, shim_main, random_state, process_table):
             if message.get("t") == "park" and len(fds) == 2:
                 reply, hand = socket.socket(fileno=fds[0]), socket.socket(fileno=fds[1])
                 others = own + list(replies.values())
-                pid = fork(hand, reply, others, shim_main, random_state)
+                pid = fork(hand, reply, others, shim_main, random_state, unshare)
                 if pid is not None:
                     replies[pid] = reply
             else:
@@ -431,29 +437,40 @@ def loop(control, shim_main, random_state, process_table):
                 reply.close()
 
 
-def fork(hand, reply, own, shim_main, random_state):
-    """Fork a parked process that waits for its episode on ``hand``; here, report its pid (and
-    a pidfd) on its reply socket. None if the fork failed (the reply says why)."""
+def fork(hand, reply, own, shim_main, random_state, unshare):
+    """Fork a parked process that waits for its episode on ``hand`` (with ``unshare``, in
+    namespaces of its own first); here, report its pid (and a pidfd) on its reply socket.
+    None if the fork failed (the reply says why)."""
+    gate, problem = os.pipe() if unshare else None, None
     try:
         pid = os.fork()
     except OSError as exc:
-        hand.close()
-        try:
-            send(reply, {"t": "error", "reason": "fork: %s" % (exc.strerror or exc)})
-        except OSError:
-            pass
-        reply.close()
-        return None
+        pid, problem = None, "fork: %s" % (exc.strerror or exc)
     if pid == 0:
         code = 1
         try:
-            code = shim.load_part("parked").park(hand, own + [reply], shim_main, random_state)
+            parked = shim.load_part("parked")
+            if gate is None or parked.own_namespaces(gate):
+                code = parked.park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback
 
             traceback.print_exc()
         shim.leave(code)
     hand.close()
+    if gate is not None:
+        os.close(gate[1])
+        if pid is not None:
+            said = os.read(gate[0], 512)  # EOF if it died first
+            problem = None if said == b"ok" else "fork: " + (said.decode() or "died at once")
+        os.close(gate[0])
+    if pid is None or problem is not None:
+        try:
+            send(reply, {"t": "error", "reason": problem})
+        except OSError:
+            pass
+        reply.close()
+        return None  # a fork that failed exits by itself, reaped with the rest
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     try:
         send(reply, {"t": "forked", "pid": pid}, [pidfd] if pidfd is not None else ())

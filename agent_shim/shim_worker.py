@@ -210,13 +210,14 @@ def enter_sandbox(sandbox, channel):
     return True
 
 
-def harden():
+def harden(unshare=0):
     """The last step before the agent's code: a syscall filter (mounts, namespaces, other
     processes' memory and fds, kernel keys and modules...; shim_seccomp.py), then every
     capability that reaches past the episode dropped from all five sets, so that nothing the
     agent execs gets one back; the worker stays not dumpable. A problem, or None. A kernel
-    without seccomp is said in the log, and the rest still holds."""
-    problem = shim.load_part("seccomp").install()
+    without seccomp is said in the log, and the rest still holds. ``unshare``: the flags of
+    ``unshare`` the filter allows (a template's importer, for its forks)."""
+    problem = shim.load_part("seccomp").install(unshare)
     if problem is not None:
         sys.stderr.write("isolate shim: no syscall filter: %s\n" % problem)
     problem = drop_capabilities()

@@ -607,6 +607,31 @@ def test_program_decides_as_documented(machine: str) -> None:
     assert x32 == (EPERM if machine == "x86_64" else ALLOW)
 
 
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_a_template_importers_program_allows_exactly_its_unshare(machine: str) -> None:
+    """``program(machine, unshare=FLAGS)``: ``unshare`` with exactly FLAGS is allowed; with any
+    other namespace flag, or FLAGS and one more, EPERM; ``clone`` with FLAGS stays refused;
+    the rest decides as without it."""
+    flags = NAMESPACES["user"] | NAMESPACES["ipc"] | NAMESPACES["uts"]
+    code, plain = PART.program(machine, flags), PART.program(machine)
+    audit_arch, numbers = AUDIT_ARCH[machine], NUMBERS[machine]
+    unshare, clone = numbers["unshare"], numbers["clone"]
+    assert run_filter(code, audit_arch, unshare, flags) == ALLOW
+    assert run_filter(plain, audit_arch, unshare, flags) == EPERM
+    assert run_filter(code, audit_arch, clone, flags) == EPERM
+    for flag in NAMESPACES.values():
+        assert run_filter(code, audit_arch, unshare, flag) == EPERM, flag
+        if not flag & flags:
+            assert run_filter(code, audit_arch, unshare, flags | flag) == EPERM, flag
+    assert run_filter(code, audit_arch, unshare, flags | CLONE_THREAD) == EPERM
+    assert run_filter(code, audit_arch, unshare, CLONE_THREAD) == ALLOW
+    for nr in range(600):
+        for arg0 in (0, CLONE_THREAD):
+            if nr != unshare:
+                want = run_filter(plain, audit_arch, nr, arg0)
+                assert run_filter(code, audit_arch, nr, arg0) == want, (nr, arg0)
+
+
 def test_program_per_architecture() -> None:
     x86, arm = PART.program("x86_64"), PART.program("aarch64")
     assert len(x86) == len(arm) + 8  # the x32 check

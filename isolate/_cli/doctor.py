@@ -252,6 +252,11 @@ def _preload_report(
     refused, seconds = anyio.run(_templates.try_start, spec)
     if refused is None:
         report.line("ok", f"a preloaded template imports it in {seconds:.2f} s and can be forked")
+        try:
+            level = _containment.resolve(containment, None)[0]
+        except SetupProblem:
+            return  # resolved as the template's was: not reached
+        report.line("info", _templates.shared_by_forks(level))
         return
     report.line("FAIL", f"preload refused: {refused}; episodes with preload would start fresh")
     fix = _templates.remedy(refused)

@@ -9,7 +9,9 @@ import may start and what survives a template:
 - the parent's death: takes the template and what it started (``PR_SET_PDEATHSIG``, PID 1).
 - writes and reads of the sandboxed import: only what an episode may (the sandbox's mounts and
   Landlock rules are made before the import).
-- episodes of one template: cannot reach each other (each fork's own PID namespace).
+- episodes of one template: cannot reach each other (each fork's own Landlock domain), nor
+  each other's System V objects (each fork's own IPC namespace, in a user namespace of its
+  own, where the trainer is root); an import that enters namespaces of its own is refused.
 - PID 1 of the template's namespace: ends it only on a SIGTERM from outside (the parent's
   death); the import's is ignored, and an episode cannot signal it.
 - a refused template is not tried again for the next episode."""
@@ -543,6 +545,142 @@ async def test_only_the_parents_death_makes_pid_1_end_the_template(
     assert (second.status, second.start) == ("ok", "template"), second.summary()
     assert _internals.started_templates() == [template]
     assert template.alive()
+    await isolate.close_templates()
+    assert template_processes(agents) == []
+
+
+#: A System V segment made by one episode of a template, looked for by its siblings: by key,
+#: in /proc/sysvipc/shm, and attached, while it lives and after its episode ended. Run in
+#: plain processes too (the control), with PID_DIR set.
+SYSV = r"""
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+IPC_CREAT, SHM_RDONLY = 0o1000, 0o10000
+FAILED = ctypes.c_void_p(-1).value
+
+
+def mark(name):
+    open(os.path.join(os.environ["PID_DIR"], name), "w").close()
+
+
+def wait(name):
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], name)):
+        time.sleep(0.01)
+
+
+def look(key, size):
+    keys = [int(line.split()[0]) for line in open("/proc/sysvipc/shm").readlines()[1:]]
+    found = {"listed": key in keys, "read": None}
+    shmid = libc.shmget(key, 0, 0)
+    address = libc.shmat(shmid, None, SHM_RDONLY) if shmid >= 0 else FAILED
+    if address not in (FAILED, None):
+        found["read"] = ctypes.string_at(address, size).decode()
+    return found
+
+
+def run(data):
+    key, secret, role = data["key"], data["credential"], data["role"]
+    if role == "writer":
+        shmid = libc.shmget(key, 4096, IPC_CREAT | 0o600)
+        address = libc.shmat(shmid, None, 0)
+        ctypes.memmove(address, secret.encode(), len(secret))
+        mark("written")
+        wait("checked")
+        ids = open("/proc/self/uid_map").read().split()
+        return 1.0, {"own": look(key, len(secret)), "uid_map": ids}
+    if role == "sibling":
+        wait("written")
+        found = look(key, len(secret))
+        mark("checked")
+        return 1.0, {"sibling": found}
+    return 1.0, {"later": look(key, len(secret))}
+"""
+
+
+def test_the_system_v_attack_reaches_a_segment_from_a_plain_process(tmp_path: Path) -> None:
+    """The control: two plain processes of one IPC namespace, as the episodes below try."""
+    (tmp_path / "sysv.py").write_text(SYSV)
+    key = 0x154_0000 + os.getpid() % 0xFFFF
+    data = {"key": key, "credential": f"sk-sysv-{os.urandom(8).hex()}"}
+    script = "import json, sys, sysv; print(json.dumps(sysv.run(json.loads(sys.argv[1]))[1]))"
+    env = {**os.environ, "PID_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    run = [sys.executable, "-c", script]
+    try:
+        writer = subprocess.Popen(
+            [*run, json.dumps({**data, "role": "writer"})], env=env, stdout=subprocess.PIPE
+        )
+        sibling = subprocess.run(
+            [*run, json.dumps({**data, "role": "sibling"})], env=env, capture_output=True
+        )
+        out, _ = writer.communicate(timeout=30)
+        assert json.loads(sibling.stdout)["sibling"] == {"listed": True, "read": data["credential"]}
+        assert json.loads(out)["own"]["read"] == data["credential"]
+    finally:
+        subprocess.run(["ipcrm", "-M", str(key)], capture_output=True)
+
+
+@pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns"])
+async def test_episodes_of_one_template_share_no_system_v_object(
+    agents: Agents, combination: str
+) -> None:
+    """Each fork of a template makes IPC and UTS namespaces of its own, in a user namespace
+    that maps every id to itself: a segment one episode made is not listed, found by its key
+    or attached by a sibling forked from the same template, nor by a later one."""
+    needs_template(combination)
+    if os.geteuid() != 0:
+        pytest.skip("an unprivileged trainer's forks share the template's user namespace")
+    spec = agents.spec(SYSV, containment=combination, preload=True)
+    key = 0x155_0000 + os.getpid() % 0xFFFF
+    data = {"key": key, "credential": f"sk-sysv-{os.urandom(8).hex()}"}
+    results: dict[str, isolate.EpisodeOutcome] = {}
+
+    async def one(role: str) -> None:
+        results[role] = await isolate.run_episode(spec, {**data, "role": role})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "writer")
+        tg.start_soon(one, "sibling")
+    await one("later")
+    for outcome in results.values():
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    absent = {"listed": False, "read": None}
+    assert results["writer"].info == {
+        "own": {"listed": True, "read": data["credential"]},
+        "uid_map": ["0", "0", "4294967295"],
+    }
+    assert results["sibling"].info == {"sibling": absent}
+    assert results["later"].info == {"later": absent}
+    (template,) = _internals.started_templates()
+    assert template.own_namespaces
+    await isolate.close_templates()
+    assert template_processes(agents) == []
+
+
+#: Import code that moves the template into namespaces of its own (the one unshare its filter
+#: allows, for its forks): the forks would share them.
+UNSHARE_AT_IMPORT = """
+import ctypes, os
+_done = ctypes.CDLL(None).unshare(0x10000000 | 0x08000000 | 0x04000000) == 0
+with open(os.path.join(os.environ["PID_DIR"], "unshared"), "a") as f:
+    f.write(str(_done) + "\\n")
+def run(data):
+    return 1.0
+"""
+
+
+async def test_an_import_that_enters_namespaces_of_its_own_is_refused(agents: Agents) -> None:
+    needs_template("cgroup+pidns")
+    if os.geteuid() != 0:
+        pytest.skip("an unprivileged trainer's forks share the template's user namespace")
+    spec = agents.spec(UNSHARE_AT_IMPORT, containment="cgroup+pidns", preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused == (
+        "the import entered namespaces of its own: its forks would share them"
+    )
+    # Done in the template (its filter allows it, for its forks); refused in the fresh start.
+    assert (agents.pids / "unshared").read_text().split() == ["True", "False"]
     await isolate.close_templates()
     assert template_processes(agents) == []
 

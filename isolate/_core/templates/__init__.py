@@ -19,10 +19,12 @@ With :func:`park`, a template keeps forks parked ahead of demand, each in a cgro
 own, waiting for its hand-over (``pool``).
 
 The parts: ``process`` (one template and its forks), ``pool`` (its parked forks),
+``namespaces`` (each fork's own user, IPC and UTS namespaces),
 ``registry`` (the templates of this process, by key).
 """
 
 from .forked import Forked, TemplateGone, pidfd_pid
+from .namespaces import shared as shared_by_forks
 from .pool import MAX_PARKED, QUIET_MS, Pool
 from .process import Template
 from .registry import (
@@ -52,6 +54,7 @@ __all__ = [
     "preload_list",
     "try_start",
     "remedy",
+    "shared_by_forks",
     "started_templates",
     "unusable",
 ]

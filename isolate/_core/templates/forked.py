@@ -90,9 +90,12 @@ class Forked:
         hand: socket.socket | None,
         template: Template | None = None,
         alone: bool = False,
+        ipc: int | None = None,
     ) -> None:
         self.pid = pid
         self.alone = alone
+        #: The inode of its IPC namespace, where it made one of its own (``namespaces.py``).
+        self.ipc = ipc
         #: Its CPU time (seconds, user and system, its reaped children's included), from the
         #: template once it reaped it.
         self.cpu_s: float | None = None

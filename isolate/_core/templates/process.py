@@ -26,6 +26,7 @@ from ..system import admission as _admission
 from ..system.procfs import parent_pid
 from ..system.reaping import GIVE_UP_S, Reaper
 from ..system.tree import ProcessTree
+from . import namespaces as _namespaces
 from .forked import STATUS_WAIT_S, Forked, TemplateGone, pidfd_pid, readable, send_episode
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Template:
         life: socket.socket,
         name: str,
         wall: _wall.Wall,
+        own_namespaces: bool = False,
     ) -> None:
         self.popen = popen
         self.control = control
@@ -60,12 +62,12 @@ class Template:
         #: is the one every fork's own is carved from: its TMPDIR holds theirs.
         self.wall = wall
         self.leaves = wall.leaves
-        self.sandbox = wall.sandbox
         #: Its forks are the episodes' workers themselves (``Forked.alone``): where each has a
-        #: cgroup leaf, whose ``cgroup.kill`` takes whatever the agent left behind, and the
-        #: template a PID namespace, whose PID 1 cancels them all when the parent dies, and
-        #: whose end then takes what is left.
+        #: cgroup leaf, whose ``cgroup.kill`` takes what the agent left behind, and the template
+        #: a PID namespace, whose PID 1 cancels them at the parent's death, its end the rest.
         self.forks_alone = wall.leaves is not None and "pidns" in wall.layers
+        #: Each fork makes user, IPC and UTS namespaces of its own (``namespaces.py``).
+        self.own_namespaces = own_namespaces
         self.importer: int | None = None
         self.importer_fd: int | None = None
         self.status: int | None = None
@@ -188,11 +190,12 @@ class Template:
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
+            ipc = _adopt(self, pid, pidfd) if self.own_namespaces else None
             if episode is not None and err is None:  # its hand-over could not be sent
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
                 raise TemplateGone(f"template {self.name}: the fork took no hand-over")
-            forked = Forked(pid, pidfd, mine, hand if err is None else None, self, alone)
+            forked = Forked(pid, pidfd, mine, hand if err is None else None, self, alone, ipc)
             if err is not None:
                 hand.close()
                 forked.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
@@ -333,8 +336,26 @@ class Template:
             os.close(self.importer_fd)
             self.importer_fd = None
         self.life.close()
-        if self.sandbox is not None:
-            _sandbox.remove_tmpdir(self.sandbox.tmpdir)
+        if self.wall.sandbox is not None:
+            _sandbox.remove_tmpdir(self.wall.sandbox.tmpdir)
+
+
+def _adopt(template: Template, pid: int, pidfd: int) -> int:
+    """Check and map a fork's namespaces of its own (``namespaces.adopt``): the inode of its
+    IPC namespace. Raises :class:`TemplateGone`, with the fork killed."""
+
+    def shared(ipc: int) -> bool:
+        # A namespace's inode is reused as soon as it is freed: only a live fork's counts.
+        with template._forks_lock:
+            same = [f for f in template.forks if f.ipc == ipc]
+        return any(not f.parked_dead() for f in same)
+
+    try:
+        return _namespaces.adopt(pid, template.importer, template.name, shared)
+    except TemplateGone:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
+        raise
 
 
 def _cgroups_of(pid: int) -> bytes | None:

@@ -32,6 +32,7 @@ from ..model.errors import ArgumentError, IsolateError, SetupProblem
 from ..system import admission as _admission
 from ..system.env import spec_env
 from ..system.shim import boot_path
+from . import namespaces as _namespaces
 from .pool import MAX_PARKED, PARKED_FDS, Pool
 from .process import Template
 
@@ -213,7 +214,10 @@ async def _start(
         }
         try:
             # The wall goes as a file: a sandbox's rules can outgrow a control message.
-            wall = json_file(template.wall.template_message())
+            walled = template.wall.template_message()
+            if template.own_namespaces:
+                walled["fork_unshare"] = True
+            wall = json_file(walled)
             try:
                 send_message(template.control, message, [wall])
             finally:
@@ -253,12 +257,13 @@ def _spawn(spec: EpisodeSpec, env: dict[str, str], level: str, entry: _Entry) ->
     # Its own leaf, with the episodes' limits: never killed or counted with an episode.
     wall = _wall.plan(spec, level).make(spec, entry.name)
     env = wall.exec_env(env)
+    own_namespaces = _namespaces.wanted(wall)  # a probe, the first time
     with _spawn_lock:
-        return _spawn_locked(spec, env, entry, wall)
+        return _spawn_locked(spec, env, entry, wall, own_namespaces)
 
 
 def _spawn_locked(
-    spec: EpisodeSpec, env: dict[str, str], entry: _Entry, wall: _wall.Wall
+    spec: EpisodeSpec, env: dict[str, str], entry: _Entry, wall: _wall.Wall, own_namespaces: bool
 ) -> Template:
     name = entry.name
     leaves, sandbox = wall.leaves, wall.sandbox
@@ -302,7 +307,7 @@ def _spawn_locked(
         # must not end the namespace its episodes live in); the importer joins it itself.
         leaves.move(popen.pid)
     life.setblocking(False)
-    template = Template(popen, mine, life, name, wall)
+    template = Template(popen, mine, life, name, wall, own_namespaces)
     with _lock:
         entry.pending, closed = template, entry.closed
     if closed:  # close_templates() ran meanwhile, and could not see this one

@@ -1,0 +1,92 @@
+"""Namespaces of its own for each fork of a template: what the parent asks of the template,
+checks of each fork, and the ids it maps.
+
+Where a template has a PID namespace and the parent is root, each fork makes a user namespace
+and, in it, IPC and UTS ones (``agent_shim/shim_parked.py``: ``own_namespaces``) before the
+template reports it. The parent then checks that the fork's IPC namespace is neither the
+importer's nor a sibling's, and maps the fork's ids, each to itself: root inside stays the
+owner of what the trainer's root owns, and the capabilities the agent keeps act on the objects
+of the fork's own namespaces only (not on the host's network namespace, its devices or its
+System V objects). The map is the parent's to write: mapping root needs CAP_SETFCAP outside,
+which no process of the template holds.
+
+An unprivileged parent's template lives in a user namespace of its own, which its forks share,
+and so do their IPC and UTS namespaces (docs/containment.md). Blocking.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+from .. import containment as _containment
+from ..containment import sandbox as _sandbox
+from ..containment import wall as _wall
+from .forked import TemplateGone
+
+#: Every id to itself (the whole 32-bit range): ownership reads as it does outside.
+IDENTITY = b"0 0 4294967295\n"
+
+
+def wanted(wall: _wall.Wall) -> bool:
+    """Whether the forks of a template walled in by ``wall`` make namespaces of their own."""
+    return "pidns" in wall.layers and wall.userns is False and _problem() is None
+
+
+def shared(containment: str) -> str:
+    """What the forks of one template at ``containment`` share, in words (``isolate doctor``).
+    Blocking (a probe may run)."""
+    layers = _containment.layers(containment)
+    if "pidns" not in layers:
+        return "its forks share the machine's namespaces, as fresh episodes at this level do"
+    if not _containment.needs_userns() and _problem() is None:
+        return (
+            "its forks share its PID and mount namespaces and /dev/shm; each has user, IPC and "
+            "UTS namespaces of its own"
+        )
+    return (
+        "its forks share its PID, mount, IPC and UTS namespaces and /dev/shm (a System V "
+        "object one episode makes, a sibling can reach): run episodes that must not share them "
+        "fresh"
+    )
+
+
+@functools.cache
+def _problem() -> str | None:
+    """Why this process cannot give a fork a user namespace, or None; probed once."""
+    return _sandbox.userns_problem()
+
+
+def namespace(pid: int | str, kind: str) -> int | None:
+    """The inode of process ``pid``'s namespace of ``kind`` (``ipc``, ``user``); None if the
+    process is gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def adopt(pid: int, importer: int | None, name: str, shared: Callable[[int], bool]) -> int:
+    """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own (not
+    the importer's, nor a live sibling's: ``shared(inode)``), then map its user namespace's
+    ids, which only a user namespace made since, whose ids are not mapped yet, takes: the
+    fork's IPC namespace's inode. Raises :class:`TemplateGone`."""
+    ipc = namespace(pid, "ipc")
+    if ipc is None or importer is None:
+        raise TemplateGone(f"template {name}: its fork {pid} is gone")
+    if ipc == namespace(importer, "ipc") or shared(ipc):
+        raise TemplateGone(f"template {name}: its fork {pid} shares an IPC namespace")
+    for which in ("uid_map", "gid_map"):
+        try:
+            fd = os.open(f"/proc/{pid}/{which}", os.O_WRONLY)
+            try:
+                os.write(fd, IDENTITY)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # Written already (not a new user namespace), or not a child of ours.
+            raise TemplateGone(
+                f"template {name}: cannot map the ids of its fork {pid} ({exc.strerror})"
+            ) from None
+    return ipc
