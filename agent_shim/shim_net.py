@@ -3,7 +3,9 @@
 
 1. A network namespace of the worker's own (with a user namespace too, for a trainer without
    the capabilities): nothing but a loopback interface, so no address of the machine or
-   beyond is reachable, by any protocol. Abstract Unix sockets are per namespace as well.
+   beyond is reachable, by any protocol. Abstract Unix sockets are per namespace as well. A
+   template's fork made its own before its hand-over (shim_parked.own_namespaces), and the
+   parent checked that it did.
 2. The loopback interface up.
 3. The listeners the parent asked for (``listen``: ``[address, port]`` pairs, the proxy's
    first), bound here, in the namespace, and handed to the parent over the protocol socket
@@ -25,8 +27,10 @@ CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 
 
-def enter(network, channel):
-    problem = unshare_net()
+def enter(network, channel, forked=False):
+    """``forked``: in a template's fork, which made its network namespace already (and the
+    parent checked that it did)."""
+    problem = None if forked else unshare_net()
     if problem is None:
         problem = loopback_up()
     if problem is not None:

@@ -37,24 +37,28 @@ PACKET = 65536
 #: The namespaces each fork of a template makes for itself where the parent asks it to
 #: (``fork_unshare`` in the template's wall): a user namespace, so that it may, and in it IPC
 #: and UTS ones, so that no System V object, POSIX message queue or hostname of another
-#: episode of the same template is in its reach.
+#: episode of the same template is in its reach; a network one too where the episodes have a
+#: network of their own (the sandbox's ``network``).
 OWN_NAMESPACES = shim.CLONE_NEWUSER | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
 
 
 def unshare_flags(wall):
-    """The flags of ``unshare`` a template's filter allows, for its forks: :data:`OWN_NAMESPACES`
-    where its ``wall`` asks for them, else 0."""
-    return OWN_NAMESPACES if wall.get("fork_unshare") else 0
+    """The flags of ``unshare`` each fork of a template walled in by ``wall`` calls, and its
+    filter allows: 0 unless the wall asks for ``fork_unshare``."""
+    if not wall.get("fork_unshare"):
+        return 0
+    network = (wall.get("sandbox") or {}).get("network") is not None
+    return OWN_NAMESPACES | (shim.CLONE_NEWNET if network else 0)
 
 
-def own_namespaces(gate):
-    """In a fork just made: unshare :data:`OWN_NAMESPACES`, then say ``ok`` (or the problem)
-    on the write end of ``gate``, a pipe the template reads before it reports the fork. The
-    parent maps the new user namespace's ids (root to root: only a process that holds
-    CAP_SETFCAP outside may, and neither the template nor its forks do). True if done."""
+def own_namespaces(gate, flags):
+    """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say ``ok`` (or the
+    problem) on the write end of ``gate``, a pipe the template reads before it reports the
+    fork. The parent maps the new user namespace's ids (root to root: only a process that
+    holds CAP_SETFCAP outside may, and neither the template nor its forks do). True if done."""
     os.close(gate[0])
-    result, errno = shim.c_call("unshare", OWN_NAMESPACES)
-    said = b"ok" if result == 0 else ("unshare(user+ipc+uts): " + os.strerror(errno)).encode()
+    result, errno = shim.c_call("unshare", flags)
+    said = b"ok" if result == 0 else ("unshare: " + os.strerror(errno)).encode()
     try:
         os.write(gate[1], said)
     finally:

@@ -238,7 +238,7 @@ def preload_and_loop():
     send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
     if me is not None:
         os.close(me)
-    loop(control, shim.main, state, process_table, bool(wall.get("fork_unshare")))
+    loop(control, shim.main, state, process_table, shim.load_part("parked").unshare_flags(wall))
     return 0
 
 
@@ -295,13 +295,26 @@ def enter_wall(wall, control, life, grace):
             return problem
     sandbox = wall.get("sandbox")
     if sandbox is not None:
-        missing = shim.load_part("sandbox").enter(sandbox)
+        missing = enter_sandbox(sandbox)
         if missing and not sandbox.get("best_effort"):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
         # Its forks (not their workers) may make namespaces of their own: own_namespaces.
         return worker.harden(shim.load_part("parked").unshare_flags(wall))
     return None
+
+
+def enter_sandbox(sandbox):
+    """The sandbox's file-system part and, where it has a network, a network namespace with
+    loopback only (nothing reaches out at import; each fork makes one of its own, served by
+    the parent, shim_parked.py): what could not be done."""
+    missing = []
+    if sandbox.get("network") is not None:
+        net = shim.load_part("net")
+        problem = net.unshare_net() or net.loopback_up()
+        if problem is not None:
+            missing.append("network isolation: " + problem)
+    return missing + shim.load_part("sandbox").enter(sandbox)
 
 
 def watch(child, life, leaves, below, grace):
@@ -450,7 +463,7 @@ def fork(hand, reply, own, shim_main, random_state, unshare):
         code = 1
         try:
             parked = shim.load_part("parked")
-            if gate is None or parked.own_namespaces(gate):
+            if gate is None or parked.own_namespaces(gate, unshare):
                 code = parked.park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback

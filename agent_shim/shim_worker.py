@@ -147,7 +147,7 @@ def enter(hs, channel):
             tempfile.tempdir = None
     look_like_a_program(hs["entrypoint"])
     sandbox = hs.get("sandbox")
-    if sandbox is not None and not enter_sandbox(sandbox, channel):
+    if sandbox is not None and not enter_sandbox(sandbox, channel, bool(hs.get("forked"))):
         return None
     if sys.platform.startswith("linux"):
         problem = harden()
@@ -191,13 +191,14 @@ def load_entrypoint(entrypoint, agent_root):
     return target
 
 
-def enter_sandbox(sandbox, channel):
-    """The network namespace and the file-system sandbox; False after the error frame."""
+def enter_sandbox(sandbox, channel, forked=False):
+    """The network namespace and the file-system sandbox; False after the error frame.
+    ``forked``: a template's fork, which made its network namespace already."""
     missing = []
     network = sandbox.get("network")
     if network is not None:
         part = shim.load_part("net")
-        problem = part.enter(network, channel)
+        problem = part.enter(network, channel, forked)
         if problem is not None:
             missing.append("network isolation: " + problem)
     # Last before the agent's import: the shim's own parts are loaded by now.

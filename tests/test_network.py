@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 import isolate
+from isolate._core import containment as _containment
 from isolate._core.containment import sandbox as _sandbox
 
 from .conftest import (
@@ -291,6 +292,18 @@ def expected_walled(servers: Servers, *, proxy: bool) -> dict[str, Any]:
     return found
 
 
+def resolved(containment: str) -> str:
+    """The combination ``containment`` resolves to here (``auto``: the first there is)."""
+    return _containment.resolve(containment, None)[0]
+
+
+def forks_have_networks(containment: str | None) -> bool:
+    """Whether a template's forks at ``containment`` get networks of their own here: as root,
+    with a PID namespace (``templates.namespaces.network_problem``)."""
+    assert containment is not None
+    return os.geteuid() == 0 and "pidns" in containment and _sandbox.userns_problem() is None
+
+
 def findings(outcome: isolate.EpisodeOutcome) -> dict[str, Any]:
     assert outcome.status == "ok", (outcome.status, outcome.error, outcome.stderr_tail[-3000:])
     assert isinstance(outcome.info, dict)
@@ -309,14 +322,16 @@ def open_fds() -> set[str]:
 async def test_an_allow_list_lets_through_the_endpoint_and_its_hosts_and_nothing_else(
     agents: Agents, servers: Servers, containment: str, preload: bool
 ) -> None:
-    """With ``preload`` too: a fork cannot get a network namespace of its own, so the episode
-    starts fresh, with the reason, and is walled in as one."""
+    """With ``preload`` too: a template's fork makes a network namespace of its own where the
+    trainer is root and the template has a PID namespace (``auto`` here); elsewhere (at
+    ``session``) the episode starts fresh, with the reason, and is walled in as one."""
     before = open_fds()
     box = isolate.Sandbox(network=servers.allow())
     spec = agents.spec(AGENT, sandbox=box, containment=containment, preload=preload)
     outcome = await isolate.run_episode(spec, servers.data())
-    assert outcome.start == "fresh"
-    if preload:
+    forked = preload and forks_have_networks(outcome.containment)
+    assert outcome.start == ("template" if forked else "fresh"), outcome.preload_refused
+    if preload and not forked:
         assert outcome.preload_refused is not None
         assert "network namespace of its own" in outcome.preload_refused
     found = findings(outcome)
@@ -334,6 +349,186 @@ async def test_an_allow_list_lets_through_the_endpoint_and_its_hosts_and_nothing
     assert f"network: 2 connections refused: {refused}" in log
     await isolate.close_templates()  # a template's own fds are the parent's too
     await wait_until(lambda: open_fds() <= before)
+
+
+# --- a template's forks, each with a network of its own ----------------------------------------
+
+#: Two roles of one template: a "server" listens on a loopback port and an abstract unix
+#: socket of its network namespace; a "client" forked from the same template tries both, then
+#: the LLM endpoint (its own proxy's carried port). Plain processes run it too (the control).
+SIBLINGS = r"""
+import errno, os, socket, time, urllib.request
+
+
+def mark(name):
+    open(os.path.join(os.environ["PID_DIR"], name), "w").close()
+
+
+def wait(name):
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], name)):
+        time.sleep(0.01)
+
+
+def attempt(family, address):
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(address)
+            return sock.recv(64).decode()
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+def run(data):
+    name = "\0isolate-sibling-" + data["mark"]
+    if data["role"] == "server":
+        tcp = socket.create_server(("127.0.0.1", data["port"]))
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(name)
+        unix.listen(1)
+        for sock in (tcp, unix):
+            sock.settimeout(0.05)
+        mark("listening")
+        while not os.path.exists(os.path.join(os.environ["PID_DIR"], "checked")):
+            for sock in (tcp, unix):
+                try:
+                    peer = sock.accept()[0]
+                    peer.sendall(b"server " + data["mark"].encode())
+                    peer.close()
+                except socket.timeout:
+                    pass
+        return 1.0, {"net": os.stat("/proc/self/ns/net").st_ino}
+    wait("listening")
+    found = {
+        "tcp": attempt(socket.AF_INET, ("127.0.0.1", data["port"])),
+        "unix": attempt(socket.AF_UNIX, name),
+        "net": os.stat("/proc/self/ns/net").st_ino,
+    }
+    mark("checked")
+    if data.get("llm"):
+        url = "http://127.0.0.1:%d/v1/models" % data["llm"]
+        found["llm"] = urllib.request.urlopen(url, timeout=10).read().decode()
+    return 1.0, found
+"""
+
+
+def test_the_sibling_attack_reaches_a_server_in_one_network_namespace(tmp_path: Path) -> None:
+    """The control: the same two roles as plain processes of one network namespace."""
+    (tmp_path / "siblings.py").write_text(SIBLINGS)
+    mark = secrets.token_hex(6)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    data = {"mark": mark, "port": port}
+    script = (
+        "import json, sys, siblings; print(json.dumps(siblings.run(json.loads(sys.argv[1]))[1]))"
+    )
+    env = {**os.environ, "PID_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    server = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps({**data, "role": "server"})], env=env
+    )
+    try:
+        client = subprocess.run(
+            [sys.executable, "-c", script, json.dumps({**data, "role": "client"})],
+            env=env,
+            capture_output=True,
+            timeout=30 * SLOW,
+        )
+        found = json.loads(client.stdout)
+        assert (found["tcp"], found["unix"]) == (f"server {mark}", f"server {mark}")
+    finally:
+        server.wait(timeout=30 * SLOW)
+
+
+async def test_each_fork_of_a_template_has_a_network_of_its_own(
+    agents: Agents, servers: Servers
+) -> None:
+    """Episodes of one template under ``Sandbox(network=...)``: neither reaches a sibling's
+    loopback port or abstract unix socket, each reaches the endpoint through its own proxy."""
+    if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
+        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+    box = isolate.Sandbox(network=servers.allow(), write=(agents.pids,))
+    spec = agents.spec(SIBLINGS, sandbox=box, preload=True)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    data = {"mark": secrets.token_hex(6), "port": port}
+    results: dict[str, isolate.EpisodeOutcome] = {}
+
+    async def one(role: str) -> None:
+        results[role] = await isolate.run_episode(spec, {**data, "role": role, "llm": servers.llm})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "server")
+        tg.start_soon(one, "client")
+    for outcome in results.values():
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    found = results["client"].info
+    assert (found["tcp"], found["unix"]) == ("ECONNREFUSED", "ECONNREFUSED"), found
+    assert found["llm"] == f"llm {MARK}"
+    assert found["net"] != results["server"].info["net"]
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+#: At import, in a template whose episodes have a network: the trainer's loopback server and an
+#: outside address, tried; what was found goes to a file.
+IMPORT_REACHES = r"""
+import errno, json, os, socket
+
+
+def _try(address):
+    try:
+        socket.create_connection(address, timeout=5).close()
+        return "connected"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+
+
+if os.environ["ISOLATE_EPISODE_ID"].startswith("template."):
+    _pids = os.environ["PID_DIR"]
+    with open(os.path.join(_pids, "llm_port")) as f:
+        _llm = int(f.read())
+    with open(os.path.join(_pids, "import.json"), "w") as f:
+        json.dump({"llm": _try(("127.0.0.1", _llm)), "outside": _try(("192.0.2.1", 80))}, f)
+
+
+def run(data):
+    return 1.0
+"""
+
+
+async def test_a_network_templates_import_reaches_nothing(agents: Agents, servers: Servers) -> None:
+    """The import runs in a network namespace of the template's own, with loopback only and
+    no proxy: the trainer's endpoint is not there, nothing outside is."""
+    if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
+        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+    box = isolate.Sandbox(network=servers.allow(), write=(agents.pids,))
+    (agents.pids / "llm_port").write_text(str(servers.llm))
+    spec = agents.spec(IMPORT_REACHES, sandbox=box, preload=True)
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    found = json.loads((agents.pids / "import.json").read_text())
+    assert found == {"llm": "ECONNREFUSED", "outside": "ENETUNREACH"}
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_a_parked_fork_has_a_network_of_its_own_at_its_hand_over(
+    agents: Agents, servers: Servers
+) -> None:
+    if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
+        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+    box = isolate.Sandbox(network=servers.allow())
+    spec = agents.spec(AGENT, sandbox=box, preload=True)
+    await isolate.park(spec, 2)
+    outcome = await isolate.run_episode(spec, servers.data())
+    assert outcome.start == "template"
+    found = findings(outcome)
+    found.pop("proxy")
+    assert found == expected_walled(servers, proxy=True)
+    await isolate.park(spec, 0)
+    await isolate.close_templates()
+    assert agents.left() == []
 
 
 async def test_an_agents_clients_work_unchanged_behind_the_proxy(

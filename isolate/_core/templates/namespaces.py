@@ -34,6 +34,17 @@ def wanted(wall: _wall.Wall) -> bool:
     return "pidns" in wall.layers and wall.userns is False and _problem() is None
 
 
+def network_problem(containment: str) -> str | None:
+    """Why the forks of a template at ``containment`` cannot each have a network namespace of
+    their own (for ``Sandbox(network=...)``), or None. Blocking (probes may run)."""
+    if "pidns" not in _containment.layers(containment):
+        return "at a combination without pidns"
+    if _containment.needs_userns():
+        return "for an unprivileged trainer, whose template's forks share its user namespace"
+    problem = _problem() or _sandbox.network_problem()
+    return f"here: {problem}" if problem is not None else None
+
+
 def shared(containment: str) -> str:
     """What the forks of one template at ``containment`` share, in words (``isolate doctor``).
     Blocking (a probe may run)."""
@@ -67,16 +78,21 @@ def namespace(pid: int | str, kind: str) -> int | None:
         return None
 
 
-def adopt(pid: int, importer: int | None, name: str, shared: Callable[[int], bool]) -> int:
-    """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own (not
-    the importer's, nor a live sibling's: ``shared(inode)``), then map its user namespace's
-    ids, which only a user namespace made since, whose ids are not mapped yet, takes: the
-    fork's IPC namespace's inode. Raises :class:`TemplateGone`."""
-    ipc = namespace(pid, "ipc")
-    if ipc is None or importer is None:
+def adopt(
+    pid: int, importer: int | None, name: str, shared: Callable[[int], bool], network: bool
+) -> int:
+    """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own, and
+    with ``network`` a network one (not the importer's, nor, for IPC, a live sibling's:
+    ``shared(inode)``), then map its
+    user namespace's ids, which only a user namespace made since, whose ids are not mapped
+    yet, takes: the fork's IPC namespace's inode. Raises :class:`TemplateGone`."""
+    ipc, net = namespace(pid, "ipc"), namespace(pid, "net")
+    if ipc is None or net is None or importer is None:
         raise TemplateGone(f"template {name}: its fork {pid} is gone")
     if ipc == namespace(importer, "ipc") or shared(ipc):
         raise TemplateGone(f"template {name}: its fork {pid} shares an IPC namespace")
+    if network and net == namespace(importer, "net"):
+        raise TemplateGone(f"template {name}: its fork {pid} shares a network namespace")
     for which in ("uid_map", "gid_map"):
         try:
             fd = os.open(f"/proc/{pid}/{which}", os.O_WRONLY)

@@ -351,7 +351,9 @@ def _adopt(template: Template, pid: int, pidfd: int) -> int:
         return any(not f.parked_dead() for f in same)
 
     try:
-        return _namespaces.adopt(pid, template.importer, template.name, shared)
+        sandbox = template.wall.sandbox
+        network = sandbox is not None and sandbox.plan.network is not None
+        return _namespaces.adopt(pid, template.importer, template.name, shared, network)
     except TemplateGone:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.close(pidfd)

@@ -91,10 +91,12 @@ def unusable(spec: EpisodeSpec, level: str) -> str | None:
     them, or None. Blocking (a probe may run)."""
     layers = _containment.layers(level)
     if spec.sandbox is not None and spec.sandbox.network is not None:
-        return (
-            "a template cannot give each episode a network namespace of its own: episodes "
-            "with Sandbox(network=...) start fresh"
-        )
+        problem = _namespaces.network_problem(level)
+        if problem is not None:
+            return (
+                f"a template cannot give each episode a network namespace of its own {problem}:"
+                " episodes with Sandbox(network=...) start fresh"
+            )
     if "pidns" in layers:
         if not hasattr(os, "pidfd_open"):
             return "a template in a PID namespace needs pidfds (Linux 5.3)"
