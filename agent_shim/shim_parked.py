@@ -51,19 +51,30 @@ def unshare_flags(wall):
     return OWN_NAMESPACES | (shim.CLONE_NEWNET if network else 0)
 
 
-def own_namespaces(gate, flags):
+def fork_walls(wall):
+    """What each fork does first (:func:`own_namespaces`): (flags, whether it maps its own
+    ids); flags 0: nothing."""
+    return unshare_flags(wall), bool(wall.get("fork_maps_own"))
+
+
+def own_namespaces(gate, flags, own_maps):
     """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say ``ok`` (or the
     problem) on the write end of ``gate``, a pipe the template reads before it reports the
-    fork. The parent maps the new user namespace's ids (root to root: only a process that
-    holds CAP_SETFCAP outside may, and neither the template nor its forks do). True if done."""
+    fork. The new user namespace's ids are mapped, each to itself, by the parent (root to
+    root: only a process that holds CAP_SETFCAP outside may, and neither the template nor
+    its forks do), or with ``own_maps`` (an unprivileged trainer's) by the fork itself. True
+    if done."""
     os.close(gate[0])
+    uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
-    said = b"ok" if result == 0 else ("unshare: " + os.strerror(errno)).encode()
+    problem = None if result == 0 else "unshare: " + os.strerror(errno)
+    if problem is None and own_maps:
+        problem = shim.load_part("supervisor").map_own_ids(uid, gid)
     try:
-        os.write(gate[1], said)
+        os.write(gate[1], b"ok" if problem is None else problem.encode())
     finally:
         os.close(gate[1])
-    return result == 0
+    return problem is None
 
 
 def namespaces():

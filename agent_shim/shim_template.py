@@ -9,7 +9,8 @@ packet:
 - parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...],
   "cancel_grace"}`` (the episodes', for the parent's death: shim_init.py) carrying a file
   (a memfd) that holds the wall as JSON: an episode's containment (``containment``,
-  ``cgroups``, ``userns``, ``sandbox``, ``fork_unshare``), which can outgrow a message;
+  ``cgroups``, ``userns``, ``sandbox``, ``fork_unshare``, ``fork_maps_own``), which can
+  outgrow a message;
 - template -> parent: ``{"t": "ready", "seconds"}`` carrying a pidfd of the importing process,
   or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
   containable, not importable, or not safe to fork (a thread running, a process the import
@@ -238,7 +239,7 @@ def preload_and_loop():
     send(control, {"t": "ready", "seconds": time.monotonic() - started}, fds)
     if me is not None:
         os.close(me)
-    loop(control, shim.main, state, process_table, shim.load_part("parked").unshare_flags(wall))
+    loop(control, shim.main, state, process_table, shim.load_part("parked").fork_walls(wall))
     return 0
 
 
@@ -451,10 +452,10 @@ def loop(control, shim_main, random_state, process_table, unshare):
 
 
 def fork(hand, reply, own, shim_main, random_state, unshare):
-    """Fork a parked process that waits for its episode on ``hand`` (with ``unshare``, in
-    namespaces of its own first); here, report its pid (and a pidfd) on its reply socket.
-    None if the fork failed (the reply says why)."""
-    gate, problem = os.pipe() if unshare else None, None
+    """Fork a parked process that waits for its episode on ``hand`` (in namespaces of its own
+    first, with ``unshare``: flags and whether it maps its own ids); here, report its pid
+    (and a pidfd) on its reply socket. None if the fork failed (the reply says why)."""
+    gate, problem = os.pipe() if unshare[0] else None, None
     try:
         pid = os.fork()
     except OSError as exc:
@@ -463,7 +464,7 @@ def fork(hand, reply, own, shim_main, random_state, unshare):
         code = 1
         try:
             parked = shim.load_part("parked")
-            if gate is None or parked.own_namespaces(gate, unshare):
+            if gate is None or parked.own_namespaces(gate, *unshare):
                 code = parked.park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback

@@ -12,6 +12,11 @@ one-second episodes started at once, from a pool of B so filled: the time from t
 request until all have started (their first line) and until all have returned. Each round's
 ratio of a template arm to the forkserver, and their median: the round trip, the time until
 all have started, and the burst's overhead (until all returned, less the 1 s they hold).
+
+``--network``: the template's episodes under ``Sandbox(network=["127.0.0.1:9"])``, each fork in
+a network namespace of its own with the parent's proxy (the forkserver's processes share the
+machine's network); with ``--fresh N``, N such episodes started fresh too (no ``preload``),
+one at a time, their round trip's median beside the template's.
 """
 
 from __future__ import annotations
@@ -128,6 +133,18 @@ async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]
     }
 
 
+async def _fresh(spec: isolate.EpisodeSpec, n: int) -> list[float]:
+    """Round trips, in ms, of ``n`` episodes of ``spec`` started fresh, one at a time."""
+    fresh = spec.model_copy(update={"preload": False})
+    times = []
+    for _ in range(n):
+        started = time.monotonic()
+        outcome = await isolate.run_episode(fresh, {})
+        assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+        times.append((time.monotonic() - started) * 1000)
+    return times
+
+
 ARMS = ("forkserver", "no pool", "pool")
 
 
@@ -193,6 +210,7 @@ async def _main(args: argparse.Namespace) -> None:
         preload=True,
         timeout=600,
         env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        sandbox=isolate.Sandbox(network=["127.0.0.1:9"]) if args.network else None,
     )
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     figures: dict[str, list[float]] = {}
@@ -211,6 +229,8 @@ async def _main(args: argparse.Namespace) -> None:
                 load.append(os.getloadavg()[0])
         await isolate.park(spec, 0)
         figures.update(await _footprint(spec, 16))
+        if args.fresh:
+            figures["fresh: launch round trip, ms"] = await _fresh(spec, args.fresh)
     finally:
         await isolate.close_templates()
     for arm in ARMS:
@@ -220,7 +240,7 @@ async def _main(args: argparse.Namespace) -> None:
     print(
         f"{started_at}–{time.strftime('%H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
         f"load (1 min) {min(load):.2f}–{max(load):.2f}, python {args.python}, "
-        f"imports {args.imports!r}"
+        f"imports {args.imports!r}{', Sandbox(network=...)' if args.network else ''}"
     )
     for name, values in sorted(figures.items()):
         shown = ", ".join(f"{v:.3g}" for v in values)
@@ -234,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", type=int, default=20, help="round trips per arm and round")
     parser.add_argument("--burst", type=int, default=32, help="episodes in a burst")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--network", action="store_true", help="Sandbox(network=[...])")
+    parser.add_argument("--fresh", type=int, default=0, help="fresh round trips, one at a time")
     args = parser.parse_args(argv)
     anyio.run(_main, args)
 

@@ -35,6 +35,7 @@ from isolate import EPISODE_ENV
 
 from .. import _internals
 from ..conftest import (
+    NOBODY,
     Agents,
     episode_processes,
     is_gone,
@@ -629,7 +630,7 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     or attached by a sibling forked from the same template, nor by a later one."""
     needs_template(combination)
     if os.geteuid() != 0:
-        pytest.skip("an unprivileged trainer's forks share the template's user namespace")
+        pytest.skip("root's: each id mapped to itself (nobody's: the test below)")
     spec = agents.spec(SYSV, containment=combination, preload=True)
     key = 0x155_0000 + os.getpid() % 0xFFFF
     data = {"key": key, "credential": f"sk-sysv-{os.urandom(8).hex()}"}
@@ -657,6 +658,64 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     assert template_processes(agents) == []
 
 
+#: The unprivileged trainer's run of SYSV: writer and sibling at once, then a later one, from
+#: one template; prints their outcomes.
+SYSV_PARENT = """
+import anyio, json, os, sys
+import isolate
+
+work = sys.argv[1]
+
+async def main():
+    spec = isolate.EpisodeSpec(
+        agent_root=os.path.join(work, "agent_root"),
+        entrypoint="hostile:run",
+        timeout=60.0,
+        log_dir=os.path.join(work, "logs"),
+        cwd=work,
+        preload=True,
+        env={"PID_DIR": os.path.join(work, "pids")},
+    )
+    key, credential = 0x156_0000 + os.getpid() % 0xFFFF, "sk-sysv-" + os.urandom(8).hex()
+    data = {"key": key, "credential": credential}
+    results = {}
+
+    async def one(role):
+        outcome = await isolate.run_episode(spec, {**data, "role": role})
+        results[role] = json.loads(outcome.model_dump_json())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "writer")
+        tg.start_soon(one, "sibling")
+    await one("later")
+    await isolate.close_templates()
+    print(json.dumps({"uid": os.getuid(), "credential": credential, "outcomes": results}))
+
+anyio.run(main)
+"""
+
+
+def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -> None:
+    """As ``nobody`` (a template in a user namespace of its own, no sandbox): each fork makes
+    user, IPC and UTS namespaces of its own and maps its own id."""
+    with hostile_as_nobody("isolate-sysv-nobody-", SYSV, SYSV_PARENT) as (work, report):
+        outcomes = report["outcomes"]
+        for outcome in outcomes.values():
+            assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
+                outcome["error"],
+                outcome["preload_refused"],
+                outcome["stderr_tail"][-2000:],
+            )
+        absent = {"listed": False, "read": None}
+        assert outcomes["writer"]["info"] == {
+            "own": {"listed": True, "read": report["credential"]},
+            "uid_map": [str(NOBODY), str(NOBODY), "1"],
+        }
+        assert outcomes["sibling"]["info"] == {"sibling": absent}
+        assert outcomes["later"]["info"] == {"later": absent}
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
+
+
 #: Import code that moves the template into namespaces of its own (the one unshare its filter
 #: allows, for its forks): the forks would share them.
 UNSHARE_AT_IMPORT = """
@@ -671,8 +730,6 @@ def run(data):
 
 async def test_an_import_that_enters_namespaces_of_its_own_is_refused(agents: Agents) -> None:
     needs_template("cgroup+pidns")
-    if os.geteuid() != 0:
-        pytest.skip("an unprivileged trainer's forks share the template's user namespace")
     spec = agents.spec(UNSHARE_AT_IMPORT, containment="cgroup+pidns", preload=True)
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()

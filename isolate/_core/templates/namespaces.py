@@ -10,8 +10,11 @@ of the fork's own namespaces only (not on the host's network namespace, its devi
 System V objects). The map is the parent's to write: mapping root needs CAP_SETFCAP outside,
 which no process of the template holds.
 
-An unprivileged parent's template lives in a user namespace of its own, which its forks share,
-and so do their IPC and UTS namespaces (docs/containment.md). Blocking.
+An unprivileged parent's template lives in a user namespace of its own, whose parent the
+parent is not in: each fork maps its own ids there, which a sandbox's Landlock rules keep it
+from doing (the maps are files in /proc). So a sandboxed template of an unprivileged trainer's
+has forks that share its IPC and UTS namespaces, and no network for each (docs/containment.md).
+With a network, each fork makes a network namespace too (docs/sandbox.md). Blocking.
 """
 
 from __future__ import annotations
@@ -30,8 +33,20 @@ IDENTITY = b"0 0 4294967295\n"
 
 
 def wanted(wall: _wall.Wall) -> bool:
-    """Whether the forks of a template walled in by ``wall`` make namespaces of their own."""
-    return "pidns" in wall.layers and wall.userns is False and _problem() is None
+    """Whether the forks of a template walled in by ``wall`` make namespaces of their own:
+    with a PID namespace, where the trainer is root (the parent maps their ids), or where it
+    is not and the template has no sandbox (each fork maps its own: a sandbox's Landlock rules
+    keep it from writing its maps)."""
+    if "pidns" not in wall.layers or _problem() is not None:
+        return False
+    return wall.userns is False or wall.sandbox is None
+
+
+def maps_own(wall: _wall.Wall) -> bool:
+    """Whether the forks of a template walled in by ``wall`` map their own ids: where the
+    trainer is not root, the parent is not in the parent user namespace of theirs (the
+    template's), and may not."""
+    return wall.userns is True
 
 
 def network_problem(containment: str) -> str | None:
@@ -46,12 +61,12 @@ def network_problem(containment: str) -> str | None:
 
 
 def shared(containment: str) -> str:
-    """What the forks of one template at ``containment`` share, in words (``isolate doctor``).
-    Blocking (a probe may run)."""
+    """What the forks of one template at ``containment`` (without a sandbox) share, in words
+    (``isolate doctor``). Blocking (a probe may run)."""
     layers = _containment.layers(containment)
     if "pidns" not in layers:
         return "its forks share the machine's namespaces, as fresh episodes at this level do"
-    if not _containment.needs_userns() and _problem() is None:
+    if _problem() is None:
         return (
             "its forks share its PID and mount namespaces and /dev/shm; each has user, IPC and "
             "UTS namespaces of its own"
@@ -83,9 +98,9 @@ def adopt(
 ) -> int:
     """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own, and
     with ``network`` a network one (not the importer's, nor, for IPC, a live sibling's:
-    ``shared(inode)``), then map its
-    user namespace's ids, which only a user namespace made since, whose ids are not mapped
-    yet, takes: the fork's IPC namespace's inode. Raises :class:`TemplateGone`."""
+    ``shared(inode)``), then map its user namespace's ids, which only a user namespace made
+    since, whose ids are not mapped yet, takes: the fork's IPC namespace's inode. Raises
+    :class:`TemplateGone`."""
     ipc, net = namespace(pid, "ipc"), namespace(pid, "net")
     if ipc is None or net is None or importer is None:
         raise TemplateGone(f"template {name}: its fork {pid} is gone")

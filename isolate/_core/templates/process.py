@@ -340,9 +340,13 @@ class Template:
             _sandbox.remove_tmpdir(self.wall.sandbox.tmpdir)
 
 
-def _adopt(template: Template, pid: int, pidfd: int) -> int:
+def _adopt(template: Template, pid: int, pidfd: int) -> int | None:
     """Check and map a fork's namespaces of its own (``namespaces.adopt``): the inode of its
-    IPC namespace. Raises :class:`TemplateGone`, with the fork killed."""
+    IPC namespace. Raises :class:`TemplateGone`, with the fork killed. None where the fork
+    maps its own ids: an unprivileged parent cannot read the namespaces of a process that is
+    not dumpable, and the fork is not."""
+    if _namespaces.maps_own(template.wall):
+        return None
 
     def shared(ipc: int) -> bool:
         # A namespace's inode is reused as soon as it is freed: only a live fork's counts.

@@ -219,6 +219,7 @@ async def _start(
             walled = template.wall.template_message()
             if template.own_namespaces:
                 walled["fork_unshare"] = True
+                walled["fork_maps_own"] = _namespaces.maps_own(template.wall)
             wall = json_file(walled)
             try:
                 send_message(template.control, message, [wall])
