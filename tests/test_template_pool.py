@@ -23,6 +23,7 @@ from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import sandbox as _sandbox
 from isolate._core.episode import launcher as _launcher
+from isolate._core.templates import process as _process
 
 from .conftest import (
     Agents,
@@ -287,6 +288,58 @@ async def test_a_fork_passes_the_start_gate_that_fresh_starts_wait_at(
     assert outcome.timings.start_wait_s == 0.0
     assert all(is_gone(pid) for pid in held)
     await isolate.close_templates()  # the pool refilled behind the fork it took
+    assert agents.left() == []
+
+
+async def test_a_fresh_start_after_a_fork_that_did_not_come_waits_at_the_start_gate(
+    agents: Agents, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An episode whose template does not fork it starts fresh, an interpreter like any other:
+    with every place at the gate held, it waits there (a burst whose template died must not
+    start hundreds of interpreters at once), and starts once a place is free."""
+    spec = agents.spec(AGENT, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    importer = psutil.Process(template.pid)
+    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
+    shim = tmp_path / "silent_shim.py"
+    shim.write_text(SILENT_SHIM)
+    silent = agents.spec("def run(data):\n    pass\n")
+    held: list[int] = []
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def episode() -> None:
+        outcomes.append(await isolate.run_episode(spec, {}))
+
+    gate = _launcher._starting_gate()
+    importer.suspend()  # SIGSTOP: it answers no fork request
+    try:
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as holders:
+                async with anyio.create_task_group() as holding:
+                    for _ in range(int(gate.total_tokens)):
+                        holding.start_soon(
+                            functools.partial(
+                                _launcher._run_with_shim, silent, {}, shim, on_start=held.append
+                            )
+                        )
+                    await wait_until(lambda: len(held) == gate.total_tokens, 30.0)
+                    tg.start_soon(episode)
+                    # Its fork request times out; then it waits for a place.
+                    await wait_until(lambda: gate.statistics().tasks_waiting == 1, 30.0)
+                    assert outcomes == []
+                    holders.cancel()
+    finally:
+        importer.resume()
+    (outcome,) = outcomes
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused is not None
+    assert "did not fork (no answer within 0.2 s)" in outcome.preload_refused
+    assert outcome.timings.start_wait_s > 0.0
+    assert all(is_gone(pid) for pid in held)
+    monkeypatch.undo()
+    await isolate.close_templates()
     assert agents.left() == []
 
 

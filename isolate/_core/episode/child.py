@@ -11,6 +11,7 @@ import dataclasses
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -142,12 +143,17 @@ class Launch:
 
 
 def start(
-    launch: Launch, template: _templates.Template | None, episode_id: str
+    launch: Launch,
+    template: _templates.Template | None,
+    episode_id: str,
+    before_fresh: Callable[[], object] = lambda: None,
 ) -> tuple[Child, int, str | None]:
     """Start the shim: forked from ``template`` when there is one and it forks, else fresh.
     Returns the child, the parent's end of its socket, and why the template could not fork
     (None when it did, or there was none); blocking (run it in a worker thread: fork+exec of a
-    big parent must not stall the event loop). OSError from ``subprocess`` goes on."""
+    big parent must not stall the event loop). ``before_fresh`` is called before a fresh start
+    after a template that did not fork (it waits at the start gate). OSError from
+    ``subprocess`` goes on."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child: Fresh | _templates.Forked | None = None
     gone = None
@@ -162,6 +168,7 @@ def start(
                 ours.close()
                 theirs.close()
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                before_fresh()
         if child is None:
             child = Fresh(
                 subprocess.Popen(

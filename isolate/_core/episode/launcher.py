@@ -314,7 +314,15 @@ def _spawn(
     env, template, ready = chosen.env, chosen.template, chosen.ready
     refused = chosen.refused
     launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
-    child, channel, gone = _child.start(launch, template, ep.req.episode_id)
+
+    def before_fresh() -> None:  # no fork after all: a fresh start takes a place at the gate
+        nonlocal waited
+        since = time.monotonic()
+        anyio.from_thread.run(slot.take)
+        held.callback(slot.release)
+        waited += time.monotonic() - since
+
+    child, channel, gone = _child.start(launch, template, ep.req.episode_id, before_fresh)
     held.callback(_close_child, frames, child, channel)
     if gone is not None:
         # The next episode starts a new template; this one need not wait for it.
