@@ -44,11 +44,15 @@ OWN_NAMESPACES = shim.CLONE_NEWUSER | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
 
 def unshare_flags(wall):
     """The flags of ``unshare`` each fork of a template walled in by ``wall`` calls, and its
-    filter allows: 0 unless the wall asks for ``fork_unshare``."""
+    filter allows: 0 unless the wall asks for ``fork_unshare``. With a network, a network
+    namespace; without a sandbox, a mount namespace, for a ``/dev/shm`` and ``/dev/mqueue`` of
+    its own (a sandbox's Landlock rules forbid mounts)."""
     if not wall.get("fork_unshare"):
         return 0
-    network = (wall.get("sandbox") or {}).get("network") is not None
-    return OWN_NAMESPACES | (shim.CLONE_NEWNET if network else 0)
+    sandbox = wall.get("sandbox")
+    if sandbox is None:
+        return OWN_NAMESPACES | shim.CLONE_NEWNS
+    return OWN_NAMESPACES | (shim.CLONE_NEWNET if sandbox.get("network") is not None else 0)
 
 
 def fork_walls(wall):
@@ -68,6 +72,8 @@ def own_namespaces(gate, flags, own_maps):
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
     problem = None if result == 0 else "unshare: " + os.strerror(errno)
+    if problem is None and flags & shim.CLONE_NEWNS:
+        problem = own_dev_ipc()
     if problem is None and own_maps:
         problem = shim.load_part("supervisor").map_own_ids(uid, gid)
     try:
@@ -75,6 +81,18 @@ def own_namespaces(gate, flags, own_maps):
     finally:
         os.close(gate[1])
     return problem is None
+
+
+def own_dev_ipc():
+    """In a fork's own mount namespace: a ``/dev/shm`` and a ``/dev/mqueue`` of its own, over
+    the template's (shim_world.py makes those), so that no POSIX shared memory, semaphore or
+    queue of another episode is there. A problem or None."""
+    world = shim.load_part("world")
+    for name, fstype, options in ((b"shm", b"tmpfs", b"mode=1777"), (b"mqueue", b"mqueue", None)):
+        result, errno = shim.c_call("mount", fstype, b"/dev/" + name, fstype, world.QUIET, options)
+        if result != 0:
+            return "mount /dev/%s: %s" % (name.decode(), os.strerror(errno))
+    return None
 
 
 def namespaces():

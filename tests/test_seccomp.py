@@ -630,6 +630,17 @@ def test_a_template_importers_program_allows_exactly_its_unshare(machine: str) -
             if nr != unshare:
                 want = run_filter(plain, audit_arch, nr, arg0)
                 assert run_filter(code, audit_arch, nr, arg0) == want, (nr, arg0)
+    # With a mount namespace among them, mount too (a fork mounts its own /dev/shm), and only
+    # that besides.
+    mounts = flags | CLONE_NEWNS
+    with_mount = PART.program(machine, mounts)
+    assert run_filter(with_mount, audit_arch, unshare, mounts) == ALLOW
+    assert run_filter(with_mount, audit_arch, unshare, flags) == EPERM
+    assert run_filter(code, audit_arch, numbers["mount"], 0) == EPERM
+    for nr in range(600):
+        if nr not in (unshare, numbers["mount"]):
+            assert run_filter(with_mount, audit_arch, nr, 0) == run_filter(plain, audit_arch, nr, 0)
+    assert run_filter(with_mount, audit_arch, numbers["mount"], 0) == ALLOW
 
 
 def test_program_per_architecture() -> None:

@@ -514,7 +514,7 @@ def test_doctor_preload_on_a_forkable_agent(
     out = capsys.readouterr().out
     assert "a preloaded template imports it in" in out
     # What its forks share, as this machine builds them (root, with a PID namespace, here).
-    own = "each has user, IPC and UTS namespaces of its own"
+    own = "each has user, IPC, UTS and mount namespaces, and a /dev/shm, of its own"
     if os.geteuid() == 0 and _containment.layer_problem("pidns") is None:
         assert own in out
 

@@ -573,6 +573,7 @@ def wait(name):
 def look(key, size):
     keys = [int(line.split()[0]) for line in open("/proc/sysvipc/shm").readlines()[1:]]
     found = {"listed": key in keys, "read": None}
+    found["dev shm"] = os.path.exists("/dev/shm/isolate-sysv-%d" % key)
     shmid = libc.shmget(key, 0, 0)
     address = libc.shmat(shmid, None, SHM_RDONLY) if shmid >= 0 else FAILED
     if address not in (FAILED, None):
@@ -586,6 +587,8 @@ def run(data):
         shmid = libc.shmget(key, 4096, IPC_CREAT | 0o600)
         address = libc.shmat(shmid, None, 0)
         ctypes.memmove(address, secret.encode(), len(secret))
+        with open("/dev/shm/isolate-sysv-%d" % key, "w") as f:
+            f.write(secret)  # POSIX shared memory: a file there
         mark("written")
         wait("checked")
         ids = open("/proc/self/uid_map").read().split()
@@ -615,10 +618,12 @@ def test_the_system_v_attack_reaches_a_segment_from_a_plain_process(tmp_path: Pa
             [*run, json.dumps({**data, "role": "sibling"})], env=env, capture_output=True
         )
         out, _ = writer.communicate(timeout=30)
-        assert json.loads(sibling.stdout)["sibling"] == {"listed": True, "read": data["credential"]}
+        found = {"listed": True, "read": data["credential"], "dev shm": True}
+        assert json.loads(sibling.stdout)["sibling"] == found
         assert json.loads(out)["own"]["read"] == data["credential"]
     finally:
         subprocess.run(["ipcrm", "-M", str(key)], capture_output=True)
+        Path(f"/dev/shm/isolate-sysv-{key}").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns"])
@@ -626,8 +631,9 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     agents: Agents, combination: str
 ) -> None:
     """Each fork of a template makes IPC and UTS namespaces of its own, in a user namespace
-    that maps every id to itself: a segment one episode made is not listed, found by its key
-    or attached by a sibling forked from the same template, nor by a later one."""
+    that maps every id to itself, and a mount namespace with its own ``/dev/shm``: a segment
+    one episode made is not listed, found by its key or attached by a sibling forked from the
+    same template, nor by a later one; nor is the file it made in ``/dev/shm``."""
     needs_template(combination)
     if os.geteuid() != 0:
         pytest.skip("root's: each id mapped to itself (nobody's: the test below)")
@@ -645,9 +651,9 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     await one("later")
     for outcome in results.values():
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
-    absent = {"listed": False, "read": None}
+    absent = {"listed": False, "read": None, "dev shm": False}
     assert results["writer"].info == {
-        "own": {"listed": True, "read": data["credential"]},
+        "own": {"listed": True, "read": data["credential"], "dev shm": True},
         "uid_map": ["0", "0", "4294967295"],
     }
     assert results["sibling"].info == {"sibling": absent}
@@ -706,9 +712,9 @@ def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -
                 outcome["preload_refused"],
                 outcome["stderr_tail"][-2000:],
             )
-        absent = {"listed": False, "read": None}
+        absent = {"listed": False, "read": None, "dev shm": False}
         assert outcomes["writer"]["info"] == {
-            "own": {"listed": True, "read": report["credential"]},
+            "own": {"listed": True, "read": report["credential"], "dev shm": True},
             "uid_map": [str(NOBODY), str(NOBODY), "1"],
         }
         assert outcomes["sibling"]["info"] == {"sibling": absent}
@@ -717,10 +723,11 @@ def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -
 
 
 #: Import code that moves the template into namespaces of its own (the one unshare its filter
-#: allows, for its forks): the forks would share them.
+#: allows, for its forks: user, IPC, UTS and, without a sandbox, mount): the forks would share
+#: them.
 UNSHARE_AT_IMPORT = """
 import ctypes, os
-_done = ctypes.CDLL(None).unshare(0x10000000 | 0x08000000 | 0x04000000) == 0
+_done = ctypes.CDLL(None).unshare(0x10000000 | 0x08000000 | 0x04000000 | 0x00020000) == 0
 with open(os.path.join(os.environ["PID_DIR"], "unshared"), "a") as f:
     f.write(str(_done) + "\\n")
 def run(data):

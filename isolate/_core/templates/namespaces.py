@@ -3,7 +3,9 @@ checks of each fork, and the ids it maps.
 
 Where a template has a PID namespace and the parent is root, each fork makes a user namespace
 and, in it, IPC and UTS ones (``agent_shim/shim_parked.py``: ``own_namespaces``) before the
-template reports it. The parent then checks that the fork's IPC namespace is neither the
+template reports it; a mount namespace too, with its own ``/dev/shm`` and ``/dev/mqueue``,
+where the template has no sandbox (whose Landlock rules forbid mounts), and a network one
+where the sandbox has a network. The parent then checks that the fork's IPC namespace is neither the
 importer's nor a sibling's, and maps the fork's ids, each to itself: root inside stays the
 owner of what the trainer's root owns, and the capabilities the agent keeps act on the objects
 of the fork's own namespaces only (not on the host's network namespace, its devices or its
@@ -42,6 +44,15 @@ def wanted(wall: _wall.Wall) -> bool:
     return wall.userns is False or wall.sandbox is None
 
 
+def kinds(wall: _wall.Wall) -> tuple[str, ...]:
+    """The namespaces besides user, IPC and UTS each fork of a template walled in by ``wall``
+    makes (``shim_parked.unshare_flags``): a mount namespace without a sandbox, for a
+    ``/dev/shm`` of its own; a network one with a sandbox's network."""
+    if wall.sandbox is None:
+        return ("mnt",)
+    return ("net",) if wall.sandbox.plan.network is not None else ()
+
+
 def maps_own(wall: _wall.Wall) -> bool:
     """Whether the forks of a template walled in by ``wall`` map their own ids: where the
     trainer is not root, the parent is not in the parent user namespace of theirs (the
@@ -68,8 +79,8 @@ def shared(containment: str) -> str:
         return "its forks share the machine's namespaces, as fresh episodes at this level do"
     if _problem() is None:
         return (
-            "its forks share its PID and mount namespaces and /dev/shm; each has user, IPC and "
-            "UTS namespaces of its own"
+            "its forks share its PID namespace; each has user, IPC, UTS and mount namespaces, "
+            "and a /dev/shm, of its own"
         )
     return (
         "its forks share its PID, mount, IPC and UTS namespaces and /dev/shm (a System V "
@@ -94,20 +105,25 @@ def namespace(pid: int | str, kind: str) -> int | None:
 
 
 def adopt(
-    pid: int, importer: int | None, name: str, shared: Callable[[int], bool], network: bool
+    pid: int,
+    importer: int | None,
+    name: str,
+    shared: Callable[[int], bool],
+    kinds: tuple[str, ...],
 ) -> int:
-    """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own, and
-    with ``network`` a network one (not the importer's, nor, for IPC, a live sibling's:
-    ``shared(inode)``), then map its user namespace's ids, which only a user namespace made
-    since, whose ids are not mapped yet, takes: the fork's IPC namespace's inode. Raises
-    :class:`TemplateGone`."""
-    ipc, net = namespace(pid, "ipc"), namespace(pid, "net")
-    if ipc is None or net is None or importer is None:
+    """Check that the fork ``pid`` of template ``name`` has an IPC namespace of its own (not
+    the importer's, nor a live sibling's: ``shared(inode)``), and namespaces of ``kinds``
+    (``mnt``, ``net``) that are not the importer's, then map its user namespace's ids, which
+    only a user namespace made since, whose ids are not mapped yet, takes: the fork's IPC
+    namespace's inode. Raises :class:`TemplateGone`."""
+    ipc = namespace(pid, "ipc")
+    if ipc is None or importer is None:
         raise TemplateGone(f"template {name}: its fork {pid} is gone")
     if ipc == namespace(importer, "ipc") or shared(ipc):
         raise TemplateGone(f"template {name}: its fork {pid} shares an IPC namespace")
-    if network and net == namespace(importer, "net"):
-        raise TemplateGone(f"template {name}: its fork {pid} shares a network namespace")
+    for kind in kinds:
+        if namespace(pid, kind) in (None, namespace(importer, kind)):
+            raise TemplateGone(f"template {name}: its fork {pid} shares its {kind} namespace")
     for which in ("uid_map", "gid_map"):
         try:
             fd = os.open(f"/proc/{pid}/{which}", os.O_WRONLY)

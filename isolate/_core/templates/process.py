@@ -355,9 +355,8 @@ def _adopt(template: Template, pid: int, pidfd: int) -> int | None:
         return any(not f.parked_dead() for f in same)
 
     try:
-        sandbox = template.wall.sandbox
-        network = sandbox is not None and sandbox.plan.network is not None
-        return _namespaces.adopt(pid, template.importer, template.name, shared, network)
+        kinds = _namespaces.kinds(template.wall)
+        return _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
     except TemplateGone:
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.close(pidfd)
