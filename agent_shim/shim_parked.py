@@ -13,8 +13,9 @@ A fork handed its episode at once (no pool) forks its worker after the handshake
 start does. Should the parked worker die, the fork exits too, and the pool replaces the pair.
 
 Where the parent asks for it, each fork first makes a user namespace of its own, and in it
-IPC and UTS ones (``own_namespaces``), before the template reports it: no fork of a template
-reaches another's System V objects, message queues or hostname.
+IPC and UTS ones (and mount, network ones: ``unshare_flags``), and says so on its hand-over
+socket (``{"t": "unshared"}``), where the parent waits for it before it maps the fork's ids:
+no fork of a template reaches another's System V objects, message queues or hostname.
 
 Loaded by the template before its first fork, with ``load_part("parked")``. Standard library
 only, Python 3.9+.
@@ -61,25 +62,28 @@ def fork_walls(wall):
     return unshare_flags(wall), bool(wall.get("fork_maps_own"))
 
 
-def own_namespaces(gate, flags, own_maps):
-    """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say ``ok`` (or the
-    problem) on the write end of ``gate``, a pipe the template reads before it reports the
-    fork. The new user namespace's ids are mapped, each to itself, by the parent (root to
-    root: only a process that holds CAP_SETFCAP outside may, and neither the template nor
-    its forks do), or with ``own_maps`` (an unprivileged trainer's) by the fork itself. True
-    if done."""
-    os.close(gate[0])
+def own_namespaces(hand, flags, own_maps):
+    """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say so on ``hand``
+    (``{"t": "unshared"}``, or ``{"t": "error", "reason"}``), its hand-over socket: the parent
+    waits for it before it maps the new user namespace's ids, each to itself (root to root:
+    only a process that holds CAP_SETFCAP outside may, and neither the template nor its forks
+    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own. Its own
+    ``/dev/shm`` is mounted meanwhile. True if done (else it exits before its hand-over, the
+    reason in the template's log)."""
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
     problem = None if result == 0 else "unshare: " + os.strerror(errno)
+    said = {"t": "unshared"} if problem is None else {"t": "error", "reason": problem}
+    try:
+        send(hand, said)
+    except OSError:
+        return False  # the parent gave up on it
     if problem is None and flags & shim.CLONE_NEWNS:
         problem = own_dev_ipc()
     if problem is None and own_maps:
         problem = shim.load_part("supervisor").map_own_ids(uid, gid)
-    try:
-        os.write(gate[1], b"ok" if problem is None else problem.encode())
-    finally:
-        os.close(gate[1])
+    if problem is not None:
+        sys.stderr.write("isolate template: a fork's own namespaces: %s\n" % problem)
     return problem is None
 
 

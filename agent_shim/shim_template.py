@@ -455,16 +455,21 @@ def fork(hand, reply, own, shim_main, random_state, unshare):
     """Fork a parked process that waits for its episode on ``hand`` (in namespaces of its own
     first, with ``unshare``: flags and whether it maps its own ids); here, report its pid
     (and a pidfd) on its reply socket. None if the fork failed (the reply says why)."""
-    gate, problem = os.pipe() if unshare[0] else None, None
     try:
         pid = os.fork()
     except OSError as exc:
-        pid, problem = None, "fork: %s" % (exc.strerror or exc)
+        hand.close()
+        try:
+            send(reply, {"t": "error", "reason": "fork: %s" % (exc.strerror or exc)})
+        except OSError:
+            pass
+        reply.close()
+        return None
     if pid == 0:
         code = 1
         try:
             parked = shim.load_part("parked")
-            if gate is None or parked.own_namespaces(gate, *unshare):
+            if not unshare[0] or parked.own_namespaces(hand, *unshare):
                 code = parked.park(hand, own + [reply], shim_main, random_state)
         except BaseException:
             import traceback
@@ -472,19 +477,6 @@ def fork(hand, reply, own, shim_main, random_state, unshare):
             traceback.print_exc()
         shim.leave(code)
     hand.close()
-    if gate is not None:
-        os.close(gate[1])
-        if pid is not None:
-            said = os.read(gate[0], 512)  # EOF if it died first
-            problem = None if said == b"ok" else "fork: " + (said.decode() or "died at once")
-        os.close(gate[0])
-    if pid is None or problem is not None:
-        try:
-            send(reply, {"t": "error", "reason": problem})
-        except OSError:
-            pass
-        reply.close()
-        return None  # a fork that failed exits by itself, reaped with the rest
     pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
     try:
         send(reply, {"t": "forked", "pid": pid}, [pidfd] if pidfd is not None else ())

@@ -190,7 +190,7 @@ class Template:
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = send_episode(hand, *episode, os.pipe(), alone)
             pid, pidfd = self._forked(mine)
-            ipc = _adopt(self, pid, pidfd) if self.own_namespaces else None
+            ipc = _adopt(self, pid, pidfd, hand) if self.own_namespaces else None
             if episode is not None and err is None:  # its hand-over could not be sent
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
@@ -340,11 +340,25 @@ class Template:
             _sandbox.remove_tmpdir(self.wall.sandbox.tmpdir)
 
 
-def _adopt(template: Template, pid: int, pidfd: int) -> int | None:
-    """Check and map a fork's namespaces of its own (``namespaces.adopt``): the inode of its
-    IPC namespace. Raises :class:`TemplateGone`, with the fork killed. None where the fork
-    maps its own ids: an unprivileged parent cannot read the namespaces of a process that is
-    not dumpable, and the fork is not."""
+def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int | None:
+    """Once the fork says on ``hand`` that it made its namespaces, check and map them
+    (``namespaces.adopt``): the inode of its IPC namespace. Raises :class:`TemplateGone`,
+    with the fork killed. None where the fork maps its own ids: an unprivileged parent cannot
+    read the namespaces of a process that is not dumpable, and the fork is not."""
+    hand.settimeout(_FORK_TIMEOUT_S)
+    try:
+        said, fds = receive_message(hand)
+    except (OSError, ValueError):  # TimeoutError among them
+        said, fds = None, []
+    finally:
+        hand.settimeout(None)
+    for fd in fds:
+        os.close(fd)
+    if said is None or said.get("t") != "unshared":
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
+        why = said.get("reason") if said is not None else "no answer"
+        raise TemplateGone(f"template {template.name}: its fork {pid} has no namespaces ({why})")
     if _namespaces.maps_own(template.wall):
         return None
 
