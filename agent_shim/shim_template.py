@@ -19,6 +19,8 @@ packet:
   hand-over socket: the template forks, and the fork parks (a session of its own, waiting);
 - template -> parent, on the reply socket: ``{"t": "forked", "pid"}`` carrying a pidfd, and once
   the fork is reaped ``{"t": "exit", "status"}`` (a wait status);
+- parked fork -> parent, on the hand-over socket, with ``fork_unshare``: ``{"t": "unshared"}``
+  once it is in namespaces of its own (shim_parked.own_namespaces), which the parent then maps;
 - parent -> parked fork, on the hand-over socket: ``{"t": "moved"}`` once it is in its cgroup
   leaf (it forks its worker ahead then: shim_parked.py); ``{"t": "episode", "episode_id"}``
   carrying two fds: the episode's channel (its stdin and stdout, one socket) and its stderr
