@@ -1,7 +1,9 @@
 """PID 1 of a preloaded template's PID namespace (``shim_template.py``), and how a template's
 process tells the parent the importer's wait status (on LIFE).
 
-PID 1 reaps, reports the importer's end, and exits once no process is left. Should the parent
+PID 1 reaps, reports the importer's end (and, once the importer is gone, the end of each fork
+and orphan it reaps, with its pid here: the parent knows its forks by it), and exits once no
+process is left. Should the parent
 die, the template's outer process sends it SIGTERM: it cancels every episode forked from the
 template as the parent would (SIGINT, then SIGCONT), waits for them to exit for at most the
 template's ``cancel_grace``, and exits, which ends the namespace (the kernel kills what is
@@ -32,13 +34,18 @@ def grace_of(message):
     return float(grace) if math.isfinite(grace) and grace > 0 else 0.0
 
 
-def tell(life, status):
-    """Send the importer's wait status to the parent (on LIFE)."""
+def tell(life, status, **more):
+    """Send the importer's wait status to the parent (on LIFE); with ``pid`` and ``cpu_s`` in
+    ``more``, another process's."""
     if life is not None:
+        sock = socket.socket(fileno=os.dup(life))
+        sock.setblocking(False)  # a parent that reads no more never holds PID 1's reaping up
         try:
-            send(socket.socket(fileno=os.dup(life)), {"t": "exit", "status": status})
+            send(sock, dict({"t": "exit", "status": status}, **more))
         except OSError:
-            pass  # the parent is gone
+            pass  # the parent is gone, or its socket full
+        finally:
+            sock.close()
 
 
 def init(importer, life, grace):
@@ -58,11 +65,13 @@ def init(importer, life, grace):
 
 
 def reap(importer, life):
-    """Reap every child that has exited, telling the parent of the importer's end; False once
-    no child is left."""
+    """Reap every child that has exited, telling the parent of its end: the importer's, and
+    once the importer is gone, those of its forks and what else comes here (the parent knows
+    its forks by their pids here: a fork that is its own worker has no one else to report
+    it). False once no child is left."""
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return False
         except InterruptedError:
@@ -71,6 +80,8 @@ def reap(importer, life):
             return True
         if pid == importer:
             tell(life, status)
+        else:
+            tell(life, status, pid=pid, cpu_s=usage.ru_utime + usage.ru_stime)
 
 
 def stop_and_cancel(importer, grace):

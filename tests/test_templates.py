@@ -172,9 +172,9 @@ def run(data):
         result.append(await isolate.run_episode(spec, {}))
     (first,) = result
     assert (first.status, first.reward, first.start) == ("ok", 7.0, "template"), first.summary()
-    # The fork is the agent's own process and the template its parent: dead before it could
-    # report the exit status, which is unknown; the result stands.
-    assert first.exit_code is None
+    # The fork is the agent's own process and the importer its parent, dead before it could
+    # report the exit status: PID 1 of the template's namespace reaped the fork and said it.
+    assert first.exit_code == 0
 
     second = await isolate.run_episode(spec, {})
     assert (second.status, second.reward, second.start) == ("ok", 7.0, "template")
@@ -331,6 +331,8 @@ async def test_closing_a_template_spares_what_its_running_episodes_started(
     (outcome,) = result
     assert (outcome.status, outcome.reward) == ("ok", 1.0), outcome.summary()
     assert outcome.killed >= 1  # the daemon, by the episode's sweep
+    # Its importer, its parent, killed by the close: PID 1 reaped it and said how it ended.
+    assert outcome.exit_code == 0
     assert agents.left() == []
 
 

@@ -65,3 +65,16 @@ def has_live_thread(pid: int) -> bool:
         if fields is not None and fields[0] not in GONE:
             return True
     return False
+
+
+def ns_pid(pid: int) -> int | None:
+    """The number of process ``pid`` in its own PID namespace (the last of ``NSpid`` in
+    ``/proc/PID/status``); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -18,7 +18,7 @@ import anyio
 from agent_shim.shim_wire import receive_message, send_message
 
 from .. import containment as _containment
-from ..system.procfs import exited
+from ..system.procfs import exited, ns_pid
 
 if TYPE_CHECKING:
     from .process import Template
@@ -111,7 +111,10 @@ class Forked:
         self.returncode: int | None = None
         #: False when the template died before it could report the exit status.
         self.status_known = True
+        #: Its pid in the template's PID namespace: PID 1 reports it by that number.
+        self.ns_pid = ns_pid(pid) if alone else None
         self._eof = False
+        self._orphaned_at: float | None = None
         reply.setblocking(False)
 
     def stderr_fd(self) -> int:
@@ -152,8 +155,25 @@ class Forked:
                 cpu = message.get("cpu_s")
                 self.cpu_s = float(cpu) if isinstance(cpu, (int, float)) else None
         if self.returncode is None and self._eof and self._exited():
-            self.returncode, self.status_known = _UNKNOWN, False
+            self._status_from_init()
         return self.returncode
+
+    def _status_from_init(self) -> None:
+        """Both the template and the fork are gone: the fork's status from PID 1, which reaped
+        it (a fork that is its own worker lives in the template's PID namespace) once the
+        importer was gone, if it comes within ``STATUS_WAIT_S``; else unknown."""
+        found = None
+        if self.template is not None and self.ns_pid is not None:
+            found = self.template.life.fork_status(self.ns_pid)
+        if found is not None:
+            status, self.cpu_s = found
+            self.returncode = os.waitstatus_to_exitcode(status)
+            return
+        now = time.monotonic()
+        if self._orphaned_at is None:
+            self._orphaned_at = now
+        if self.ns_pid is None or now - self._orphaned_at >= STATUS_WAIT_S:
+            self.returncode, self.status_known = _UNKNOWN, False
 
     def _exited(self) -> bool:
         if self.pidfd is not None:
@@ -173,6 +193,8 @@ class Forked:
         with anyio.move_on_after(STATUS_WAIT_S):
             while self.poll() is None and not self._eof:
                 await anyio.wait_readable(self.reply.fileno())
+            while self.poll() is None:  # noqa: ASYNC110 - the template gone: from its PID 1
+                await anyio.sleep(0.005)
         if self.returncode is None:
             self.returncode, self.status_known = _UNKNOWN, False
 

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import psutil
@@ -28,6 +27,7 @@ from ..system.reaping import GIVE_UP_S, Reaper
 from ..system.tree import ProcessTree
 from . import namespaces as _namespaces
 from .forked import STATUS_WAIT_S, Forked, TemplateGone, pidfd_pid, readable, send_episode
+from .life import Life
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -55,8 +55,9 @@ class Template:
         self.popen = popen
         self.control = control
         #: Held for as long as the template may live: EOF there tells the outer process that
-        #: we are gone. The importer's wait status comes back on it.
-        self.life = life
+        #: we are gone. The importer's wait status comes back on it, and those of its forks
+        #: that PID 1 reaped once the importer was gone.
+        self.life = Life(life)
         self.name = name
         #: What the importer enters before it imports: an episode's containment. Its sandbox
         #: is the one every fork's own is carved from: its TMPDIR holds theirs.
@@ -70,7 +71,6 @@ class Template:
         self.own_namespaces = own_namespaces
         self.importer: int | None = None
         self.importer_fd: int | None = None
-        self.status: int | None = None
         self.forks: set[Forked] = set()
         #: Forks parked ahead of demand (``isolate.park``), once asked for.
         self.pool: Pool | None = None
@@ -119,27 +119,14 @@ class Template:
 
     def death(self) -> str:
         """How the dead template's importer ended, in words."""
-        end = time.monotonic() + STATUS_WAIT_S
-        while self.status is None and self.life.fileno() >= 0:
-            # Its parent sends it once it has reaped it: just after the pidfd said so.
-            left = end - time.monotonic()
-            if left <= 0 or not readable(self.life.fileno(), left):
-                break
-            try:
-                message, fds = receive_message(self.life)
-            except (BlockingIOError, OSError, ValueError):
-                break
-            for fd in fds:
-                os.close(fd)
-            if message is None:
-                break
-            if message.get("t") == "exit" and isinstance(message.get("status"), int):
-                self.status = message["status"]
-        if self.status is None:
+        # Its parent sends it once it has reaped it: just after the pidfd said so.
+        self.life.read(STATUS_WAIT_S)
+        status = self.life.status
+        if status is None:
             code = self.popen.returncode  # the outer process: killed, say, by close_templates()
             return describe_exit(None, signal_name(-code)) if code and code < 0 else "ended"
         try:
-            code = os.waitstatus_to_exitcode(self.status)
+            code = os.waitstatus_to_exitcode(status)
         except ValueError:
             return "ended"
         if code < 0:
