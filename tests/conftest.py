@@ -475,6 +475,20 @@ def _cmd(proc: psutil.Process) -> str:
 # --- an unprivileged user ---------------------------------------------------------------------
 
 #: The user the tests act as when they need a trainer without privileges.
+#: Agent code: ``mark(name)`` makes a file in PID_DIR, ``wait(name)`` waits for one there.
+MARKS = """
+import os, time
+
+
+def mark(name):
+    open(os.path.join(os.environ["PID_DIR"], name), "w").close()
+
+
+def wait(name):
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], name)):
+        time.sleep(0.01)
+"""
+
 NOBODY = 65534
 #: The argv prefix that runs a command as that user, with no supplementary group.
 AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]

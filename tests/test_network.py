@@ -33,6 +33,7 @@ from isolate._core import containment as _containment
 from isolate._core.containment import sandbox as _sandbox
 
 from .conftest import (
+    MARKS,
     SLOW,
     Agents,
     as_nobody,
@@ -356,17 +357,11 @@ async def test_an_allow_list_lets_through_the_endpoint_and_its_hosts_and_nothing
 #: Two roles of one template: a "server" listens on a loopback port and an abstract unix
 #: socket of its network namespace; a "client" forked from the same template tries both, then
 #: the LLM endpoint (its own proxy's carried port). Plain processes run it too (the control).
-SIBLINGS = r"""
+SIBLINGS = (
+    MARKS
+    + r"""
 import errno, os, socket, time, urllib.request
 
-
-def mark(name):
-    open(os.path.join(os.environ["PID_DIR"], name), "w").close()
-
-
-def wait(name):
-    while not os.path.exists(os.path.join(os.environ["PID_DIR"], name)):
-        time.sleep(0.01)
 
 
 def attempt(family, address):
@@ -409,6 +404,7 @@ def run(data):
         found["llm"] = urllib.request.urlopen(url, timeout=10).read().decode()
     return 1.0, found
 """
+)
 
 
 def test_the_sibling_attack_reaches_a_server_in_one_network_namespace(tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import sandbox as _sandbox
 from isolate._core.episode import launcher as _launcher
-from isolate._core.templates import process as _process
 
 from .conftest import (
     Agents,
@@ -34,7 +33,7 @@ from .conftest import (
     wait_until,
 )
 from .test_teardown import SILENT_SHIM
-from .test_templates import TEMP_AGENT, template_processes
+from .test_templates import TEMP_AGENT, fresh_after_no_fork, slow_to_fork, template_processes
 
 pytestmark = pytest.mark.anyio
 
@@ -298,11 +297,7 @@ async def test_a_fresh_start_after_a_fork_that_did_not_come_waits_at_the_start_g
     with every place at the gate held, it waits there (a burst whose template died must not
     start hundreds of interpreters at once), and starts once a place is free."""
     spec = agents.spec(AGENT, preload=True)
-    first = await isolate.run_episode(spec, {})
-    assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
-    importer = psutil.Process(template.pid)
-    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
+    importer = await slow_to_fork(spec, monkeypatch)
     shim = tmp_path / "silent_shim.py"
     shim.write_text(SILENT_SHIM)
     silent = agents.spec("def run(data):\n    pass\n")
@@ -332,10 +327,7 @@ async def test_a_fresh_start_after_a_fork_that_did_not_come_waits_at_the_start_g
                     holders.cancel()
     finally:
         importer.resume()
-    (outcome,) = outcomes
-    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
-    assert outcome.preload_refused is not None
-    assert "did not fork (no answer within 0.2 s)" in outcome.preload_refused
+    outcome = fresh_after_no_fork(outcomes)
     assert outcome.timings.start_wait_s > 0.0
     assert all(is_gone(pid) for pid in held)
     monkeypatch.undo()

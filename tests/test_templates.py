@@ -791,6 +791,28 @@ def run(data):
 """
 
 
+def fresh_after_no_fork(outcomes: list[isolate.EpisodeOutcome]) -> isolate.EpisodeOutcome:
+    """The one outcome of ``outcomes``, ``ok`` and started fresh, saying that its template did
+    not answer within 0.2 s (``slow_to_fork``)."""
+    (outcome,) = outcomes
+    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
+    assert outcome.preload_refused is not None
+    assert "did not fork (no answer within 0.2 s)" in outcome.preload_refused
+    return outcome
+
+
+async def slow_to_fork(
+    spec: isolate.EpisodeSpec, monkeypatch: pytest.MonkeyPatch
+) -> psutil.Process:
+    """The importer of ``spec``'s template, started by a first episode (``ok``), with the
+    parent's wait for a fork cut to 0.2 s: suspended, it answers no fork request in time."""
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _templates.started_templates()
+    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
+    return psutil.Process(template.pid)
+
+
 async def test_a_fork_that_comes_too_late_gets_no_channel_of_the_fresh_start(
     agents: Agents, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -799,11 +821,8 @@ async def test_a_fork_that_comes_too_late_gets_no_channel_of_the_fresh_start(
     channel (it would read what the parent sends that shim, a cancel request say): it gets
     EOF and ends while the episode still runs."""
     spec = agents.spec(WAITING_AGENT, preload=True)
-    first = await isolate.run_episode(spec, {})
-    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    importer = await slow_to_fork(spec, monkeypatch)
     (template,) = _templates.started_templates()
-    importer = psutil.Process(template.pid)
-    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
     started, go = tmp_path / "started", tmp_path / "go"
     data = {"started": str(started), "go": str(go)}
     outcomes: list[isolate.EpisodeOutcome] = []
@@ -828,10 +847,7 @@ async def test_a_fork_that_comes_too_late_gets_no_channel_of_the_fresh_start(
             await anyio.to_thread.run_sync(go.touch)
     finally:
         importer.resume()
-    (outcome,) = outcomes
-    assert (outcome.status, outcome.start) == ("ok", "fresh"), outcome.summary()
-    assert outcome.preload_refused is not None
-    assert "did not fork (no answer within 0.2 s)" in outcome.preload_refused
+    outcome = fresh_after_no_fork(outcomes)
     assert template.alive()
     assert outcome.log_path is not None
     log = await anyio.to_thread.run_sync(Path(outcome.log_path).read_text)

@@ -35,6 +35,7 @@ from isolate import EPISODE_ENV
 
 from .. import _internals
 from ..conftest import (
+    MARKS,
     NOBODY,
     Agents,
     episode_processes,
@@ -553,21 +554,15 @@ async def test_only_the_parents_death_makes_pid_1_end_the_template(
 #: A System V segment made by one episode of a template, looked for by its siblings: by key,
 #: in /proc/sysvipc/shm, and attached, while it lives and after its episode ended. Run in
 #: plain processes too (the control), with PID_DIR set.
-SYSV = r"""
+SYSV = (
+    MARKS
+    + r"""
 import ctypes, os, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
 IPC_CREAT, SHM_RDONLY = 0o1000, 0o10000
 FAILED = ctypes.c_void_p(-1).value
 
-
-def mark(name):
-    open(os.path.join(os.environ["PID_DIR"], name), "w").close()
-
-
-def wait(name):
-    while not os.path.exists(os.path.join(os.environ["PID_DIR"], name)):
-        time.sleep(0.01)
 
 
 def look(key, size):
@@ -600,6 +595,7 @@ def run(data):
         return 1.0, {"sibling": found}
     return 1.0, {"later": look(key, len(secret))}
 """
+)
 
 
 def test_the_system_v_attack_reaches_a_segment_from_a_plain_process(tmp_path: Path) -> None:
