@@ -24,13 +24,10 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.system import procfs
-from isolate._core.system.procfs import has_live_thread
 
 # The plugin below, imported here first: marked for assertion rewriting before that import.
 pytest.register_assert_rewrite("tests._skips")
+from . import _internals  # noqa: E402
 from ._skips import _is_containment, _reason, on_ci  # noqa: E402
 
 # The skip summary line, and no skipped containment test on CI (see tests/_skips.py; the
@@ -174,7 +171,7 @@ def is_gone(pid: int, create_time: float | None = None) -> bool:
         proc = psutil.Process(pid)
         if create_time is not None and abs(proc.create_time() - create_time) > 0.01:
             return True
-        return proc.status() == psutil.STATUS_ZOMBIE and not has_live_thread(pid)
+        return proc.status() == psutil.STATUS_ZOMBIE and not _internals.has_live_thread(pid)
     except psutil.NoSuchProcess:
         return True
 
@@ -196,7 +193,7 @@ def episode_processes(marker: bytes = b"") -> list[psutil.Process]:
         if b"\0" + needle in environ and marker in environ:
             try:
                 proc = psutil.Process(int(name))
-                if proc.status() != psutil.STATUS_ZOMBIE or has_live_thread(proc.pid):
+                if proc.status() != psutil.STATUS_ZOMBIE or _internals.has_live_thread(proc.pid):
                     found.append(proc)
             except psutil.Error:
                 continue
@@ -207,7 +204,7 @@ def live_children() -> list[psutil.Process]:
     out = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE or has_live_thread(proc.pid):
+            if proc.status() != psutil.STATUS_ZOMBIE or _internals.has_live_thread(proc.pid):
                 out.append(proc)
         except psutil.Error:
             continue
@@ -280,7 +277,7 @@ def run_marker(basetemp: Path) -> bytes:
 
 
 def _cgroup_roots() -> list[Path]:
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     return [r for r in [groups.v2, *groups.v1.values()] if r is not None]
 
 
@@ -288,7 +285,7 @@ def remove_dead_parents_leaves() -> None:
     """Remove the cgroup leaves of isolate parents that died without removing them, as the
     next isolate process to start does: for a test that killed one (no_process_left fails a
     test that leaves them)."""
-    _containment.clean_stale(_cgroup_roots())
+    _internals.clean_stale(_cgroup_roots())
 
 
 def own_leaves() -> list[Path]:
@@ -296,14 +293,14 @@ def own_leaves() -> list[Path]:
     found: list[Path] = []
     for root in _cgroup_roots():
         try:
-            found += [p for p in (root / _containment.leaves._owner_name()).iterdir() if p.is_dir()]
+            found += [p for p in (root / _internals.owner_name()).iterdir() if p.is_dir()]
         except OSError:
             continue  # no episode of this process used this root
     return found
 
 
 #: The test process's start, in clock ticks since boot: what a cgroup owner's name records.
-_SESSION_START = procfs.start_time(os.getpid()) or 0
+_SESSION_START = _internals.start_time(os.getpid()) or 0
 #: Leaves of dead owners already judged (by path): the basetemp scan runs once per leaf.
 _judged: dict[Path, bool] = {}
 
@@ -340,7 +337,7 @@ def run_leaves(basetemp: Path) -> list[Path]:
             pid, start = (int(x) for x in owner.name.split("."))
             if pid == me.pid and start == _SESSION_START:
                 found += leaves
-            elif procfs.start_time(pid) == start:
+            elif _internals.start_time(pid) == start:
                 if _descends_from(pid, me):
                     found += leaves
             elif start >= _SESSION_START:
@@ -371,7 +368,7 @@ def _named_under(leaf: Path, basetemp: Path) -> bool:
 def _dead(proc: psutil.Process) -> bool:
     """Gone, or a zombie with no live thread: what a SIGKILLed process is about to be."""
     try:
-        return proc.status() == psutil.STATUS_ZOMBIE and not has_live_thread(proc.pid)
+        return proc.status() == psutil.STATUS_ZOMBIE and not _internals.has_live_thread(proc.pid)
     except psutil.Error:
         return True
 
@@ -381,9 +378,9 @@ def _remove_leaf(leaf: Path) -> None:
     directory once that is empty: the next test starts clean."""
 
     def empty() -> bool:
-        if not _containment.leaves._procs(leaf) and not _containment.leaves._populated(leaf):
+        if not _internals.leaf_procs(leaf) and not _internals.leaf_populated(leaf):
             return True
-        _containment.leaves._kill_leaf(leaf)
+        _internals.kill_leaf(leaf)
         return False
 
     try:
@@ -391,7 +388,7 @@ def _remove_leaf(leaf: Path) -> None:
     except AssertionError:
         return  # the failure names the leaf already
     try:
-        _containment.leaves._rmdir_tree(leaf)
+        _internals.remove_leaf(leaf)
         leaf.parent.rmdir()
     except OSError:
         pass  # still populated, or the owner has other leaves: the failure says so
@@ -405,7 +402,7 @@ def own_zombies() -> list[str]:
     zombies = {
         proc.pid
         for proc in psutil.Process().children()
-        if _status(proc) == psutil.STATUS_ZOMBIE and not has_live_thread(proc.pid)
+        if _status(proc) == psutil.STATUS_ZOMBIE and not _internals.has_live_thread(proc.pid)
     }
     if not zombies:
         return []
@@ -451,7 +448,7 @@ def _reap_zombies() -> None:
     """Reap every zombie child of the test process: isolate's own (through its Popen, which
     then knows the exit), and orphans re-parented to the subreaper."""
     zombies = {p.pid for p in psutil.Process().children() if _status(p) == psutil.STATUS_ZOMBIE}
-    zombies = {pid for pid in zombies if not has_live_thread(pid)}
+    zombies = {pid for pid in zombies if not _internals.has_live_thread(pid)}
     if not zombies:
         return
     for popen in _popens():
@@ -585,7 +582,7 @@ class Agents:
         by this, not by recorded pids: inside a PID namespace those are the namespace's
         numbers, and on the host they name unrelated processes. Running templates
         (``preload``) are not an episode's."""
-        templates = {pid for t in _templates.started_templates() for pid in t.own_pids()}
+        templates = {pid for t in _internals.started_templates() for pid in t.own_pids()}
         procs = episode_processes(f"\0PID_DIR={self.pids}\0".encode())
         return [p for p in procs if p.pid not in templates]
 
@@ -624,7 +621,7 @@ def agents(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Agents]:
     start = getattr(request, "param", "fresh")
     agents = Agents(tmp_path, preload=start == "template")
     yield agents
-    _templates.close_all()
+    _internals.close_all()
     if agents.preload:
         # Proof that the template path ran: every episode's log says it was forked.
         logs = [p.read_text() for p in agents.logs.glob("*.log") if p.name[:9] != "template."]

@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core.system import admission
 
+from . import _internals
 from .conftest import SLOW, Agents, wait_until
 
 # Runs N episodes at once in this process and prints what happened as one JSON line.
@@ -181,7 +181,7 @@ def test_the_soft_limit_is_raised_and_episodes_keep_the_old_one(agents: Agents) 
 
 def test_the_raise_can_be_turned_off(agents: Agents) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    result, log = drive(agents, (64, hard), 1, env={admission.RAISE_ENV: "0"})
+    result, log = drive(agents, (64, hard), 1, env={_internals.RAISE_ENV: "0"})
     assert statuses(result) == ["ok"]
     assert result["soft_after"] == 64
     assert "stays as it is" in log
@@ -220,7 +220,7 @@ async def test_fds_per_episode_are_what_the_budget_counts(agents: Agents, log: b
         tg.start_soon(count_then_release)
         outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "ok", outcome.summary()
-    assert during[0] - before == admission.episode_fds(spec).steady == (4 if log else 3)
+    assert during[0] - before == _internals.episode_fds(spec).steady == (4 if log else 3)
     assert outcome.timings.start_s is not None
     assert outcome.timings.start_s > 0
 
@@ -255,13 +255,13 @@ async def test_held_fds_count_and_a_cancelled_wait_gives_its_place_back(agents: 
     an episode cancelled while it waits for admission leaves nothing behind in the budget."""
     spec = agents.spec(AGENT)
     assert (await isolate.run_episode(spec, {})).status == "ok"  # this loop's budget exists
-    budget = admission._budget()
-    waiting_before = admission.waiting()
-    hold = admission.hold_fds(budget.capacity - budget.used - 1, "test hold")
+    budget = _internals.fd_budget()
+    waiting_before = _internals.admission_waiting()
+    hold = _internals.hold_fds(budget.capacity - budget.used - 1, "test hold")
     with anyio.move_on_after(0.3 * SLOW):
         await isolate.run_episode(spec, {})
         pytest.fail("admitted despite the hold")
-    assert admission.waiting() == waiting_before  # the cancelled one left the queue
+    assert _internals.admission_waiting() == waiting_before  # the cancelled one left the queue
     outcome: list[isolate.EpisodeOutcome] = []
 
     async def run() -> None:
@@ -269,7 +269,7 @@ async def test_held_fds_count_and_a_cancelled_wait_gives_its_place_back(agents: 
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        await wait_until(lambda: admission.waiting() > waiting_before)
+        await wait_until(lambda: _internals.admission_waiting() > waiting_before)
         await anyio.sleep(0.2)
         hold.release()
     assert outcome[0].status == "ok", outcome[0].summary()

@@ -198,3 +198,109 @@ def test_the_child_side_is_wired_one_way() -> None:
     twice = {name: sorted(files) for name, files in defined.items() if len(files) > 1}
     assert wrong == []
     assert twice == {}
+
+
+# The test files that are unit tests of one internal module, each with that module (a package
+# stands for its modules): they may import it, and the model (configs and errors). Every other
+# reach of a test into ``isolate._core`` goes through tests/_internals.py, so that a refactor of
+# the internals changes that file, not the tests.
+UNIT_UNDER_TEST = {
+    "test_admission_budget.py": "isolate._core.system.admission",
+    "test_egress.py": "isolate._core.network",
+    "test_env.py": "isolate._core.system.env",
+    "test_leaf_kill.py": "isolate._core.containment.leaves",
+    "test_procfs.py": "isolate._core.system.procfs",
+    "test_protocol.py": "isolate._core.episode.protocol",
+    "test_redact.py": "isolate._core.episode.redact",
+    "test_sandbox.py": "isolate._core.containment.sandbox",
+    "test_stale_leaves.py": "isolate._core.containment.leaves",
+    "test_teardown_reaper.py": "isolate._core.system.reaping",
+    "test_tree_scan.py": "isolate._core.system.tree",
+    "test_verdict.py": "isolate._core.episode.verdict",
+}
+# Scripts a test writes to a file and runs from a temporary directory, where ``tests`` is not
+# importable: each reaches one internal, named here with its file.
+SCRIPTS_OUTSIDE_TESTS = {("test_admission.py", "isolate._core.system.admission")}
+CORE = "isolate._core"
+
+
+def core_reaches(source: str) -> list[tuple[int, str]]:
+    """Each reach into ``isolate._core`` in a file's source, with its line: every import (a
+    deferred one too), ``isolate._core`` as an attribute, and the imports of the scripts held
+    in its strings (a child runs them)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            module = node.module
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                if full == CORE or full.startswith(CORE + "."):
+                    found.append((node.lineno, full))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith(CORE)]
+        elif isinstance(node, ast.Attribute) and node.attr == "_core":
+            if isinstance(node.value, ast.Name) and node.value.id == "isolate":
+                found.append((node.lineno, CORE))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for i, line in enumerate(node.value.splitlines()):
+                if line.strip().startswith((f"from {CORE}", f"import {CORE}")):
+                    script = core_reaches(line.strip())
+                    found += [(node.lineno + i, name) for _, name in script]
+    return sorted(found)
+
+
+def stray_core_imports(files: dict[str, str]) -> list[str]:
+    """Of ``files`` (a path under tests/ and its source), each reach into ``isolate._core``
+    that is neither in tests/_internals.py nor the unit a file of UNIT_UNDER_TEST tests (or the
+    model), as ``file:line: name``."""
+    stray: list[str] = []
+    for name, source in sorted(files.items()):
+        if name == "_internals.py":
+            continue
+        unit = UNIT_UNDER_TEST.get(name)
+        allowed = [f"{CORE}.model", *([unit] if unit else [])]
+        for line, full in core_reaches(source):
+            if any(full == a or full.startswith(a + ".") for a in allowed):
+                continue
+            if (name, full) not in SCRIPTS_OUTSIDE_TESTS:
+                stray.append(f"tests/{name}:{line}: {full}")
+    return stray
+
+
+def _test_files() -> dict[str, str]:
+    tests = ROOT / "tests"
+    return {str(p.relative_to(tests)): p.read_text() for p in sorted(tests.rglob("*.py"))}
+
+
+def test_the_tests_reach_the_internals_through_one_module() -> None:
+    """A test file imports ``isolate._core`` only through tests/_internals.py, unless it is a
+    unit test of one internal module (UNIT_UNDER_TEST): then that module, and the model."""
+    stray = stray_core_imports(_test_files())
+    assert stray == [], (
+        "import these through tests/_internals.py (a name there, with what the tests use it "
+        "for), or list the file in UNIT_UNDER_TEST with the one module it unit-tests:\n"
+        + "\n".join(stray)
+    )
+
+
+def test_each_unit_test_imports_the_module_it_is_listed_with() -> None:
+    """UNIT_UNDER_TEST stays true: each file exists and imports its module; each exception
+    for a script is still there."""
+    files = _test_files()
+    wrong = [
+        f"{name}: {unit}"
+        for name, unit in UNIT_UNDER_TEST.items()
+        if name not in files
+        or not any((full + ".").startswith(unit + ".") for _, full in core_reaches(files[name]))
+    ]
+    wrong += [
+        f"{name}: {full}"
+        for name, full in SCRIPTS_OUTSIDE_TESTS
+        if name not in files or full not in [f for _, f in core_reaches(files[name])]
+    ]
+    assert wrong == []
+    # The check itself: a stray import is named with its file and line.
+    stray = "from " + CORE + " import templates\n"  # not a literal: this file would be stray
+    assert stray_core_imports({"test_x.py": stray}) == [
+        "tests/test_x.py:1: isolate._core.templates"
+    ]

@@ -24,8 +24,8 @@ import pytest
 
 from isolate._cli.batch import parse_size
 from isolate._cli.batch.scheduler import RetryPolicy
-from isolate._core import containment as _containment
 
+from . import _internals
 from .conftest import (
     SLOW,
     Agents,
@@ -234,7 +234,7 @@ def test_mixed_batch_with_exact_accounting(agents: Agents) -> None:
     assert by_id["m-30"]["signal"] == "SIGSEGV"
     assert by_id["m-31"]["exit_code"] == 3
     assert all(isinstance(e["killed"], int) for e in entries)
-    auto = _containment.resolve("auto", None)
+    auto = _internals.resolve("auto", None)
     assert {e["containment"] for e in entries} == {auto[0]}
     assert f"containment  {auto[0]} ({len(by_id)})" in proc.stdout
     assert all(
@@ -792,9 +792,8 @@ def run(data, **kwargs):
 
 
 def test_a_sandboxed_agent_cannot_touch_the_results_or_the_bundles(agents: Agents) -> None:
-    from isolate._core.containment.sandbox import landlock_abi
 
-    if landlock_abi() < 3:
+    if _internals.landlock_abi() < 3:
         pytest.skip("the default Sandbox() needs Landlock ABI 3 here")
     (agents.root / "forger.py").write_text(textwrap.dedent(FORGER))
     out = agents.tmp / "results.jsonl"

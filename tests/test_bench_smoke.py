@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from isolate._core import containment as _containment
-
+from . import _internals
 from .conftest import SLOW
 
 REPO = Path(__file__).resolve().parent.parent
@@ -154,7 +153,7 @@ def test_footprint_figures(results: dict[str, Any]) -> None:
 def test_layers_figures(results: dict[str, Any]) -> None:
     section = results["sections"]["layers"]
     measured = set(section["rows"]) - {"bare"}
-    assert measured | set(section["skipped"]) == set(_containment.COMBINATIONS)
+    assert measured | set(section["skipped"]) == set(_internals.COMBINATIONS)
     assert section["auto"] in measured
     for name, row in section["rows"].items():
         assert _positive(row), name

@@ -12,9 +12,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core.episode import prepare as _prepare
-from isolate._core.system import admission
 
+from . import _internals
 from .conftest import SLOW, Agents, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -86,7 +85,9 @@ async def test_the_shims_own_deadline_is_a_timeout(
         """
     spec = agents.spec(agent, timeout=60.0, kill_grace=0.5, cancel_grace=cancel_grace)
     # The shim's deadline 1.5 s after its start, the parent's a minute after.
-    monkeypatch.setattr(_prepare, "SHIM_DEADLINE_MARGIN_S", 1.5 - spec.timeout - spec.kill_grace)
+    monkeypatch.setattr(
+        _internals.prepare, "SHIM_DEADLINE_MARGIN_S", 1.5 - spec.timeout - spec.kill_grace
+    )
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "timeout", outcome.summary()
     assert outcome.error is not None
@@ -118,14 +119,14 @@ class Room:
     """What this event loop's fd budget leaves episodes, set by holding the rest."""
 
     def __init__(self) -> None:
-        self.hold: admission.Hold | None = None
+        self.hold: _internals.Hold | None = None
 
     def leave(self, fds: int) -> None:
         """Leave room for ``fds`` (the new hold is taken before the old one is given back:
         nothing is admitted on the way)."""
-        budget = admission._budget()
+        budget = _internals.fd_budget()
         held = self.hold.fds if self.hold is not None else 0
-        hold = admission.hold_fds(budget.capacity - budget.used + held - fds, "test room")
+        hold = _internals.hold_fds(budget.capacity - budget.used + held - fds, "test room")
         self.close()
         self.hold = hold
 
@@ -137,7 +138,7 @@ class Room:
 
 async def test_the_timeout_counts_from_spawn_not_from_admission(agents: Agents) -> None:
     spec = agents.spec("def run(data):\n    return 1.0\n", timeout=2.5 * SLOW)
-    room, waiting = Room(), admission.waiting()
+    room, waiting = Room(), _internals.admission_waiting()
     outcome: list[isolate.EpisodeOutcome] = []
 
     async def run() -> None:
@@ -147,7 +148,7 @@ async def test_the_timeout_counts_from_spawn_not_from_admission(agents: Agents) 
         room.leave(0)
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            await wait_until(lambda: admission.waiting() > waiting)
+            await wait_until(lambda: _internals.admission_waiting() > waiting)
             # The point of the test: the episode waits for admission longer than its timeout.
             await anyio.sleep(spec.timeout + 0.5)
             room.close()
@@ -191,7 +192,7 @@ def order(agents: Agents) -> list[str]:
 
 async def test_a_started_episode_gives_back_the_fds_only_its_spawn_needed(agents: Agents) -> None:
     spec = agents.spec(IN_ORDER)
-    cost = admission.episode_fds(spec)
+    cost = _internals.episode_fds(spec)
     assert cost.peak > cost.steady
     room = Room()
     outcomes: dict[str, isolate.EpisodeOutcome] = {}
@@ -216,9 +217,9 @@ async def test_a_started_episode_gives_back_the_fds_only_its_spawn_needed(agents
 async def test_admission_is_first_come_first_served(agents: Agents) -> None:
     logged = agents.spec(IN_ORDER)
     unlogged = agents.spec(IN_ORDER, log_dir=None)
-    big, small = admission.episode_fds(logged).peak, admission.episode_fds(unlogged).peak
+    big, small = _internals.episode_fds(logged).peak, _internals.episode_fds(unlogged).peak
     assert small < big
-    room, waiting = Room(), admission.waiting()
+    room, waiting = Room(), _internals.admission_waiting()
     outcomes: list[isolate.EpisodeOutcome] = []
 
     async def run(spec: isolate.EpisodeSpec, name: str) -> None:
@@ -232,7 +233,9 @@ async def test_admission_is_first_come_first_served(agents: Agents) -> None:
                 [(logged, "one"), (unlogged, "two"), (logged, "three")], start=1
             ):
                 tg.start_soon(run, spec, name)
-                await wait_until(lambda n=n: admission.waiting() - waiting >= n or order(agents))
+                await wait_until(
+                    lambda n=n: _internals.admission_waiting() - waiting >= n or order(agents)
+                )
             assert order(agents) == [], "an episode went ahead of one that came before it"
             room.leave(big)  # one at a time: a running one leaves no room for the next
     finally:

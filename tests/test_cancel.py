@@ -17,8 +17,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 
+from . import _internals
 from .conftest import (
     SLOW,
     Agents,
@@ -49,8 +49,8 @@ def levels() -> list[Any]:
     """Each containment layer alone, session, and the strongest combination here (auto), each
     skipped (with the reason) where this machine lacks it."""
     found: list[Any] = []
-    for name in [*_containment.LAYERS, "session", "auto"]:
-        problem = None if name == "auto" else _containment.problem(name)
+    for name in [*_internals.LAYERS, "session", "auto"]:
+        problem = None if name == "auto" else _internals.containment_problem(name)
         marks = pytest.mark.skip(reason=f"containment {name!r}: {problem}") if problem else ()
         found.append(pytest.param(name, id=name, marks=marks))
     return found
@@ -413,11 +413,11 @@ def run(data):
         os.kill(parent.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         parent.wait()
-        if "cgroup" in _containment.layers(level):
+        if "cgroup" in _internals.layers(level):
             # The next isolate to start cleans the dead parent's leaves: not this one, whose
             # shim is still at work.
-            groups = _containment.cgroups()
-            _containment.clean_stale(r for r in [groups.v2, *groups.v1.values()] if r)
+            groups = _internals.cgroups()
+            _internals.clean_stale(r for r in [groups.v2, *groups.v1.values()] if r)
         wait_for(lambda: (agents.pids / "cleaned").exists(), 5.0, "the clean-up")
         assert (agents.pids / "cleaned").read_text() == "True"
         marker = f"PID_DIR={agents.pids}".encode()
@@ -437,12 +437,12 @@ def run(data):
 # worker ("pairs", as where they have not).
 PARENT_OF_A_TEMPLATE = """
 import anyio, isolate, sys
-from isolate._core import templates as _templates
+from tests import _internals
 spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
 async def main():
     if sys.argv[2] == "pairs":
         await isolate.park(spec, 0)  # the template, started
-        (template,) = _templates.started_templates()
+        (template,) = _internals.started_templates()
         template.forks_alone = False
     await isolate.run_episode(spec, {})
 anyio.run(main)
@@ -469,7 +469,7 @@ def kill_the_parent_of_a_template(
     """Run ``code`` as a template's episode under a parent process, at ``containment``; once
     it is ready, SIGKILL the parent and wait until no process of the test is left (the
     template's included): the seconds that took."""
-    problem = _containment.problem(containment)
+    problem = _internals.containment_problem(containment)
     if problem is not None:
         pytest.skip(f"containment {containment!r} is not available here: {problem}")
     spec = agents.spec(
@@ -482,7 +482,8 @@ def kill_the_parent_of_a_template(
         python=python,
     )
     parent = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(PARENT_OF_A_TEMPLATE), spec.model_dump_json(), mode]
+        [sys.executable, "-c", textwrap.dedent(PARENT_OF_A_TEMPLATE), spec.model_dump_json(), mode],
+        cwd=Path(__file__).resolve().parents[1],  # where ``tests`` is importable
     )
     try:
         wait_for(lambda: (agents.pids / "ready").exists(), 30.0, "the agent to be ready")

@@ -14,9 +14,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core.model.errors import SetupProblem
 
+from . import _internals
 from .conftest import Agents, own_leaves, wait_until
 from .test_protocol import frames_of, marker_agent, run_real_shim
 
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.anyio
 
 
 def v2_root() -> Path:
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     if groups.v2 is None:
         pytest.skip(f"containment 'cgroup' is not available here: {groups.problem}")
     return groups.v2
@@ -32,7 +31,7 @@ def v2_root() -> Path:
 
 async def test_a_leaf_that_cannot_be_created_is_a_setup_error(agents: Agents) -> None:
     # No descendants allowed below this process's directory: mkdir of the leaf gets EAGAIN.
-    owner = v2_root() / _containment.leaves._owner_name()
+    owner = v2_root() / _internals.owner_name()
     made = not owner.exists()
     owner.mkdir(exist_ok=True)
     limit = owner / "cgroup.max.descendants"
@@ -143,20 +142,20 @@ async def test_auto_refuses_limits_that_no_combination_can_enforce(
     combination is available but cannot bound the processes, nor can any after it (the process
     limit is the one limit a combination can fail, and then all fail alike), so auto says why
     the first could not; the episode is a setup error, never an unbounded run."""
-    real = _containment.cgroups()
+    real = _internals.cgroups()
     v2_root()
     bare = dataclasses.replace(real, v2_controllers=frozenset(), v1={})
-    monkeypatch.setitem(_containment.probes._probed, f"cgroups.{os.getpid()}", bare)
-    for where in (_containment, _containment.limits):  # the launcher's name, and the plan's
+    monkeypatch.setitem(_internals.probed, f"cgroups.{os.getpid()}", bare)
+    for where in _internals.needs_userns_askers:  # the launcher's name, and the plan's
         monkeypatch.setattr(where, "needs_userns", lambda: False)
-    first = _containment.AUTO[0]
-    assert _containment.problem(first) is None  # available: only the limit stops it
+    first = _internals.AUTO[0]
+    assert _internals.containment_problem(first) is None  # available: only the limit stops it
     found = (
         f"containment {first!r} cannot enforce the limits: limits.max_processes needs a pids "
         "cgroup controller, and none is writable"
     )
-    with pytest.raises(SetupProblem) as raised:
-        _containment.resolve("auto", isolate.Limits(max_processes=8))
+    with pytest.raises(_internals.SetupProblem) as raised:
+        _internals.resolve("auto", isolate.Limits(max_processes=8))
     assert str(raised.value) == found
     spec = agents.spec("def run(d):\n    return 1.0\n", limits=isolate.Limits(max_processes=8))
     outcome = await isolate.run_episode(spec, {})
@@ -164,4 +163,4 @@ async def test_auto_refuses_limits_that_no_combination_can_enforce(
     assert outcome.error is not None
     assert outcome.error.message == found
     # The same machine without the limit: auto's first choice, as always.
-    assert _containment.resolve("auto", None)[0] == first
+    assert _internals.resolve("auto", None)[0] == first

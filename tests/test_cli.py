@@ -25,8 +25,8 @@ import pytest
 from isolate._cli.batch.job import RecordPlan
 from isolate._cli.doctor import _usable_bytecode
 from isolate._cli.main import build_parser
-from isolate._core import containment as _containment
 
+from . import _internals
 from .conftest import SLOW, Agents, wait_for
 
 SCRIPTED = Path(__file__).resolve().parents[1] / "examples" / "scripted_agent"
@@ -322,8 +322,8 @@ def test_plain_status_lines_when_not_a_terminal(agents: Agents) -> None:
     status = [ln for ln in proc.stderr.splitlines() if " procs | " in ln]
     assert status, proc.stderr
     # Shim, worker, two sleeps, and in a PID namespace its PID 1 (the shim's inner half).
-    auto = _containment.resolve("auto", None)
-    count = 4 + ("pidns" in _containment.layers(auto[0]))
+    auto = _internals.resolve("auto", None)
+    count = 4 + ("pidns" in _internals.layers(auto[0]))
     assert any(f" {count} procs | " in ln for ln in status)
     assert "\r" not in proc.stderr
 
@@ -471,7 +471,7 @@ def test_doctor_on_a_good_checkout() -> None:
 
 
 def test_doctor_tells_whether_a_move_into_a_leaf_waits_for_a_grace_period() -> None:
-    lacks = _containment.probes.lacks_favordynmods
+    lacks = _internals.lacks_favordynmods
     plain = ("cgroup2", "/", "/sys/fs/cgroup/unified", {"rw", "nsdelegate"})
     favoured = ("cgroup2", "/", "/sys/fs/cgroup", {"rw", "favordynmods"})
     v1 = ("cgroup", "/", "/sys/fs/cgroup/pids", {"rw", "pids"})
@@ -480,8 +480,8 @@ def test_doctor_tells_whether_a_move_into_a_leaf_waits_for_a_grace_period() -> N
     assert lacks(Path("/sys/fs/cgroup/unifiedx/isolate"), [plain]) is None
     assert lacks(Path("/srv/isolate"), [favoured, plain, v1]) is None
     # What the doctor says is what this machine's mount says.
-    v2 = _containment.cgroups().v2
-    waits = v2 is not None and bool(_containment.move_waits_for_rcu(v2))
+    v2 = _internals.cgroups().v2
+    waits = v2 is not None and bool(_internals.move_waits_for_rcu(v2))
     proc = isolate_cli("doctor", "--agent-root", str(SCRIPTED))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("cgroup2 mount option favordynmods" in proc.stdout) is waits, proc.stdout
@@ -656,9 +656,8 @@ def test_console_script_help() -> None:
 
 
 def test_run_with_the_sandbox(agents: Agents) -> None:
-    from isolate._core.containment.sandbox import landlock_abi
 
-    if landlock_abi() < 3:
+    if _internals.landlock_abi() < 3:
         pytest.skip("the default Sandbox() needs Landlock ABI 3 here")
     extra_dir = agents.tmp / "extra"
     extra_dir.mkdir()

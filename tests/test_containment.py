@@ -25,11 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.episode import launcher as _launcher
-from isolate._core.system import procfs
 
+from . import _internals
 from .conftest import (
     SLOW,
     Agents,
@@ -45,17 +42,17 @@ from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS
 pytestmark = pytest.mark.anyio
 
 #: Each layer alone, session, and what ``auto`` picks here (the default).
-LEVELS = [*_containment.LAYERS, "session", "auto"]
-COMBINATIONS = list(_containment.COMBINATIONS)
+LEVELS = [*_internals.LAYERS, "session", "auto"]
+COMBINATIONS = list(_internals.COMBINATIONS)
 
 
 def needs(name: str) -> str:
     """Skip, with the reason, unless this machine provides containment ``name``; the
     combination it stands for (``auto``: the one it picks here)."""
     if name == "auto":
-        found = _containment.resolve("auto", None)
+        found = _internals.resolve("auto", None)
         return found[0]
-    problem = _containment.problem(name)
+    problem = _internals.containment_problem(name)
     if problem is not None:
         pytest.skip(f"containment {name!r} is not available here: {problem}")
     return name
@@ -77,7 +74,7 @@ def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
     """Live processes of this test's episodes (host view, any level) by their environment,
     which at the pidns level is the only sure way: recorded pids are the namespace's."""
     procs = episode_processes(f"PID_DIR={agents.pids}".encode())
-    templates = {pid for t in _templates.started_templates() for pid in t.own_pids()}
+    templates = {pid for t in _internals.started_templates() for pid in t.own_pids()}
     return [p for p in procs if marker in _environ(p) and p.pid not in templates]
 
 
@@ -96,7 +93,7 @@ def shims(forked: bool) -> int:
     """How many processes of an episode are above its worker: none for a template's fork that
     is its own worker (where the template's forks are: cgroup leaves and a PID namespace),
     else at least the shim's supervisor."""
-    alone = forked and all(t.forks_alone for t in _templates.started_templates())
+    alone = forked and all(t.forks_alone for t in _internals.started_templates())
     return 0 if alone else 1
 
 
@@ -172,7 +169,7 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> Non
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
     )
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
     owners: list[Path] = []
     try:
@@ -190,10 +187,10 @@ def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> Non
     finally:
         parent.kill()
         parent.wait()
-    if "cgroup" in _containment.layers(level):
+    if "cgroup" in _internals.layers(level):
         # The dead parent's leaf stays until an isolate process starts and cleans it.
         assert owners, "the parent's cgroup leaf"
-        _containment.clean_stale(roots)
+        _internals.clean_stale(roots)
         assert not any(owner.exists() for owner in owners)
 
 
@@ -272,9 +269,9 @@ def test_a_zombie_leader_does_not_outlive_the_parent(agents: Agents, combination
     finally:
         parent.kill()
         parent.wait()
-    if "cgroup" in _containment.layers(combination):
-        groups = _containment.cgroups()
-        _containment.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
+    if "cgroup" in _internals.layers(combination):
+        groups = _internals.cgroups()
+        _internals.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
 
 
 # --- levels ------------------------------------------------------------------------------------
@@ -330,9 +327,7 @@ async def test_auto_picks_the_strongest_combination_available(agents: Agents) ->
     # The expectation comes from the machine itself, not from the probe resolve uses; what the
     # agent really got is seen from outside (its cgroup: inside, a cgroup namespace shows its
     # leaf as "/") and from inside (its PID namespace).
-    expected = next(
-        c for c in _containment.AUTO if all(machine_has(x) for x in _containment.layers(c))
-    )
+    expected = next(c for c in _internals.AUTO if all(machine_has(x) for x in _internals.layers(c)))
     go = agents.tmp / "go"
     cgroups: list[str] = []
 
@@ -353,12 +348,12 @@ async def test_auto_picks_the_strongest_combination_available(agents: Agents) ->
         seen.add("cgroup")
     if outcome.info["pidns"] != os.readlink("/proc/self/ns/pid"):
         seen.add("pidns")
-    assert seen == set(_containment.layers(expected)) - {"landlock"}
+    assert seen == set(_internals.layers(expected)) - {"landlock"}
 
 
 def test_a_process_limit_pidns_cannot_enforce_is_a_setup_error() -> None:
     needs("pidns")
-    if _containment.needs_userns():
+    if _internals.needs_userns():
         pytest.skip("an unprivileged parent enforces it with RLIMIT_NPROC in a user namespace")
     spec = isolate.EpisodeSpec(containment="pidns", limits=isolate.Limits(max_processes=10))
     outcome = anyio.run(isolate.run_episode, spec, {})
@@ -399,7 +394,7 @@ def test_cgroup_on_a_read_only_cgroup_tree_is_a_setup_error_that_says_why() -> N
     needs("cgroup")
     mounts = " && ".join(
         f"mount -o remount,bind,ro {point}"
-        for fstype, _, point, _ in _containment.probes._mounts()
+        for fstype, _, point, _ in _internals.mounts()
         if fstype in ("cgroup", "cgroup2")
     )
     wrapper = f'unshare --mount --propagation private sh -c \'{mounts} && exec "$0" "$@"\''
@@ -427,11 +422,11 @@ def test_pidns_without_namespaces_is_a_setup_error_that_says_why() -> None:
 
 def test_stale_leaves_of_a_dead_parent_are_removed_on_the_next_start(agents: Agents) -> None:
     needs("cgroup")
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
 
     def owner_of(proc: subprocess.Popen[bytes]) -> str:
-        return f"{proc.pid}.{procfs.start_time(proc.pid)}"
+        return f"{proc.pid}.{_internals.start_time(proc.pid)}"
 
     dead = subprocess.Popen(["sleep", "60"])
     alive = subprocess.Popen(["sleep", "60"])
@@ -498,7 +493,7 @@ async def test_a_cgroup_the_agent_made_inside_its_leaf_goes_with_the_leaf(agents
     outcome = await isolate.run_episode(spec, {"out": str(out)})
     assert outcome.status == "ok", outcome.summary()
     leaf = Path(out.read_text())
-    assert leaf.parent.name == _containment.leaves._owner_name()
+    assert leaf.parent.name == _internals.owner_name()
     assert leaf.name.startswith(outcome.episode_id + ".")
     assert not await anyio.Path(leaf).exists()
     assert outcome.killed >= 1  # the sleep in the nested cgroup
@@ -521,10 +516,10 @@ def run(data):
 def pids_counters(episode_id: str) -> tuple[int, int] | None:
     """``pids.peak`` and the ``max`` count of ``pids.events`` of the episode's pids leaf, while
     it exists: the kernel's own count, no sample missed."""
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
     for root in roots:
-        for leaf in (root / _containment.leaves._owner_name()).glob(f"{episode_id}.*"):
+        for leaf in (root / _internals.owner_name()).glob(f"{episode_id}.*"):
             try:
                 peak = int((leaf / "pids.peak").read_text())
                 events = dict(
@@ -540,7 +535,7 @@ def pids_counters(episode_id: str) -> tuple[int, int] | None:
 @pytest.mark.parametrize("requested", ["cgroup", "auto"])
 async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: str) -> None:
     used = needs(requested)
-    if "cgroup" not in _containment.layers(used):
+    if "cgroup" not in _internals.layers(used):
         pytest.skip(f"auto is {used!r} here, without the cgroup layer")
     limits = isolate.Limits(max_processes=32)
     spec = agents.spec(FORK_BOMB, timeout=2.0, kill_grace=0.2, containment=requested, limits=limits)
@@ -572,7 +567,7 @@ async def test_a_fork_bomb_is_contained_and_cleaned(agents: Agents, requested: s
     # past it, and was refused.
     assert counters, "the bomb's pids leaf was never seen"
     peak, refused = counters[-1]
-    assert peak == 33 + ("pidns" in _containment.layers(used))
+    assert peak == 33 + ("pidns" in _internals.layers(used))
     assert refused > 0
     assert bomb.containment == used
     assert outcomes["sibling"].status == "ok", outcomes["sibling"].summary()
@@ -608,7 +603,7 @@ async def test_a_memory_hog_is_killed_alone_with_the_reason(agents: Agents, mech
     hogged = outcomes.pop(-1)
     assert hogged.status == "crashed", hogged.summary()
     assert hogged.reason == "memory limit 128 MiB"
-    if "cgroup" in _containment.layers(used) and _containment.cgroups().controller("memory"):
+    if "cgroup" in _internals.layers(used) and _internals.cgroups().controller("memory"):
         assert hogged.oom_kills is not None
         assert hogged.oom_kills >= 1
         assert hogged.signal == "SIGKILL"
@@ -1017,7 +1012,7 @@ def test_garbage_on_stdout_is_always_a_clean_outcome(tmp_path: Path) -> None:
         fake = Path(tempfile.mkdtemp(dir=tmp_path)) / "fake_shim.py"
         fake.write_text(FAKE)
         Path(str(fake) + ".out").write_bytes(payload)
-        outcome = anyio.run(_launcher._run_with_shim, spec, {}, fake)
+        outcome = anyio.run(_internals.run_with_shim, spec, {}, fake)
         sent += len(payload)
         rss.append(me.memory_info().rss)
         assert isinstance(outcome, isolate.EpisodeOutcome)

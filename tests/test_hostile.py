@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._core.episode import launcher as _launcher
 
+from . import _internals
 from .conftest import SLOW, episode_processes, live_children
 from .test_protocol import Fake, fake_spec, write_fake
 
@@ -61,7 +61,7 @@ def check_promise(outcome: Any) -> None:
 async def run_fake(tmp_path: Path, fake: Fake, *or_status: str) -> Any:
     """Run ``fake``: the promise holds, and the status is the fake's (or one of ``or_status``)."""
     spec = fake_spec(tmp_path, **fake.spec)
-    outcome = await _launcher._run_with_shim(spec, {"instance_id": "h"}, write_fake(tmp_path, fake))
+    outcome = await _internals.run_with_shim(spec, {"instance_id": "h"}, write_fake(tmp_path, fake))
     check_promise(outcome)
     print(outcome.summary())
     assert outcome.status in (fake.status, *or_status), outcome.summary()
@@ -170,7 +170,7 @@ PARENT = """
 import json, resource, sys
 from pathlib import Path
 import anyio
-from isolate._core.episode import launcher
+from tests import _internals
 from tests.test_protocol import fake_spec
 
 def status(field):
@@ -190,7 +190,7 @@ try:
 except OSError:
     base = status("VmHWM")  # no reset: a bound that can hide the gap up to the peak so far
 before = maxrss()
-outcome = anyio.run(launcher._run_with_shim, spec, {"instance_id": "big"}, shim)
+outcome = anyio.run(_internals.run_with_shim, spec, {"instance_id": "big"}, shim)
 report = {"before": before, "after": maxrss(), "base": base, "peak": status("VmHWM")}
 report["status"] = outcome.status
 report["message"] = outcome.error.message if outcome.error is not None else None
@@ -525,5 +525,5 @@ def test_any_bytes_from_the_child_give_an_outcome(
     fake = Fake(f"PLAN = {str(path)!r}\n" + FUZZ_BODY, "any")  # any status: the promise
     spec = fake_spec(tmp_path, **plan["spec"])
     shim = write_fake(tmp_path, fake)
-    outcome = anyio.run(_launcher._run_with_shim, spec, {"instance_id": "fuzz"}, shim)
+    outcome = anyio.run(_internals.run_with_shim, spec, {"instance_id": "fuzz"}, shim)
     check_promise(outcome)

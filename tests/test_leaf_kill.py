@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from isolate._core.containment import Cgroups
 from isolate._core.containment.leaves import Leaves
 
+from . import _internals
 from .conftest import wait_for
 from .test_stale_leaves import SLEEPER, cgroups_here
 
@@ -87,7 +87,7 @@ def _v1_child_holding(leaf: Path, proc: subprocess.Popen[bytes]) -> Path:
     return child
 
 
-def _v1_groups() -> Cgroups:
+def _v1_groups() -> _internals.Cgroups:
     groups = cgroups_here()
     missing = [name for name in ("pids", "memory") if name not in groups.v1]
     if missing:

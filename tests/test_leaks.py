@@ -17,10 +17,8 @@ import pytest
 from pydantic import BaseModel
 
 import isolate
-from isolate._core.episode import launcher as _launcher
-from isolate._core.episode import protocol as proto
-from isolate._core.episode.redact import Redactor
 
+from . import _internals
 from .conftest import Agents
 
 pytestmark = pytest.mark.anyio
@@ -37,7 +35,7 @@ SECRETS_BOTH_WAYS: dict[str, Any] = {
     "secret_env": {"WIDE": KEYS["wide"]},
 }
 
-FRAME_MODELS: tuple[type[BaseModel], ...] = get_args(get_args(proto.Frame)[0])
+FRAME_MODELS: tuple[type[BaseModel], ...] = get_args(get_args(_internals.Frame)[0])
 
 
 def windows(key: str) -> set[str]:
@@ -104,7 +102,7 @@ def base_frame(model: type[BaseModel]) -> dict[str, Any]:
         if field.is_required()
     }
     frame["nonce"] = "@NONCE@"
-    if model is proto.Hello:
+    if model is _internals.Hello:
         frame["protocol"] = isolate.PROTOCOL_VERSION
     return frame
 
@@ -154,8 +152,8 @@ sys.stdout.flush()
 def frames_with(model: type[BaseModel], field: str, value: Any) -> list[dict[str, Any]]:
     """hello (unless it is the frame under test), the frame with ``value`` in ``field``, done."""
     frame = dict(base_frame(model), **{field: value})
-    before = [] if model is proto.Hello else [base_frame(proto.Hello)]
-    after = [] if model is proto.Done else [base_frame(proto.Done)]
+    before = [] if model is _internals.Hello else [base_frame(_internals.Hello)]
+    after = [] if model is _internals.Done else [base_frame(_internals.Done)]
     return [*before, frame, *after]
 
 
@@ -166,7 +164,7 @@ async def run_fake(tmp_path: Path, data: dict[str, Any], name: str) -> isolate.E
     spec = isolate.EpisodeSpec(
         entrypoint="fake:run", timeout=20.0, kill_grace=0.5, log_dir=tmp_path / "logs"
     )
-    return await _launcher._run_with_shim(spec, data, shim, episode_id=name, **SECRETS_BOTH_WAYS)
+    return await _internals.run_with_shim(spec, data, shim, episode_id=name, **SECRETS_BOTH_WAYS)
 
 
 def test_the_generator_knows_every_frame_type() -> None:
@@ -179,8 +177,10 @@ def test_the_generator_knows_every_frame_type() -> None:
         "Progress",
     }
     for model in FRAME_MODELS:
-        item = proto.parse_line(
-            _json_line(dict(base_frame(model), nonce="n")), "n", Redactor(list(KEYS.values()))
+        item = _internals.parse_line(
+            _json_line(dict(base_frame(model), nonce="n")),
+            "n",
+            _internals.Redactor(list(KEYS.values())),
         )
         assert isinstance(item, model), item
 
@@ -210,7 +210,7 @@ async def test_a_key_in_any_frame_field_never_shows(
 
 @pytest.mark.parametrize(
     "frames",
-    [[], [base_frame(proto.Hello)]],
+    [[], [base_frame(_internals.Hello)]],
     ids=["before hello", "after hello"],
 )
 async def test_a_key_on_stderr_of_a_fake_shim_never_shows(
@@ -226,7 +226,7 @@ async def test_a_key_on_stderr_of_a_fake_shim_never_shows(
 
 async def test_a_key_in_a_stdout_line_that_is_no_frame_never_shows(tmp_path: Path) -> None:
     noise = {"t": "result", "nonce": "not this episode's", "reward": "@key@ @wide@"}
-    data = {"frames": [base_frame(proto.Hello), noise], "stderr": ""}
+    data = {"frames": [base_frame(_internals.Hello), noise], "stderr": ""}
     outcome = await run_fake(tmp_path, data, "noise")
     assert outcome.log_path is not None
     assert "ignored stdout line" in outcome.log_path.read_text()
@@ -303,8 +303,8 @@ async def test_a_key_in_what_an_agent_returns_raises_or_prints_never_shows(
 @pytest.mark.parametrize(
     ("model", "field", "value"),
     [
-        (proto.Result, "reward", {"@key@": 1.0}),  # the reward mapping's keys
-        (proto.Result, "t", "@key@"),  # the protocol-violation text
+        (_internals.Result, "reward", {"@key@": 1.0}),  # the reward mapping's keys
+        (_internals.Result, "t", "@key@"),  # the protocol-violation text
     ],
     ids=["reward mapping key", "violation text"],
 )
@@ -316,7 +316,7 @@ async def test_the_check_finds_a_key_when_scrubbing_is_off(
     value: Any,
 ) -> None:
     # As the code was before the scrubbing moved into parse_line: frames kept as sent.
-    monkeypatch.setattr(proto, "_clean_json", lambda value, redact: value)
+    monkeypatch.setattr(_internals.protocol, "_clean_json", lambda value, redact: value)
     data = {"frames": frames_with(model, field, value), "stderr": ""}
     outcome = await run_fake(tmp_path, data, "unscrubbed")
     found = leaks(outcome)

@@ -29,9 +29,8 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core.containment import sandbox as _sandbox
 
+from . import _internals
 from .conftest import (
     MARKS,
     SLOW,
@@ -295,14 +294,14 @@ def expected_walled(servers: Servers, *, proxy: bool) -> dict[str, Any]:
 
 def resolved(containment: str) -> str:
     """The combination ``containment`` resolves to here (``auto``: the first there is)."""
-    return _containment.resolve(containment, None)[0]
+    return _internals.resolve(containment, None)[0]
 
 
 def forks_have_networks(containment: str | None) -> bool:
     """Whether a template's forks at ``containment`` get networks of their own here: as root,
     with a PID namespace (``templates.namespaces.network_problem``)."""
     assert containment is not None
-    return os.geteuid() == 0 and "pidns" in containment and _sandbox.userns_problem() is None
+    return os.geteuid() == 0 and "pidns" in containment and _internals.userns_problem() is None
 
 
 def findings(outcome: isolate.EpisodeOutcome) -> dict[str, Any]:
@@ -746,7 +745,7 @@ def test_the_plan_carries_loopback_entries_and_gives_the_proxy_a_free_port() -> 
     box = isolate.Sandbox(
         network=("127.0.0.1:3128", "localhost:8000", "api.openai.com", "[::1]:9000")
     )
-    found = _sandbox.plan_sandbox(
+    found = _internals.plan_sandbox(
         box, cwd="/tmp", tmpdir="/tmp", home_dirs=[], abi=0, mountns=False, can_unshare=False
     )
     assert found.network is not None

@@ -14,9 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import isolate
-from isolate._core.episode.frames import MAX_NOTED
-from isolate._core.episode.tail import Tail
 
+from . import _internals
 from .conftest import SLOW, Agents, both_starts, record_pid_sh, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -141,7 +140,7 @@ async def test_grandchild_holding_the_pipes_does_not_delay_the_result(agents: Ag
     chunks=st.lists(st.binary(max_size=150), max_size=30),
 )
 def test_tail_keeps_exactly_the_last_bytes(limit: int, chunks: list[bytes]) -> None:
-    tail = Tail(limit)
+    tail = _internals.Tail(limit)
     written = b""
     for chunk in chunks:
         tail.write(chunk)
@@ -276,7 +275,7 @@ async def test_a_line_flood_on_the_channel_does_not_stall_the_event_loop(
     assert worst < 0.25 * SLOW, f"the event loop lagged {1000 * worst:.0f} ms"
     assert outcome.log_path is not None
     log = outcome.log_path.read_text()
-    assert log.count("[isolate] ignored stdout line") <= MAX_NOTED
+    assert log.count("[isolate] ignored stdout line") <= _internals.MAX_NOTED
     if form not in FRAME_FLOODS:
         counted = re.search(r"\[isolate\] (\d+) more stdout lines ignored", log)
         assert counted is not None, log[-2000:]

@@ -27,8 +27,6 @@ from pydantic import SecretStr
 
 import agent_shim.shim
 import isolate
-from isolate._core.episode import frames as _frames
-from isolate._core.episode import launcher as _launcher
 from isolate._core.episode.protocol import (
     Done,
     ErrorFrame,
@@ -43,8 +41,9 @@ from isolate._core.episode.protocol import (
     parse_line,
     shape,
 )
-from isolate._core.episode.redact import MASK, Redactor
 
+from . import _internals
+from ._internals import MASK, Redactor
 from .conftest import SLOW, Agents, wait_until
 
 # The bounds docs/protocol.md gives, written here rather than read from the code under test.
@@ -351,7 +350,7 @@ async def test_fake_shim(tmp_path: Path, name: str) -> None:
     fake = FAKES[name]
     spec = fake_spec(tmp_path, **fake.spec)
     started = time.monotonic()
-    outcome = await _launcher._run_with_shim(spec, {"instance_id": "p"}, write_fake(tmp_path, fake))
+    outcome = await _internals.run_with_shim(spec, {"instance_id": "p"}, write_fake(tmp_path, fake))
     elapsed = time.monotonic() - started
 
     assert outcome.status == fake.status, outcome.summary()
@@ -387,7 +386,7 @@ async def test_fake_secret_is_scrubbed_from_protocol_errors(tmp_path: Path) -> N
         "protocol_error",
     )
     spec = fake_spec(tmp_path)
-    outcome = await _launcher._run_with_shim(
+    outcome = await _internals.run_with_shim(
         spec, {}, write_fake(tmp_path, fake), secrets={"key": secret}
     )
     assert outcome.status == "protocol_error"
@@ -638,14 +637,13 @@ def test_the_wire_is_written_once() -> None:
     assert Path(shim.wire.__file__).resolve() == Path(wire.__file__).resolve()
     for name in ("PROTOCOL_VERSION", "CANCEL", "LAYERS", "MAX_MESSAGE_CHARS"):
         assert getattr(shim, name) == getattr(wire, name), name
-    from isolate._core import templates
-    from isolate._core.episode import watch
     from isolate._core.model import config
 
-    assert watch.CANCEL is wire.CANCEL
+    assert _internals.CANCEL is wire.CANCEL
     assert config.LAYERS is wire.LAYERS
-    assert templates.process.receive_message is wire.receive_message
-    assert templates.registry.receive_message is wire.receive_message
+    process_receive, registry_receive = _internals.template_receivers
+    assert process_receive is wire.receive_message
+    assert registry_receive is wire.receive_message
 
 
 @pytest.mark.parametrize(
@@ -1170,7 +1168,7 @@ async def test_a_child_that_exits_during_a_large_handshake(tmp_path: Path, body:
     shim.write_text(f"import os, sys\n{body}\n")
     spec = fake_spec(tmp_path)
     data = {"blob": "x" * (16 * pipe_size())}
-    outcome = await _launcher._run_with_shim(spec, data, shim)
+    outcome = await _internals.run_with_shim(spec, data, shim)
     assert outcome.status == "setup_error", outcome.summary()
     assert outcome.error is not None
     assert "did not start" in outcome.error.message
@@ -1182,7 +1180,7 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     where: list[tuple[int, bool]] = []  # (bytes, parsed on the event loop's thread)
-    parse = _frames.proto.parse_line
+    parse = _internals.frames_protocol.parse_line
 
     def recording_parse(
         line: bytes, nonce: str, redact: Redactor, max_info: int, **options: Any
@@ -1190,11 +1188,11 @@ async def test_frames_over_256_kib_are_parsed_off_the_event_loop(
         where.append((len(line), threading.current_thread() is threading.main_thread()))
         return parse(line, nonce, redact, max_info, **options)
 
-    monkeypatch.setattr(_frames.proto, "parse_line", recording_parse)
+    monkeypatch.setattr(_internals.frames_protocol, "parse_line", recording_parse)
     big = 300 * 1024
     fake = Fake(f"hello(); result(1.0, info='x' * {big}); done()", "ok")
     spec = fake_spec(tmp_path)
-    outcome = await _launcher._run_with_shim(spec, {}, write_fake(tmp_path, fake))
+    outcome = await _internals.run_with_shim(spec, {}, write_fake(tmp_path, fake))
     assert outcome.status == "ok", outcome.summary()
     assert len(outcome.info) == big
     assert sorted(on_loop for size, on_loop in where if size > big) == [False]
@@ -1366,8 +1364,8 @@ FLOOD_LINES = (
 )
 
 
-def flood_frames(notes: list[str]) -> _frames.Frames:
-    return _frames.Frames(
+def flood_frames(notes: list[str]) -> _internals.Frames:
+    return _internals.Frames(
         nonce=NONCE,
         redact=Redactor([FLOOD_KEY]),
         max_frame_bytes=1 << 20,
@@ -1386,7 +1384,7 @@ HELLO_LINE = frame_line("hello", protocol=V, pid=1, python="3", subreaper=True)
 DONE_LINE = frame_line("done", why="exited", killed=0, exit_code=0, signal=None)
 
 
-async def feed_in_reads(frames: _frames.Frames, data: bytes) -> None:
+async def feed_in_reads(frames: _internals.Frames, data: bytes) -> None:
     """``data`` as the pump reads it: 64 KiB at a time."""
     for start in range(0, len(data), 64 * 1024):
         await frames.feed(data[start : start + 64 * 1024])

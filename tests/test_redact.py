@@ -15,8 +15,9 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from isolate._core.episode.protocol import _clean_json
 from isolate._core.episode.redact import MASK, Redactor, _forms
+
+from ._internals import clean_json
 
 CASES = settings(max_examples=50, deadline=None)
 PROPERTIES = settings(max_examples=200, deadline=None)
@@ -245,7 +246,7 @@ def test_frame_values_are_walked_at_any_depth() -> None:
     value: Any = [key]
     for _ in range(100_000):
         value = [value]
-    out = _clean_json(value, Redactor([key]))
+    out = clean_json(value, Redactor([key]))
     for _ in range(100_000):
         (out,) = out
     assert out == [MASK_TEXT]
@@ -254,14 +255,14 @@ def test_frame_values_are_walked_at_any_depth() -> None:
 def test_frame_values_are_scrubbed_keys_and_all() -> None:
     key = realistic("openai", 3)
     value = {"a": [key, {key: 1, 2: key[:30]}], "n": None, "t": True, 3: 1.5}
-    assert _clean_json(value, Redactor([key])) == {
+    assert clean_json(value, Redactor([key])) == {
         "a": [MASK_TEXT, {MASK_TEXT: 1, "2": MASK_TEXT}],
         "n": None,
         "t": True,
         "3": 1.5,
     }
     # Two keys that scrub alike collide as in a dict display: the last value wins.
-    assert _clean_json({key: 1, key[:20]: 2}, Redactor([key])) == {MASK_TEXT: 2}
+    assert clean_json({key: 1, key[:20]: 2}, Redactor([key])) == {MASK_TEXT: 2}
 
 
 def test_nothing_to_scrub() -> None:

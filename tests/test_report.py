@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from isolate._cli.batch.io import Results
-from isolate._core import containment as _containment
 
+from . import _internals
 from .conftest import SLOW, Agents
 from .test_batch import batch_args, env, record, results, write_records
 from .test_cli import cli_env, isolate_cli
@@ -133,7 +133,7 @@ def test_the_report_of_a_real_batch(
     for passed in ("r-ok", "r-half"):
         assert f"    {passed}  " not in text
     host = socket.gethostname()
-    auto = _containment.resolve("auto", None)
+    auto = _internals.resolve("auto", None)
     assert f"\n {host}  " in text
     assert f"\n {auto[0]}  " in text
 

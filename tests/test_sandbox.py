@@ -17,6 +17,7 @@ from pydantic import ValidationError
 import isolate
 from isolate._core.containment.sandbox import SandboxPlan, hidden_paths, plan_sandbox, ports_of_url
 
+from . import _internals
 from .conftest import Agents
 
 
@@ -221,9 +222,8 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
     process removes those of dead parents, and only once they are old enough that no clean-up
     of theirs can still be running."""
     from isolate._core.containment import sandbox as _sandbox
-    from isolate._core.system import procfs
 
-    me = f"{os.getpid()}-{procfs.start_time(os.getpid())}"
+    me = f"{os.getpid()}-{_internals.start_time(os.getpid())}"
     dead = "999999999-1"  # no such pid
     old_dead = tmp_path / f"isolate-episode.1.o{dead}.abc123"
     young_dead = tmp_path / f"isolate-x.y.o{dead}.def456"
@@ -247,12 +247,11 @@ def test_a_dead_parents_tmpdirs_are_swept_once_they_are_old(tmp_path: Path) -> N
 
 
 def test_a_tmpdir_is_named_for_its_parent(agents: Agents) -> None:
-    from isolate._core.system import procfs
 
     spec = agents.spec("import os\ndef run(data):\n    return 1.0, os.environ['TMPDIR']\n")
     spec = spec.model_copy(update={"sandbox": isolate.Sandbox(best_effort=True)})
     outcome = anyio.run(isolate.run_episode, spec, {})
     assert outcome.status == "ok", outcome.summary()
     name = Path(outcome.info).name
-    owner = f"{os.getpid()}-{procfs.start_time(os.getpid())}"
+    owner = f"{os.getpid()}-{_internals.start_time(os.getpid())}"
     assert name.startswith(f"isolate-{outcome.episode_id}.o{owner}."), name

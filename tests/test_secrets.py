@@ -15,6 +15,7 @@ from pydantic import SecretStr
 
 import isolate
 
+from . import _internals
 from .conftest import Agents, both_starts, wait_for, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -358,8 +359,6 @@ def test_an_empty_exclusion_is_rejected() -> None:
     ],
 )
 def test_split_env_rules(inherit: tuple[str, ...], passed: set[str], withheld: set[str]) -> None:
-    from isolate._core.system.env import split_env
-
     parent = {
         "HOME": "/h",
         "HF_TOKEN": "t",
@@ -368,7 +367,7 @@ def test_split_env_rules(inherit: tuple[str, ...], passed: set[str], withheld: s
         "PYTHONHOME": "/ph",
     }
     for _ in range(2):  # the second time from the cache of verdicts
-        env, held = split_env(parent, inherit)
+        env, held = _internals.split_env(parent, inherit)
         assert (set(env), set(held)) == (passed, withheld)
         assert all(env[n] == parent[n] for n in env)
         parent = {k: v + "2" for k, v in parent.items()}  # values are never cached

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from isolate._core import containment as _containment
-from isolate._core.system import procfs
+from isolate._core.containment import leaves as _leaves
 
+from . import _internals
 from .conftest import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -35,12 +35,12 @@ def shim_stand_in(session: bool = True) -> subprocess.Popen[bytes]:
     return proc
 
 
-def cgroups_here() -> _containment.Cgroups:
+def cgroups_here() -> _internals.Cgroups:
     """This machine's cgroup trees; skip, with the reason, where the cgroup layer is missing."""
-    problem = _containment.problem("cgroup")
+    problem = _internals.containment_problem("cgroup")
     if problem is not None:
         pytest.skip(f"containment 'cgroup' is not available here: {problem}")
-    return _containment.cgroups()
+    return _leaves.cgroups()
 
 
 def _root_of_our_own() -> Path:
@@ -75,12 +75,12 @@ def root() -> Iterator[Path]:
 
 def test_only_the_leaves_of_dead_owners_go_and_what_is_in_them_is_killed(root: Path) -> None:
     gone = subprocess.Popen(["sleep", "60"])
-    gone_owner = f"{gone.pid}.{procfs.start_time(gone.pid)}"
+    gone_owner = f"{gone.pid}.{_internals.start_time(gone.pid)}"
     gone.kill()
     gone.wait()
-    me = f"{os.getpid()}.{procfs.start_time(os.getpid())}"
+    me = f"{os.getpid()}.{_internals.start_time(os.getpid())}"
     # The same pid with another start: the owner is dead, its pid reused by this process.
-    reused = f"{os.getpid()}.{(procfs.start_time(os.getpid()) or 0) + 1}"
+    reused = f"{os.getpid()}.{(_internals.start_time(os.getpid()) or 0) + 1}"
     procs = {name: subprocess.Popen(SLEEPER) for name in ("mine", "orphan", "nested")}
     # A shim whose parent died: the session leader running agent_shim, cleaning up by itself.
     procs["shim"] = shim_stand_in()
@@ -91,7 +91,7 @@ def test_only_the_leaves_of_dead_owners_go_and_what_is_in_them_is_killed(root: P
         (root / gone_owner / "episode.empty").mkdir()
         _into(root / reused / "episode.tearing-down", procs["shim"])
 
-        removed = _containment.leaves.clean_stale([root])
+        removed = _leaves.clean_stale([root])
 
         assert removed == 3  # crashed, nested, empty
         assert procs["orphan"].wait(timeout=10) == -signal.SIGKILL
@@ -104,7 +104,7 @@ def test_only_the_leaves_of_dead_owners_go_and_what_is_in_them_is_killed(root: P
         assert (root / reused / "episode.tearing-down").is_dir()
         assert procs["shim"].poll() is None
         # A second pass finds nothing more to remove.
-        assert _containment.leaves.clean_stale([root]) == 0
+        assert _leaves.clean_stale([root]) == 0
     finally:
         for proc in procs.values():
             proc.kill()
@@ -114,13 +114,13 @@ def test_only_the_leaves_of_dead_owners_go_and_what_is_in_them_is_killed(root: P
 def test_a_dead_owners_leaf_whose_session_leader_is_no_shim_goes(root: Path) -> None:
     """Only a session leader running agent_shim keeps a dead owner's leaf: an agent's own
     ``setsid`` process does not, nor does a shim that is not a session leader."""
-    me_dead = f"{os.getpid()}.{(procfs.start_time(os.getpid()) or 0) + 1}"
+    me_dead = f"{os.getpid()}.{(_internals.start_time(os.getpid()) or 0) + 1}"
     leader = subprocess.Popen(SLEEPER, start_new_session=True)
     not_leader = shim_stand_in(session=False)
     try:
         _into(root / me_dead / "episode.setsid", leader)
         _into(root / me_dead / "episode.no-session", not_leader)
-        assert _containment.leaves.clean_stale([root]) == 2
+        assert _leaves.clean_stale([root]) == 2
         assert leader.wait(timeout=10) == -signal.SIGKILL
         assert not_leader.wait(timeout=10) == -signal.SIGKILL
         assert not (root / me_dead).exists()
@@ -132,7 +132,7 @@ def test_a_dead_owners_leaf_whose_session_leader_is_no_shim_goes(root: Path) -> 
 
 def _dead_owner(index: int) -> str:
     """The name of an owner that is dead: this process's pid with another start time."""
-    return f"{os.getpid()}.{(procfs.start_time(os.getpid()) or 0) + 1 + index}"
+    return f"{os.getpid()}.{(_internals.start_time(os.getpid()) or 0) + 1 + index}"
 
 
 def _make_until(make: Callable[[int], object], done: Callable[[], bool], most: int = 24) -> int:
@@ -160,7 +160,7 @@ def test_a_root_that_cannot_be_listed_does_not_keep_the_next_one_from_its_clean_
     root: Path,
 ) -> None:
     (root / _dead_owner(0) / "episode.empty").mkdir(parents=True)
-    assert _containment.leaves.clean_stale([root / "no-such-root", root]) == 1
+    assert _leaves.clean_stale([root / "no-such-root", root]) == 1
     assert _dirs(root) == []
 
 
@@ -171,14 +171,14 @@ def test_every_dead_owner_goes_also_when_a_live_one_is_listed_before_it(root: Pa
 
     def owners(index: int) -> None:
         live.append(subprocess.Popen(SLEEPER))
-        live_owners.append(f"{live[-1].pid}.{procfs.start_time(live[-1].pid)}")
+        live_owners.append(f"{live[-1].pid}.{_internals.start_time(live[-1].pid)}")
         dead_owners.append(_dead_owner(index))
         for owner in (live_owners[-1], dead_owners[-1]):
             (root / owner / "episode").mkdir(parents=True)
 
     try:
         _make_until(owners, lambda: _listed_before(_dirs(root), live_owners, dead_owners))
-        assert _containment.leaves.clean_stale([root]) == len(dead_owners)
+        assert _leaves.clean_stale([root]) == len(dead_owners)
         assert sorted(_dirs(root)) == sorted(live_owners)
     finally:
         for proc in live:
@@ -214,7 +214,7 @@ def test_a_shims_leaf_or_one_that_cannot_go_does_not_keep_the_leaves_after_it(
                 lambda _: empty(len(made)),
                 lambda first=first: _listed_before(_dirs(owner), [first], made),
             )
-        assert _containment.leaves.clean_stale([v1_root]) == len(made)
+        assert _leaves.clean_stale([v1_root]) == len(made)
         assert sorted(_dirs(owner)) == ["episode.shim", "episode.stuck"]
         assert shim.poll() is None
     finally:
@@ -245,7 +245,7 @@ def test_a_shim_listed_after_an_agents_process_still_keeps_its_leaf(root: Path) 
 
         if not listed():
             _make_until(agent, listed)
-        assert _containment.leaves.clean_stale([root]) == 0
+        assert _leaves.clean_stale([root]) == 0
         assert leaf.is_dir()
         assert all(proc.poll() is None for proc in procs)
     finally:

@@ -15,9 +15,8 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core.episode import launcher as _launcher
-from isolate._core.episode import prepare as _prepare
 
+from . import _internals
 from .conftest import (
     SLOW,
     Agents,
@@ -249,7 +248,7 @@ async def test_cancel_during_the_grace_period(agents: Agents, tmp_path: Path) ->
             tg.cancel_scope.cancel()
 
         tg.start_soon(cancel_mid_grace)
-        await _launcher._run_with_shim(spec, {}, shim)
+        await _internals.run_with_shim(spec, {}, shim)
         pytest.fail("run_episode returned instead of being cancelled")
     assert tg.cancel_scope.cancelled_caught
     assert term_seen > 0.0  # the timeout's SIGTERM came before the cancel
@@ -354,12 +353,12 @@ async def test_cancel_while_queued_for_start(agents: Agents, tmp_path: Path) -> 
     spec = agents.spec("def run(data):\n    pass\n")
     started: list[int] = []
     with anyio.CancelScope() as scope:
-        admitted = int(_launcher._starting_gate().total_tokens)
+        admitted = int(_internals.starting_gate().total_tokens)
         async with anyio.create_task_group() as tg:
             for _ in range(admitted + 8):
                 tg.start_soon(
                     functools.partial(
-                        _launcher._run_with_shim, spec, {}, shim, on_start=started.append
+                        _internals.run_with_shim, spec, {}, shim, on_start=started.append
                     )
                 )
             await wait_until(lambda: len(started) >= admitted, 30.0)
@@ -408,7 +407,7 @@ def test_the_shim_keeps_its_own_deadline_while_the_parent_is_stopped(agents: Age
         timeout=3.0,
         kill_grace=0.5,
     )
-    shim_deadline = spec.timeout + spec.kill_grace + _prepare.SHIM_DEADLINE_MARGIN_S
+    shim_deadline = spec.timeout + spec.kill_grace + _internals.prepare.SHIM_DEADLINE_MARGIN_S
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(STOPPABLE_PARENT), spec.model_dump_json()],
         stdout=subprocess.PIPE,

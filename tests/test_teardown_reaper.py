@@ -15,10 +15,9 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from isolate._core.containment.leaves import Leaves
 from isolate._core.system.reaping import Reaper, is_alive, processes
-from isolate._core.system.tree import pids_with_env
 
+from . import _internals
 from .conftest import is_gone
 from .test_stale_leaves import cgroups_here
 
@@ -109,7 +108,7 @@ class Tagged:
 
     def live(self) -> list[psutil.Process]:
         """Every live process carrying the tag."""
-        return [p for p in processes(pids_with_env(MARK, self.tag)) if is_alive(p)]
+        return [p for p in processes(_internals.pids_with_env(MARK, self.tag)) if is_alive(p)]
 
 
 @pytest.fixture
@@ -161,7 +160,7 @@ def test_a_process_that_forks_in_a_loop_is_stopped_and_killed_with_all_it_forked
 
 
 def test_a_leaf_is_killed_whole_even_a_pid_that_keeps_moving(tagged: Tagged) -> None:
-    leaves = Leaves(cgroups_here(), f"reaper-{tagged.tag}", {})
+    leaves = _internals.Leaves(cgroups_here(), f"reaper-{tagged.tag}", {})
     try:
         leaves.create()
         # Each in the leaf before it runs: whatever it forks is in the leaf too.

@@ -19,11 +19,8 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.containment import sandbox as _sandbox
-from isolate._core.episode import launcher as _launcher
 
+from . import _internals
 from .conftest import (
     Agents,
     episode_processes,
@@ -49,13 +46,13 @@ def run(data, key=None):
 """
 
 
-def pool() -> _templates.Pool:
-    (template,) = _templates.started_templates()
+def pool() -> _internals.Pool:
+    (template,) = _internals.started_templates()
     assert template.pool is not None
     return template.pool
 
 
-def parked() -> list[_templates.Forked]:
+def parked() -> list[_internals.Forked]:
     return list(pool().parked)
 
 
@@ -64,7 +61,7 @@ def parked_leaves() -> list[Path]:
 
 
 def has_cgroups() -> bool:
-    return _containment.layer_problem("cgroup") is None
+    return _internals.layer_problem("cgroup") is None
 
 
 @pytest.fixture(params=["default", "pairs"])
@@ -79,7 +76,7 @@ async def park_in(mode: str, spec: isolate.EpisodeSpec, n: int) -> int:
     """``isolate.park`` with the template's forks made as ``mode`` says."""
     if mode == "pairs":
         await isolate.park(spec, 0)  # the template, started
-        (template,) = _templates.started_templates()
+        (template,) = _internals.started_templates()
         template.forks_alone = False
     return await isolate.park(spec, n)
 
@@ -115,7 +112,7 @@ async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents, mo
     )
     assert (outcome.status, outcome.start, outcome.info["key"]) == ("ok", "template", "[secret]")
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     for forked in parked():
         alone = mode == "default" and has_cgroups() and "pidns" in outcome.containment
         assert forked.alone == alone
@@ -134,7 +131,7 @@ async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents, mo
         assert procs[-1].children() == []
 
 
-def parked_procs(forked: _templates.Forked) -> list[psutil.Process]:
+def parked_procs(forked: _internals.Forked) -> list[psutil.Process]:
     """A parked fork, and its worker if it forks one (forked once the parent has moved the
     fork into its leaf); the last of them runs the episode."""
     fork = psutil.Process(forked.pid)
@@ -251,7 +248,7 @@ async def test_no_refill_between_hand_overs_within_the_quiet_period(agents: Agen
         outcome = await isolate.run_episode(spec, {})
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
     assert (pool().taken, pool().made, len(parked())) == (2, made, 2)  # not refilled
-    pool().quiet_s = _templates.QUIET_MS / 1000
+    pool().quiet_s = _internals.QUIET_MS / 1000
     pool().resize(4)  # wakes its thread: quiet long enough now
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 4))
     assert pool().made == made + 2
@@ -270,16 +267,16 @@ async def test_a_fork_passes_the_start_gate_that_fresh_starts_wait_at(
     silent = agents.spec("def run(data):\n    pass\n")
     held: list[int] = []
     with anyio.CancelScope() as scope:
-        admitted = int(_launcher._starting_gate().total_tokens)
+        admitted = int(_internals.starting_gate().total_tokens)
         async with anyio.create_task_group() as tg:
             for _ in range(admitted):
                 tg.start_soon(
                     functools.partial(
-                        _launcher._run_with_shim, silent, {}, shim, on_start=held.append
+                        _internals.run_with_shim, silent, {}, shim, on_start=held.append
                     )
                 )
             await wait_until(lambda: len(held) == admitted, 30.0)
-            assert _launcher._starting_gate().available_tokens == 0
+            assert _internals.starting_gate().available_tokens == 0
             with anyio.fail_after(60):
                 outcome = await isolate.run_episode(spec, {})
             scope.cancel()
@@ -307,7 +304,7 @@ async def test_a_fresh_start_after_a_fork_that_did_not_come_waits_at_the_start_g
     async def episode() -> None:
         outcomes.append(await isolate.run_episode(spec, {}))
 
-    gate = _launcher._starting_gate()
+    gate = _internals.starting_gate()
     importer.suspend()  # SIGSTOP: it answers no fork request
     try:
         async with anyio.create_task_group() as tg:
@@ -316,7 +313,7 @@ async def test_a_fresh_start_after_a_fork_that_did_not_come_waits_at_the_start_g
                     for _ in range(int(gate.total_tokens)):
                         holding.start_soon(
                             functools.partial(
-                                _launcher._run_with_shim, silent, {}, shim, on_start=held.append
+                                _internals.run_with_shim, silent, {}, shim, on_start=held.append
                             )
                         )
                     await wait_until(lambda: len(held) == gate.total_tokens, 30.0)
@@ -475,19 +472,19 @@ async def test_park_zero_empties_the_pool(agents: Agents) -> None:
     assert (outcome.status, outcome.start) == ("ok", "template")
 
 
-@pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _templates.MAX_PARKED + 1])
+@pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _internals.MAX_PARKED + 1])
 async def test_a_bad_size_is_refused_before_anything_starts(agents: Agents, n: object) -> None:
     spec = agents.spec(AGENT, preload=True)
     with pytest.raises(isolate.ArgumentError, match="park: n must be an int from 0 to 1024"):
         await isolate.park(spec, n)  # type: ignore[arg-type]
-    assert _templates.started_templates() == []
+    assert _internals.started_templates() == []
 
 
 async def test_park_needs_a_spec_with_preload(agents: Agents) -> None:
     spec = agents.spec(AGENT)
     with pytest.raises(isolate.ArgumentError, match="no preload"):
         await isolate.park(spec, 2)
-    assert _templates.started_templates() == []
+    assert _internals.started_templates() == []
 
 
 async def test_park_says_why_no_template_can_be_used(agents: Agents) -> None:
@@ -497,7 +494,7 @@ async def test_park_says_why_no_template_can_be_used(agents: Agents) -> None:
     await wait_until(lambda: not template_processes(agents))
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_sandboxed_episodes_from_parked_forks(agents: Agents) -> None:
     spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
     await isolate.park(spec, 2)
@@ -566,12 +563,12 @@ async def test_a_parked_pair_under_python_3_9(agents: Agents, mode: str) -> None
 # back, runs an episode, closes the templates; prints what it saw as one JSON line.
 EMFILE_DRIVER = """
 import errno, json, os, socket, sys, anyio, isolate
-from isolate._core import templates as _templates
+from tests import _internals
 
 async def main():
     spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
     await isolate.park(spec, 4)
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     pool = template.pool
     pool.quiet_s = 3600.0  # 3 of 4 left, not empty: no refill meanwhile
     out = {"parked": sorted(f.pid for f in pool.parked)}
@@ -613,6 +610,7 @@ def run_under_256_fds(driver: str, spec: isolate.EpisodeSpec) -> dict[str, Any]:
     limit += "os.execv(sys.executable, [sys.executable, '-c', *sys.argv[1:]])"
     proc = subprocess.run(
         [sys.executable, "-c", limit, textwrap.dedent(driver), spec.model_dump_json()],
+        cwd=Path(__file__).resolve().parents[1],  # where ``tests`` is importable
         capture_output=True,
         text=True,
         timeout=120,
@@ -640,12 +638,12 @@ def test_emfile_at_the_hand_over_leaks_no_parked_fork(agents: Agents) -> None:
 # the pool has said so, gives the fds back; prints what it saw as one JSON line.
 REFILL_EMFILE_DRIVER = """
 import json, os, sys, time, anyio, isolate
-from isolate._core import templates as _templates
+from tests import _internals
 
 async def main():
     spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
     await isolate.park(spec, 2)
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     pool = template.pool
     pool.quiet_s = 0.0
     hogs = []
@@ -707,7 +705,7 @@ async def test_a_parked_fork_whose_hand_over_fails_ends_as_a_dead_pair(
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
     )
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     assert victim not in template.forks
     assert not any(leaf.exists() for leaf in leaves)
     await isolate.close_templates()

@@ -23,13 +23,9 @@ import isolate
 from isolate._cli.batch.job import RecordPlan
 from isolate._cli.main import build_parser
 from isolate._cli.main import main as cli_main
-from isolate._core import containment as _containment
-from isolate._core import templates as _templates
-from isolate._core.containment import sandbox as _sandbox
-from isolate._core.system import admission as _admission
-from isolate._core.templates import process as _process
 from isolate.workflow import SWEAgentWorkflow, episode_spec
 
+from . import _internals
 from .conftest import (
     SLOW,
     Agents,
@@ -270,7 +266,7 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
         await wait_until((agents.pids / "running").exists)
         templates = template_processes(agents)
         assert len(templates) == 1
-        outers.extend(t.popen for t in _templates.started_templates())
+        outers.extend(t.popen for t in _internals.started_templates())
         await isolate.close_templates()
         assert all(is_gone(p.pid, p.create_time()) for p in templates)
         (agents.pids / "go").touch()
@@ -280,7 +276,7 @@ async def test_close_templates_leaves_no_template_and_episodes_run_on(agents: Ag
         result.append(await isolate.run_episode(spec, {}))
     assert (result[0].status, result[0].reward) == ("ok", 2.0), result[0].summary()
     assert template_processes(agents) == []
-    assert _templates.started_templates() == []
+    assert _internals.started_templates() == []
     # The last fork's end finishes the closed template in a thread of its own: its outer
     # process is killed and reaped there, soon after (no zombie of it is left either way).
     assert len(outers) == 1
@@ -384,7 +380,7 @@ async def test_a_template_under_python_3_9(agents: Agents) -> None:
 
 
 async def test_the_template_has_a_cgroup_leaf_of_its_own(agents: Agents) -> None:
-    problem = _containment.layer_problem("cgroup")
+    problem = _internals.layer_problem("cgroup")
     if problem is not None:
         pytest.skip(f"containment 'cgroup' is not available here: {problem}")
     spec = agents.spec(
@@ -453,7 +449,7 @@ async def test_close_templates_while_one_is_importing(agents: Agents) -> None:
 
 async def test_a_template_counts_in_the_fd_budget(agents: Agents) -> None:
     spec = agents.spec("def run(data):\n    return 1.0\n", preload=True)
-    budget = _admission._budget()
+    budget = _internals.fd_budget()
     before = budget.used
     outcome = await isolate.run_episode(spec, {})
     assert outcome.start == "template"
@@ -517,7 +513,7 @@ def test_doctor_preload_on_a_forkable_agent(
     assert "a preloaded template imports it in" in out
     # What its forks share, as this machine builds them (root, with a PID namespace, here).
     own = "each has user, IPC, UTS and mount namespaces, and a /dev/shm, of its own"
-    if os.geteuid() == 0 and _containment.layer_problem("pidns") is None:
+    if os.geteuid() == 0 and _internals.layer_problem("pidns") is None:
         assert own in out
 
 
@@ -661,7 +657,7 @@ async def test_a_process_the_import_started_means_a_fresh_start_and_is_killed(
     # template's was killed at the refusal. Two daemons were started, none is left.
     await wait_until(lambda: (agents.pids / "daemon").exists())
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: not agents.left(), 5.0, "no daemon"))
-    await _templates.close_templates()
+    await isolate.close_templates()
     assert template_processes(agents) == []
 
 
@@ -680,13 +676,13 @@ async def test_close_templates_kills_what_is_left_in_the_templates_session(
     spec = agents.spec(code, preload=True)
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     os.kill(template.pid, signal.SIGUSR1)  # the agent's code runs in the template, late
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: psutil.Process(template.pid).children(), 5.0, "the leftover")
     )
     leftover = psutil.Process(template.pid).children()[0]
-    await _templates.close_templates()
+    await isolate.close_templates()
     assert is_gone(leftover.pid, leftover.create_time())
     assert template_processes(agents) == []
 
@@ -702,7 +698,7 @@ def run(data):
 """
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_sandboxed_episodes_of_one_agent_share_one_template(agents: Agents) -> None:
     spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
     outcomes = [await isolate.run_episode(spec, {}) for _ in range(5)]
@@ -710,7 +706,7 @@ async def test_sandboxed_episodes_of_one_agent_share_one_template(agents: Agents
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
         assert outcome.info["env"] == outcome.info["tempfile"]  # its own, not the template's
     assert len({o.info["env"] for o in outcomes}) == 5
-    assert len(_templates.started_templates()) == 1
+    assert len(_internals.started_templates()) == 1
     # Each removed at its teardown.
     left = await anyio.to_thread.run_sync(
         lambda: [o for o in outcomes if Path(o.info["env"]).exists()]
@@ -732,7 +728,7 @@ def run(data):
 """
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_specs_that_differ_only_in_what_they_hide_do_not_share_a_template(
     agents: Agents, tmp_path: Path
 ) -> None:
@@ -751,14 +747,14 @@ async def test_specs_that_differ_only_in_what_they_hide_do_not_share_a_template(
     assert (second.status, second.start) == ("ok", "template"), second.summary()
     assert "SECRET" not in str(second.info)
     assert second.info["listing"] in ([], "denied: Permission denied"), second.info
-    assert len(_templates.started_templates()) == 2
+    assert len(_internals.started_templates()) == 2
     # And the other way round: the plain spec still reads from its own template.
     again = await isolate.run_episode(plain, data)
     assert again.info == first.info
-    assert len(_templates.started_templates()) == 2
+    assert len(_internals.started_templates()) == 2
 
 
-@pytest.mark.skipif(not _sandbox.landlock_abi(), reason="the sandbox needs Landlock")
+@pytest.mark.skipif(not _internals.landlock_abi(), reason="the sandbox needs Landlock")
 async def test_a_fork_whose_set_up_fails_says_it_began_from_the_template(agents: Agents) -> None:
     """A fork that cannot be set up (its sandbox's TMPDIR goes in its template's, removed
     here) ends as a set-up error that says it was forked: no ``start == "fresh"`` with no
@@ -766,9 +762,9 @@ async def test_a_fork_whose_set_up_fails_says_it_began_from_the_template(agents:
     spec = agents.spec(TEMP_AGENT, preload=True, sandbox=isolate.Sandbox())
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     assert template.wall.sandbox is not None
-    await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, template.wall.sandbox.tmpdir)
+    await anyio.to_thread.run_sync(_internals.remove_tmpdir, template.wall.sandbox.tmpdir)
     assert not await anyio.to_thread.run_sync(os.path.exists, template.wall.sandbox.tmpdir)
     second = await isolate.run_episode(spec, {})
     assert (second.status, second.start) == ("setup_error", "template"), second.summary()
@@ -808,8 +804,8 @@ async def slow_to_fork(
     parent's wait for a fork cut to 0.2 s: suspended, it answers no fork request in time."""
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
-    (template,) = _templates.started_templates()
-    monkeypatch.setattr(_process, "_FORK_TIMEOUT_S", 0.2)
+    (template,) = _internals.started_templates()
+    monkeypatch.setattr(_internals.template_process, "_FORK_TIMEOUT_S", 0.2)
     return psutil.Process(template.pid)
 
 
@@ -822,7 +818,7 @@ async def test_a_fork_that_comes_too_late_gets_no_channel_of_the_fresh_start(
     EOF and ends while the episode still runs."""
     spec = agents.spec(WAITING_AGENT, preload=True)
     importer = await slow_to_fork(spec, monkeypatch)
-    (template,) = _templates.started_templates()
+    (template,) = _internals.started_templates()
     started, go = tmp_path / "started", tmp_path / "go"
     data = {"started": str(started), "go": str(go)}
     outcomes: list[isolate.EpisodeOutcome] = []

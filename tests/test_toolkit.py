@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 
+from . import _internals
 from .conftest import Agents, live_children, own_leaves, run_marker, wait_for
 
 ESCAPE = """
@@ -66,10 +66,10 @@ def test_agents_left_names_this_tests_processes_only(agents: Agents) -> None:
 
 
 def test_a_cgroup_leaf_left_behind_is_seen() -> None:
-    groups = _containment.cgroups()
+    groups = _internals.cgroups()
     if groups.v2 is None:
         pytest.skip(f"containment 'cgroup' is not available here: {groups.problem}")
-    owner = groups.v2 / _containment.leaves._owner_name()
+    owner = groups.v2 / _internals.owner_name()
     made_owner = not owner.exists()
     leaf = owner / "toolkit-leftover"
     leaf.mkdir(parents=True)

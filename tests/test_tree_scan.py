@@ -20,10 +20,10 @@ import anyio
 import psutil
 import pytest
 
-from isolate._core.containment.leaves import Leaves
 from isolate._core.system import tree
 from isolate._core.system.tree import ProcessTree
 
+from . import _internals
 from .conftest import wait_for
 from .test_procfs import ZOMBIE_LEADER
 from .test_stale_leaves import cgroups_here
@@ -178,7 +178,7 @@ def test_a_teardown_of_its_own_sends_sigterm_first_and_waits_its_grace(
 def test_a_process_no_scan_sees_dies_with_the_leaf_that_holds_it(
     started: list[subprocess.Popen[bytes]],
 ) -> None:
-    leaves = Leaves(cgroups_here(), f"sweep-hidden-{secrets.token_hex(4)}", {})
+    leaves = _internals.Leaves(cgroups_here(), f"sweep-hidden-{secrets.token_hex(4)}", {})
     leaves.create()
     nested = leaves.dirs.get("v2", Path("/nonexistent")) / "nested"
     try:

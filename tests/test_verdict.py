@@ -12,11 +12,12 @@ import pytest
 
 from agent_shim.shim_wire import PROTOCOL_VERSION
 from isolate import Limits
-from isolate._core.episode import protocol as proto
 from isolate._core.episode import verdict as v
 
+from ._internals import Done, ErrorFrame, Hello, Result
+
 NONCE = "n" * 32
-HELLO = proto.Hello(
+HELLO = Hello(
     t="hello", nonce=NONCE, protocol=PROTOCOL_VERSION, pid=7, python="3.11", subreaper=True
 )
 
@@ -37,8 +38,8 @@ def observed(**changes: Any) -> v.Observed:
     return dataclasses.replace(base, **changes)
 
 
-def done(**fields: Any) -> proto.Done:
-    return proto.Done(
+def done(**fields: Any) -> Done:
+    return Done(
         **{
             "t": "done",
             "nonce": NONCE,
@@ -52,15 +53,13 @@ def done(**fields: Any) -> proto.Done:
 
 
 def test_a_result_is_ok_with_its_reward_and_info() -> None:
-    result = proto.Result(t="result", nonce=NONCE, reward=0.5, info={"steps": 3})
+    result = Result(t="result", nonce=NONCE, reward=0.5, info={"steps": 3})
     assert v.conclude(observed(final=result)) == ("ok", None, 0.5, {"steps": 3}, None)
 
 
 @pytest.mark.parametrize("reward", [float("nan"), float("inf"), {"a": float("-inf")}])
 def test_a_reward_that_is_not_finite_is_a_protocol_error(reward: Any) -> None:
-    status, error, *_ = v.conclude(
-        observed(final=proto.Result(t="result", nonce=NONCE, reward=reward))
-    )
+    status, error, *_ = v.conclude(observed(final=Result(t="result", nonce=NONCE, reward=reward)))
     assert status == "protocol_error"
     assert error is not None
     assert error.type == "ProtocolError"
@@ -68,9 +67,7 @@ def test_a_reward_that_is_not_finite_is_a_protocol_error(reward: Any) -> None:
 
 
 def test_a_reward_that_is_not_a_number_says_what_it_was_and_what_is_expected() -> None:
-    result = proto.Result(
-        t="result", nonce=NONCE, reward=None, reward_type="str", reward_repr="'a'"
-    )
+    result = Result(t="result", nonce=NONCE, reward=None, reward_type="str", reward_repr="'a'")
     status, error, reward, *_ = v.conclude(observed(final=result))
     assert (status, reward) == ("protocol_error", None)
     assert error is not None
@@ -94,7 +91,7 @@ def test_the_callers_cancellation_says_when_it_came() -> None:
 
 
 def test_a_result_that_came_before_the_deadline_counts_one_after_does_not() -> None:
-    result = proto.Result(t="result", nonce=NONCE, reward=1.0)
+    result = Result(t="result", nonce=NONCE, reward=1.0)
     assert v.conclude(observed(final=result, returncode=-9))[0] == "ok"
     assert v.conclude(observed(final=result, timed_out=True))[0] == "timeout"
     assert v.conclude(observed(final=result, done=done(why="deadline")))[0] == "timeout"
@@ -131,7 +128,7 @@ def test_a_shim_that_never_said_hello_is_a_setup_error_with_its_last_line() -> N
 
 def test_the_first_violation_is_the_error_whatever_else_came() -> None:
     obs = observed(
-        violations=("first", "second"), final=proto.Result(t="result", nonce=NONCE, reward=1.0)
+        violations=("first", "second"), final=Result(t="result", nonce=NONCE, reward=1.0)
     )
     status, error, *_ = v.conclude(obs)
     assert (status, error and error.message) == ("protocol_error", "first")
@@ -152,7 +149,7 @@ def test_another_protocol_version_is_a_protocol_error() -> None:
         (
             Limits(memory_bytes=1 << 30),
             {
-                "final": proto.ErrorFrame(
+                "final": ErrorFrame(
                     t="error", nonce=NONCE, kind="agent", type="MemoryError", message=""
                 )
             },
@@ -178,8 +175,8 @@ def test_a_limit_that_ended_the_episode_is_its_reason(
     assert error.message.startswith(f"{reason} hit: ")
 
 
-def agent_error(kind: str) -> proto.ErrorFrame:
-    return proto.ErrorFrame(t="error", nonce=NONCE, kind="agent", type=kind, message="boom")
+def agent_error(kind: str) -> ErrorFrame:
+    return ErrorFrame(t="error", nonce=NONCE, kind="agent", type=kind, message="boom")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +219,7 @@ def test_a_limit_hit_keeps_an_agents_error_type_and_makes_the_rest_a_crash() -> 
 
 
 def test_a_limit_hit_keeps_the_agents_traceback() -> None:
-    raised = proto.ErrorFrame(
+    raised = ErrorFrame(
         t="error",
         nonce=NONCE,
         kind="agent",
@@ -239,7 +236,7 @@ def test_a_limit_hit_keeps_the_agents_traceback() -> None:
 
 def test_a_limit_hit_does_not_turn_a_result_or_a_protocol_error_into_a_crash() -> None:
     # An OOM kill of a child the agent outlived; a fork refused, and then a bad frame.
-    result = proto.Result(t="result", nonce=NONCE, reward=1.0)
+    result = Result(t="result", nonce=NONCE, reward=1.0)
     obs = observed(limits=Limits(memory_bytes=1 << 30), oom_kills=1, final=result)
     assert v.conclude(obs) == ("ok", None, 1.0, None, None)
     obs = observed(limits=Limits(max_processes=8), pids_limit_hits=1, violations=("bad frame",))
@@ -301,6 +298,6 @@ def test_each_status_found_by_the_parent_has_its_error_type(
 
 
 def test_a_setup_error_frame_is_a_setup_error_an_agent_one_an_agent_error() -> None:
-    setup = proto.ErrorFrame(t="error", nonce=NONCE, kind="setup", type="ImportError", message="x")
+    setup = ErrorFrame(t="error", nonce=NONCE, kind="setup", type="ImportError", message="x")
     assert v.conclude(observed(final=setup))[0] == "setup_error"
     assert v.conclude(observed(final=agent_error("ValueError")))[0] == "agent_error"

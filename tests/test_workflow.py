@@ -15,7 +15,6 @@ import anyio
 import pytest
 
 import isolate
-from isolate._core import containment as _containment
 from isolate.workflow import (
     PASSTHROUGH_ENV,
     SWEAgentWorkflow,
@@ -24,6 +23,7 @@ from isolate.workflow import (
     sandbox_of,
 )
 
+from . import _internals
 from .conftest import SLOW, Agents, record_pid_sh
 
 pytestmark = pytest.mark.anyio
@@ -527,7 +527,7 @@ async def test_containment_and_limits_from_econfig(
         assert await wf.run(record("lim-1", report=True), base_url=URL) == 1.0
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("episode {")]
     used = json.loads(line.removeprefix("episode "))["containment"]
-    expected = _containment.resolve(level, None)
+    expected = _internals.resolve(level, None)
     assert used == expected[0]
     assert report(clean_env, "lim-1")["nofile"] == 77
 
@@ -743,7 +743,7 @@ async def test_a_per_record_timeout_counts_for_that_record(
 async def test_sandbox_from_econfig_writes_result_dir_and_allows_base_url(
     agents: Agents, clean_env: Path
 ) -> None:
-    if isolate._core.containment.sandbox.landlock_abi() < 4:
+    if _internals.landlock_abi() < 4:
         pytest.skip("the sandbox's TCP rules need Landlock ABI 4")
     wf = SWEAgentWorkflow(econfig=econfig(agents, sandbox={"connect": [22]}))
     assert await wf.run(record("box-1", report=True), base_url=URL) == 1.0
