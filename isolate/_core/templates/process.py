@@ -6,6 +6,7 @@ Everything here blocks: run it in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -342,7 +343,8 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
     for fd in fds:
         os.close(fd)
     if said is None or said.get("t") != "unshared":
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # gone already
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.close(pidfd)
         why = said.get("reason") if said is not None else "no answer"
         raise TemplateGone(f"template {template.name}: its fork {pid} has no namespaces ({why})")
@@ -359,7 +361,8 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
         kinds = _namespaces.kinds(template.wall)
         return _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
     except TemplateGone:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # gone already
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.close(pidfd)
         raise
 
