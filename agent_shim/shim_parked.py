@@ -79,24 +79,13 @@ def own_namespaces(hand, flags, own_maps):
     except OSError:
         return False  # the parent gave up on it
     if problem is None and flags & shim.CLONE_NEWNS:
-        problem = own_dev_ipc()
+        world = shim.load_part("world")
+        problem = world.ipc_mounts(world.mounter())
     if problem is None and own_maps:
         problem = shim.load_part("supervisor").map_own_ids(uid, gid)
     if problem is not None:
         sys.stderr.write("isolate template: a fork's own namespaces: %s\n" % problem)
     return problem is None
-
-
-def own_dev_ipc():
-    """In a fork's own mount namespace: a ``/dev/shm`` and a ``/dev/mqueue`` of its own, over
-    the template's (shim_world.py makes those), so that no POSIX shared memory, semaphore or
-    queue of another episode is there. A problem or None."""
-    world = shim.load_part("world")
-    for name, fstype, options in ((b"shm", b"tmpfs", b"mode=1777"), (b"mqueue", b"mqueue", None)):
-        result, errno = shim.c_call("mount", fstype, b"/dev/" + name, fstype, world.QUIET, options)
-        if result != 0:
-            return "mount /dev/%s: %s" % (name.decode(), os.strerror(errno))
-    return None
 
 
 def namespaces():

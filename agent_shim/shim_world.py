@@ -190,20 +190,26 @@ def private_dev(mount):
     finally:
         for fd in nodes.values():
             os.close(fd)
-    for name, options in (
-        ("pts", b"newinstance,ptmxmode=0666,mode=620"),
-        ("shm", b"mode=1777"),
-        ("mqueue", None),
-    ):
+    for name in ("pts", "shm", "mqueue"):
         os.mkdir("/dev/" + name, 0o755)
-        fstype = {"pts": b"devpts", "shm": b"tmpfs", "mqueue": b"mqueue"}[name]
-        flags = MS_NOSUID | MS_NOEXEC if name == "pts" else QUIET
-        problem = mount(fstype, b"/dev/" + name.encode(), fstype, flags, options)
-        if problem is not None and name != "mqueue":
-            return problem  # a kernel without POSIX message queues has no such file system
+    options = b"newinstance,ptmxmode=0666,mode=620"
+    problem = mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options)
+    problem = problem or ipc_mounts(mount)
+    if problem is not None:
+        return problem
     for name, target in LINKS:
         os.symlink(target, "/dev/" + name)
     return None
+
+
+def ipc_mounts(mount):
+    """A ``/dev/shm`` (tmpfs) and a ``/dev/mqueue`` of this mount namespace's own, over what
+    is there (a template's fork mounts its own too: shim_parked.py); a problem or None. A
+    kernel without POSIX message queues has no mqueue file system: that one is left out."""
+    problem = mount(b"tmpfs", b"/dev/shm", b"tmpfs", QUIET, b"mode=1777")
+    if problem is None:
+        mount(b"mqueue", b"/dev/mqueue", b"mqueue", QUIET)
+    return problem
 
 
 def cgroup_view(mount):
