@@ -38,22 +38,21 @@ PACKET = 65536
 #: The namespaces each fork of a template makes for itself where the parent asks it to
 #: (``fork_unshare`` in the template's wall): a user namespace, so that it may, and in it IPC
 #: and UTS ones, so that no System V object, POSIX message queue or hostname of another
-#: episode of the same template is in its reach; a network one too where the episodes have a
-#: network of their own (the sandbox's ``network``).
+#: episode of the same template is in its reach; and those the parent names besides.
 OWN_NAMESPACES = shim.CLONE_NEWUSER | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
+#: What the parent may name besides: a mount namespace, for a ``/dev/shm`` and ``/dev/mqueue``
+#: of its own; a network one, for the sandbox's network (templates/namespaces.py decides).
+MORE_NAMESPACES = {"mnt": shim.CLONE_NEWNS, "net": shim.CLONE_NEWNET}
 
 
 def unshare_flags(wall):
     """The flags of ``unshare`` each fork of a template walled in by ``wall`` calls, and its
-    filter allows: 0 unless the wall asks for ``fork_unshare``. With a network, a network
-    namespace; without a sandbox, a mount namespace, for a ``/dev/shm`` and ``/dev/mqueue`` of
-    its own (a sandbox's Landlock rules forbid mounts)."""
-    if not wall.get("fork_unshare"):
+    filter allows: 0 unless the wall asks for ``fork_unshare`` (a list of the namespaces of
+    :data:`MORE_NAMESPACES` to make besides)."""
+    more = wall.get("fork_unshare")
+    if not isinstance(more, list):
         return 0
-    sandbox = wall.get("sandbox")
-    if sandbox is None:
-        return OWN_NAMESPACES | shim.CLONE_NEWNS
-    return OWN_NAMESPACES | (shim.CLONE_NEWNET if sandbox.get("network") is not None else 0)
+    return OWN_NAMESPACES | sum(MORE_NAMESPACES[kind] for kind in set(more) & set(MORE_NAMESPACES))
 
 
 def fork_walls(wall):
@@ -67,9 +66,9 @@ def own_namespaces(hand, flags, own_maps):
     (``{"t": "unshared"}``, or ``{"t": "error", "reason"}``), its hand-over socket: the parent
     waits for it before it maps the new user namespace's ids, each to itself (root to root:
     only a process that holds CAP_SETFCAP outside may, and neither the template nor its forks
-    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own. Its own
-    ``/dev/shm`` is mounted meanwhile. True if done (else it exits before its hand-over, the
-    reason in the template's log)."""
+    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own. In a mount
+    namespace of its own it mounts its ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
+    done (else it exits before its hand-over, the reason in the template's log)."""
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
     problem = None if result == 0 else "unshare: " + os.strerror(errno)

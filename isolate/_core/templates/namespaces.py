@@ -46,8 +46,9 @@ def wanted(wall: _wall.Wall) -> bool:
 
 def kinds(wall: _wall.Wall) -> tuple[str, ...]:
     """The namespaces besides user, IPC and UTS each fork of a template walled in by ``wall``
-    makes (``shim_parked.unshare_flags``): a mount namespace without a sandbox, for a
-    ``/dev/shm`` of its own; a network one with a sandbox's network."""
+    makes, named to the template in its wall (``fork_unshare``; ``shim_parked.unshare_flags``
+    turns them into flags): a mount namespace without a sandbox (whose Landlock rules forbid
+    mounts), for a ``/dev/shm`` of its own; a network one with a sandbox's network."""
     if wall.sandbox is None:
         return ("mnt",)
     return ("net",) if wall.sandbox.plan.network is not None else ()

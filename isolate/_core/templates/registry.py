@@ -218,7 +218,7 @@ async def _start(
             # The wall goes as a file: a sandbox's rules can outgrow a control message.
             walled = template.wall.template_message()
             if template.own_namespaces:
-                walled["fork_unshare"] = True
+                walled["fork_unshare"] = list(_namespaces.kinds(template.wall))
                 walled["fork_maps_own"] = _namespaces.maps_own(template.wall)
             wall = json_file(walled)
             try:
