@@ -51,7 +51,7 @@ class Graces:
     timeout: float
     kill_grace: float
     cancel_grace: float
-    exit_grace: float = 10.0
+    exit_grace: float
 
 
 class EpisodeWatch:
