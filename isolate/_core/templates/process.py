@@ -180,8 +180,7 @@ class Template:
             pid, pidfd = self._forked(mine)
             ipc = _adopt(self, pid, pidfd, hand) if self.own_namespaces else None
             if episode is not None and err is None:  # its hand-over could not be sent
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                os.close(pidfd)
+                _drop(pidfd)
                 raise TemplateGone(f"template {self.name}: the fork took no hand-over")
             forked = Forked(pid, pidfd, mine, hand if err is None else None, self, alone, ipc)
             if err is not None:
@@ -333,23 +332,6 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
     (``namespaces.adopt``): the inode of its IPC namespace. Raises :class:`TemplateGone`,
     with the fork killed. None where the fork maps its own ids: an unprivileged parent cannot
     read the namespaces of a process that is not dumpable, and the fork is not."""
-    hand.settimeout(_FORK_TIMEOUT_S)
-    try:
-        said, fds = receive_message(hand)
-    except (OSError, ValueError):  # TimeoutError among them
-        said, fds = None, []
-    finally:
-        hand.settimeout(None)
-    for fd in fds:
-        os.close(fd)
-    if said is None or said.get("t") != "unshared":
-        with contextlib.suppress(OSError):  # gone already
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        os.close(pidfd)
-        why = said.get("reason") if said is not None else "no answer"
-        raise TemplateGone(f"template {template.name}: its fork {pid} has no namespaces ({why})")
-    if _namespaces.maps_own(template.wall):
-        return None
 
     def shared(ipc: int) -> bool:
         # A namespace's inode is reused as soon as it is freed: only a live fork's counts.
@@ -358,13 +340,35 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
         return any(not f.parked_dead() for f in same)
 
     try:
+        hand.settimeout(_FORK_TIMEOUT_S)
+        try:
+            said, fds = receive_message(hand)
+        except (OSError, ValueError):  # TimeoutError among them
+            said, fds = None, []
+        finally:
+            hand.settimeout(None)
+        for fd in fds:
+            os.close(fd)
+        if said is None or said.get("t") != "unshared":
+            why = said.get("reason") if said is not None else "no answer"
+            raise TemplateGone(
+                f"template {template.name}: its fork {pid} has no namespaces ({why})"
+            )
+        if _namespaces.maps_own(template.wall):
+            return None
         kinds = _namespaces.kinds(template.wall)
         return _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
     except TemplateGone:
-        with contextlib.suppress(OSError):  # gone already
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        os.close(pidfd)
+        _drop(pidfd)
         raise
+
+
+def _drop(pidfd: int) -> None:
+    """Kill a fork the parent does not keep, through its pidfd (never a reused pid; it may be
+    gone already, reaped by its template), and close the pidfd."""
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    os.close(pidfd)
 
 
 def _cgroups_of(pid: int) -> bytes | None:
