@@ -57,17 +57,21 @@ def unshare_flags(wall):
 
 def fork_walls(wall):
     """What each fork does first (:func:`own_namespaces`): (flags, whether it maps its own
-    ids); flags 0: nothing."""
-    return unshare_flags(wall), bool(wall.get("fork_maps_own"))
+    ids, whether it mounts its own ``/dev/shm`` and ``/dev/mqueue``: not under a sandbox, whose
+    Landlock rules forbid mounts, and where the template's outer process mounts its
+    ``/dev/shm``, shim_outer.py); flags 0: nothing."""
+    flags = unshare_flags(wall)
+    mounts = bool(flags & shim.CLONE_NEWNS) and wall.get("sandbox") is None
+    return flags, bool(wall.get("fork_maps_own")), mounts
 
 
-def own_namespaces(hand, flags, own_maps):
+def own_namespaces(hand, flags, own_maps, mounts):
     """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say so on ``hand``
     (``{"t": "unshared"}``, or ``{"t": "error", "reason"}``), its hand-over socket: the parent
     waits for it before it maps the new user namespace's ids, each to itself (root to root:
     only a process that holds CAP_SETFCAP outside may, and neither the template nor its forks
-    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own. In a mount
-    namespace of its own it mounts its ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
+    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own; with ``mounts``
+    it mounts its own ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
     done (else it exits before its hand-over, the reason in the template's log)."""
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
@@ -77,7 +81,7 @@ def own_namespaces(hand, flags, own_maps):
         send(hand, said)
     except OSError:
         return False  # the parent gave up on it
-    if problem is None and flags & shim.CLONE_NEWNS:
+    if problem is None and mounts:
         world = shim.load_part("world")
         problem = world.ipc_mounts(world.mounter())
     if problem is None and own_maps:

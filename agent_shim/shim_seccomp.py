@@ -19,8 +19,9 @@ What the filter decides, on x86_64 and aarch64 (little-endian, 64-bit processes)
   (``install(unshare=FLAGS)``) may call ``unshare`` with exactly ``FLAGS``, so that each of its
   forks can make namespaces of its own (shim_parked.py), and, where FLAGS hold
   ``CLONE_NEWNS``, ``mount``, which none of its processes holds ``SYS_ADMIN`` for but a fork
-  in its own namespaces (it mounts its ``/dev/shm``); the forks' workers, under a second
-  filter without it, cannot;
+  in its own namespaces (it mounts its ``/dev/shm``; under a sandbox Landlock refuses it the
+  mount, and the template's outer process makes it: shim_outer.py); the forks' workers, under
+  a second filter without it, cannot;
 - ``clone3``: ENOSYS, since its flags lie in memory a filter cannot read; glibc then falls back
   to ``clone``, so threads and fork keep working;
 - everything else (``chroot`` too): allowed.

@@ -334,6 +334,7 @@ def watch(child, life, leaves, below, grace):
         poller.register(pidfd, select.POLLIN)
     if life is not None:
         poller.register(life, select.POLLIN)
+    outer = shim.load_part("outer")
     status = None
     while status is None:
         ready = [fd for fd, _ in poller.poll(None if pidfd is not None else 100)]
@@ -342,10 +343,10 @@ def watch(child, life, leaves, below, grace):
             if pid == child:
                 status = found
                 if life is not None and select.select([life], [], [], 0)[0]:
-                    if not os.read(life, 64):  # gone together: what is left goes too
+                    if not outer.serve(life, pidfd):  # gone together: what is left goes too
                         kill_leaves(leaves)
                 break
-        if life in ready and not os.read(life, 64):
+        if life in ready and not outer.serve(life, pidfd):
             if below or pidfd is None:
                 if below:  # its forks, each a supervisor and its worker, clean up first
                     shim.load_part("init").stop_and_cancel(child, grace)

@@ -557,7 +557,7 @@ async def test_only_the_parents_death_makes_pid_1_end_the_template(
 SYSV = (
     MARKS
     + r"""
-import ctypes, os, time
+import ctypes, errno, os, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
 IPC_CREAT, SHM_RDONLY = 0o1000, 0o10000
@@ -576,6 +576,18 @@ def look(key, size):
     return found
 
 
+def creat(path):
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+def attempt(call, path):
+    try:
+        call(path)
+        return "done"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+
 def run(data):
     key, secret, role = data["key"], data["credential"], data["role"]
     if role == "writer":
@@ -587,7 +599,10 @@ def run(data):
         mark("written")
         wait("checked")
         ids = open("/proc/self/uid_map").read().split()
-        return 1.0, {"own": look(key, len(secret)), "uid_map": ids}
+        info = {"own": look(key, len(secret)), "uid_map": ids}
+        if data.get("dev"):  # what the rule on /dev that a sandbox's fork gets leaves open
+            info["dev"] = [attempt(f, p) for f, p in ((creat, "/dev/x"), (os.unlink, "/dev/zero"))]
+        return 1.0, info
     if role == "sibling":
         wait("written")
         found = look(key, len(secret))
@@ -622,20 +637,24 @@ def test_the_system_v_attack_reaches_a_segment_from_a_plain_process(tmp_path: Pa
         Path(f"/dev/shm/isolate-sysv-{key}").unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandbox"])
 @pytest.mark.parametrize("combination", ["cgroup+pidns", "pidns"])
 async def test_episodes_of_one_template_share_no_system_v_object(
-    agents: Agents, combination: str
+    agents: Agents, combination: str, sandboxed: bool
 ) -> None:
     """Each fork of a template makes IPC and UTS namespaces of its own, in a user namespace
-    that maps every id to itself, and a mount namespace with its own ``/dev/shm``: a segment
-    one episode made is not listed, found by its key or attached by a sibling forked from the
-    same template, nor by a later one; nor is the file it made in ``/dev/shm``."""
+    that maps every id to itself, and a mount namespace with its own ``/dev/shm`` (under a
+    sandbox, mounted by the template's outer process): a segment one episode made is not
+    listed, found by its key or attached by a sibling forked from the same template, nor by a
+    later one; nor is the file it made in ``/dev/shm``. Under a sandbox, whose Landlock rule
+    for it is on ``/dev``, nothing else in ``/dev`` can be made or removed."""
     needs_template(combination)
     if os.geteuid() != 0:
         pytest.skip("root's: each id mapped to itself (nobody's: the test below)")
-    spec = agents.spec(SYSV, containment=combination, preload=True)
+    box = isolate.Sandbox(write=(str(agents.pids),)) if sandboxed else None
+    spec = agents.spec(SYSV, containment=combination, preload=True, sandbox=box)
     key = 0x155_0000 + os.getpid() % 0xFFFF
-    data = {"key": key, "credential": f"sk-sysv-{os.urandom(8).hex()}"}
+    data = {"key": key, "credential": f"sk-sysv-{os.urandom(8).hex()}", "dev": sandboxed}
     results: dict[str, isolate.EpisodeOutcome] = {}
 
     async def one(role: str) -> None:
@@ -648,10 +667,9 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     for outcome in results.values():
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
     absent = {"listed": False, "read": None, "dev shm": False}
-    assert results["writer"].info == {
-        "own": {"listed": True, "read": data["credential"], "dev shm": True},
-        "uid_map": ["0", "0", "4294967295"],
-    }
+    own = {"listed": True, "read": data["credential"], "dev shm": True}
+    expected = {"own": own, "uid_map": ["0", "0", "4294967295"]}
+    assert results["writer"].info == expected | ({"dev": ["EROFS", "EROFS"]} if sandboxed else {})
     assert results["sibling"].info == {"sibling": absent}
     assert results["later"].info == {"later": absent}
     (template,) = _internals.started_templates()

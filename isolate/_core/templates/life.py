@@ -1,10 +1,11 @@
 """A template's LIFE socket as the parent reads it: the importer's wait status, and those of
 the forks that PID 1 of the template's namespace reaped once the importer was gone
-(``agent_shim/shim_init.py``).
+(``agent_shim/shim_init.py``); and what the parent asks of the template's outer process
+(``agent_shim/shim_outer.py``).
 
 Messages: ``{"t": "exit", "status"}`` for the importer; ``{"t": "exit", "pid", "status",
-"cpu_s"}`` for another process PID 1 reaped, ``pid`` as the template's namespace numbers it.
-Blocking.
+"cpu_s"}`` for another process PID 1 reaped, ``pid`` as the template's namespace numbers it;
+``{"t": "dev_shm", "problem"}``, the outer process's answer. Blocking.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from agent_shim.shim_wire import receive_message
+from agent_shim.shim_wire import receive_message, send_message
 
 #: The most statuses of reaped processes kept until a fork asks for its own.
 _KEPT = 4096
@@ -30,15 +31,22 @@ class Life:
         #: The importer's wait status, once it came.
         self.status: int | None = None
         self._forks: dict[int, tuple[int, float | None]] = {}
+        #: The outer process's answer to the one request in flight (``_asking``).
+        self._answer: dict[str, Any] | None = None
+        #: EOF came: the template's processes are gone.
+        self.ended = False
         self._lock = threading.Lock()
+        self._asking = threading.Lock()
 
-    def read(self, importer_within: float = 0.0) -> None:
+    def read(self, importer_within: float = 0.0, answer: bool = False) -> None:
         """Take what has come; with ``importer_within``, wait up to that long (seconds) for
-        the importer's status if it is not in yet."""
+        the importer's status if it is not in yet (with ``answer``, for the outer process's
+        answer)."""
         end = time.monotonic() + importer_within
         with self._lock:
             while self.sock.fileno() >= 0:
-                left = 0.0 if self.status is not None else max(0.0, end - time.monotonic())
+                done = self._answer is not None if answer else self.status is not None
+                left = 0.0 if done else max(0.0, end - time.monotonic())
                 if not select.select([self.sock], [], [], left)[0]:
                     return
                 try:
@@ -48,7 +56,8 @@ class Life:
                 for fd in fds:
                     os.close(fd)
                 if message is None:
-                    return  # the template's processes are gone: nothing more comes
+                    self.ended = True  # the template's processes are gone: nothing more comes
+                    return
                 self._take(message)
 
     def fork_status(self, ns_pid: int) -> tuple[int, float | None] | None:
@@ -58,10 +67,36 @@ class Life:
         with self._lock:
             return self._forks.pop(ns_pid, None)
 
+    def dev_shm(self, pidfd: int, seconds: float) -> str | None:
+        """Ask the template's outer process to mount a ``/dev/shm`` of its own in the mount
+        namespace of the fork ``pidfd`` names, and wait for its answer, ``seconds`` at most: a
+        problem or None."""
+        with self._asking:
+            try:
+                send_message(self.sock, {"t": "dev_shm"}, [pidfd])
+            except OSError as exc:
+                return f"the template is gone ({exc.strerror})"
+            end = time.monotonic() + seconds
+            while True:
+                with self._lock:
+                    answer, self._answer = self._answer, None
+                if answer is not None:
+                    problem = answer.get("problem")
+                    return None if problem is None else str(problem)
+                left = end - time.monotonic()
+                if self.ended or self.sock.fileno() < 0:
+                    return "the template is gone"
+                if left <= 0:
+                    return f"no answer from the template within {seconds:g} s"
+                self.read(min(left, 0.05), answer=True)
+
     def close(self) -> None:
         self.sock.close()
 
     def _take(self, message: dict[str, Any]) -> None:
+        if message.get("t") == "dev_shm":
+            self._answer = message
+            return
         status, pid = message.get("status"), message.get("pid")
         if message.get("t") != "exit" or type(status) is not int:
             return

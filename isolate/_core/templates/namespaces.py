@@ -3,19 +3,20 @@ checks of each fork, and the ids it maps.
 
 Where a template has a PID namespace and the parent is root, each fork makes a user namespace
 and, in it, IPC and UTS ones (``agent_shim/shim_parked.py``: ``own_namespaces``) before the
-template reports it; a mount namespace too, with its own ``/dev/shm`` and ``/dev/mqueue``,
-where the template has no sandbox (whose Landlock rules forbid mounts), and a network one
-where the sandbox has a network. The parent then checks that the fork's IPC namespace is neither the
-importer's nor a sibling's, and maps the fork's ids, each to itself: root inside stays the
-owner of what the trainer's root owns, and the capabilities the agent keeps act on the objects
-of the fork's own namespaces only (not on the host's network namespace, its devices or its
-System V objects). The map is the parent's to write: mapping root needs CAP_SETFCAP outside,
-which no process of the template holds.
+template reports it; a mount namespace too, with its own ``/dev/shm`` (mounted by the fork, with
+a ``/dev/mqueue``; under a sandbox, whose Landlock rules forbid the fork mounts, by the
+template's outer process), and a network one where the sandbox has a network. The parent then
+checks that the fork's IPC namespace is neither the importer's nor a sibling's, and maps the
+fork's ids, each to itself: root inside stays the owner of what the trainer's root owns, and the
+capabilities the agent keeps act on the objects of the fork's own namespaces only (not on the
+host's network namespace, its devices or its System V objects). The map is the parent's to
+write: mapping root needs CAP_SETFCAP outside, which no process of the template holds.
 
 An unprivileged parent's template lives in a user namespace of its own, whose parent the
 parent is not in: each fork maps its own ids there, which a sandbox's Landlock rules keep it
 from doing (the maps are files in /proc). So a sandboxed template of an unprivileged trainer's
-has forks that share its IPC and UTS namespaces, and no network for each (docs/containment.md).
+has forks that share its IPC and UTS namespaces and its ``/dev/shm``, and no network for each
+(docs/containment.md).
 With a network, each fork makes a network namespace too (docs/sandbox.md). Blocking.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .. import containment as _containment
 from ..containment import sandbox as _sandbox
@@ -47,11 +49,36 @@ def wanted(wall: _wall.Wall) -> bool:
 def kinds(wall: _wall.Wall) -> tuple[str, ...]:
     """The namespaces besides user, IPC and UTS each fork of a template walled in by ``wall``
     makes, named to the template in its wall (``fork_unshare``; ``shim_parked.unshare_flags``
-    turns them into flags): a mount namespace without a sandbox (whose Landlock rules forbid
-    mounts), for a ``/dev/shm`` of its own; a network one with a sandbox's network."""
-    if wall.sandbox is None:
-        return ("mnt",)
-    return ("net",) if wall.sandbox.plan.network is not None else ()
+    turns them into flags): a mount namespace, for a ``/dev/shm`` of its own; a network one
+    with a sandbox's network. Under a sandbox, only where its view of the file system is
+    read-only (:func:`mounted_by_the_template`)."""
+    mnt = ("mnt",) if wall.sandbox is None or mounted_by_the_template(wall) else ()
+    if wall.sandbox is not None and wall.sandbox.plan.network is not None:
+        return (*mnt, "net")
+    return mnt
+
+
+def mounted_by_the_template(wall: _wall.Wall) -> bool:
+    """Whether the template's outer process mounts each fork's ``/dev/shm``
+    (``agent_shim/shim_outer.py``): under a sandbox, whose Landlock rules forbid the fork any
+    mount, and whose view of the file system is read-only (``/dev`` among it)."""
+    return wall.sandbox is not None and ["view", "/"] in wall.sandbox.plan.mounts
+
+
+def template_message(wall: _wall.Wall) -> dict[str, Any]:
+    """What a template's importer enters (``Wall.template_message``), with what its forks
+    make of their own. Under a sandbox, its Landlock rule for ``/dev/shm`` goes to ``/dev``:
+    the walk up from a file in a fork's own ``/dev/shm`` never meets the mount point (Landlock
+    skips the roots of the mounts it crosses), but meets ``/dev``, which the sandbox's
+    read-only view keeps from any change of its own."""
+    message = wall.template_message()
+    message["fork_unshare"] = list(kinds(wall))
+    message["fork_maps_own"] = maps_own(wall)
+    sandbox = message.get("sandbox")
+    if sandbox is not None and mounted_by_the_template(wall):
+        rules = [r for r in sandbox["rules"] if r != ["/dev/shm", "wd"]]
+        message["sandbox"] = {**sandbox, "rules": [*rules, ["/dev", "wd"]]}
+    return message
 
 
 def maps_own(wall: _wall.Wall) -> bool:

@@ -216,10 +216,10 @@ async def _start(
         }
         try:
             # The wall goes as a file: a sandbox's rules can outgrow a control message.
-            walled = template.wall.template_message()
             if template.own_namespaces:
-                walled["fork_unshare"] = list(_namespaces.kinds(template.wall))
-                walled["fork_maps_own"] = _namespaces.maps_own(template.wall)
+                walled = _namespaces.template_message(template.wall)
+            else:
+                walled = template.wall.template_message()
             wall = json_file(walled)
             try:
                 send_message(template.control, message, [wall])
