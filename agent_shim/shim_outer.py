@@ -1,15 +1,17 @@
 """What the outer process of a preloaded template (``shim_template.watch``) does for the
-parent besides watching: asked on LIFE, it mounts a sandboxed fork's own ``/dev/shm``.
+parent besides watching: asked on LIFE, it mounts a sandboxed fork's own ``/dev/pts``,
+``/dev/shm`` and ``/dev/mqueue``.
 
 Each fork of a template with a sandbox makes a mount namespace of its own (shim_parked.py),
 but the sandbox's Landlock rules forbid it any mount. The outer process is under neither the
 template's syscall filter nor its Landlock rules, holds every capability in the user namespace
 the forks' namespaces descend from, and is single-threaded, so it may enter the fork's mount
-namespace (``setns`` through the fork's pidfd), mount a tmpfs on ``/dev/shm`` there, and come
-back. Messages, one JSON object per packet:
+and IPC namespaces (``setns`` through the fork's pidfd), mount them there
+(``shim_world.own_instances``; the mqueue file system is the IPC namespace's its mounter is
+in), and come back. Messages, one JSON object per packet:
 
-- parent -> outer: ``{"t": "dev_shm"}`` carrying the fork's pidfd;
-- outer -> parent: ``{"t": "dev_shm", "problem"}`` (``problem`` None once mounted).
+- parent -> outer: ``{"t": "own_dev"}`` carrying the fork's pidfd;
+- outer -> parent: ``{"t": "own_dev", "problem"}`` (``problem`` None once mounted).
 
 EOF on LIFE means the parent is gone. Loaded with ``load_part("outer")``. Standard library
 only, Python 3.9+.
@@ -20,6 +22,10 @@ import socket
 import sys
 
 shim = sys.modules["_isolate_shim"]
+
+#: The namespaces entered to mount the fork's: its mount namespace, and its IPC one, whose
+#: message queues its /dev/mqueue shows.
+THERE = shim.CLONE_NEWNS | shim.CLONE_NEWIPC
 
 
 def serve(life, home):
@@ -37,12 +43,12 @@ def serve(life, home):
         if message is None and not fds:
             return False
         problem = "not asked"
-        if message is not None and message.get("t") == "dev_shm" and len(fds) == 1:
-            problem = dev_shm(fds[0], home) if home is not None else "no PID namespace"
+        if message is not None and message.get("t") == "own_dev" and len(fds) == 1:
+            problem = own_dev(fds[0], home) if home is not None else "no PID namespace"
         for fd in fds:
             os.close(fd)
         try:
-            shim.wire.send_message(sock, {"t": "dev_shm", "problem": problem})
+            shim.wire.send_message(sock, {"t": "own_dev", "problem": problem})
         except OSError:
             return False
         return True
@@ -50,18 +56,19 @@ def serve(life, home):
         sock.close()
 
 
-def dev_shm(pidfd, home):
-    """Mount a tmpfs on ``/dev/shm`` in the mount namespace of the process ``pidfd`` names,
-    from inside it, then come back to that of ``home`` (a pidfd too: this process's /proc is
-    the namespace's, where it has no number of its own). A problem or None."""
+def own_dev(pidfd, home):
+    """Mount a devpts, a tmpfs and an mqueue file system on ``/dev/pts``, ``/dev/shm`` and
+    ``/dev/mqueue`` in the mount namespace of the process ``pidfd`` names, from inside its mount
+    and IPC namespaces, then come back to those of ``home`` (a pidfd too: this process's /proc
+    is the namespace's, where it has no number of its own). A problem or None."""
     world = shim.load_part("world")  # from here: the fork's file system may hide this file
     mount = world.mounter()
-    result, errno = shim.c_call("setns", pidfd, shim.CLONE_NEWNS)
+    result, errno = shim.c_call("setns", pidfd, THERE)
     if result != 0:
-        return "setns into the fork's mount namespace: " + os.strerror(errno)
+        return "setns into the fork's namespaces: " + os.strerror(errno)
     try:
-        return mount(b"tmpfs", b"/dev/shm", b"tmpfs", world.QUIET, b"mode=1777")
+        return world.own_instances(mount)
     finally:
-        result, errno = shim.c_call("setns", home, shim.CLONE_NEWNS)
+        result, errno = shim.c_call("setns", home, THERE)
         if result != 0:  # nowhere safe to stay: the template ends, and its forks with it
             os._exit(1)

@@ -40,8 +40,9 @@ PACKET = 65536
 #: and UTS ones, so that no System V object, POSIX message queue or hostname of another
 #: episode of the same template is in its reach; and those the parent names besides.
 OWN_NAMESPACES = shim.CLONE_NEWUSER | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
-#: What the parent may name besides: a mount namespace, for a ``/dev/shm`` and ``/dev/mqueue``
-#: of its own; a network one, for the sandbox's network (templates/namespaces.py decides).
+#: What the parent may name besides: a mount namespace, for a ``/dev/pts``, ``/dev/shm`` and
+#: ``/dev/mqueue`` of its own; a network one, for the sandbox's network (templates/namespaces.py
+#: decides).
 MORE_NAMESPACES = {"mnt": shim.CLONE_NEWNS, "net": shim.CLONE_NEWNET}
 
 
@@ -57,9 +58,9 @@ def unshare_flags(wall):
 
 def fork_walls(wall):
     """What each fork does first (:func:`own_namespaces`): (flags, whether it maps its own
-    ids, whether it mounts its own ``/dev/shm`` and ``/dev/mqueue``: not under a sandbox, whose
-    Landlock rules forbid mounts, and where the template's outer process mounts its
-    ``/dev/shm``, shim_outer.py); flags 0: nothing."""
+    ids, whether it mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue``: not under a
+    sandbox, whose Landlock rules forbid mounts, and where the template's outer process mounts
+    them, shim_outer.py); flags 0: nothing."""
     flags = unshare_flags(wall)
     mounts = bool(flags & shim.CLONE_NEWNS) and wall.get("sandbox") is None
     return flags, bool(wall.get("fork_maps_own")), mounts
@@ -71,7 +72,7 @@ def own_namespaces(hand, flags, own_maps, mounts):
     waits for it before it maps the new user namespace's ids, each to itself (root to root:
     only a process that holds CAP_SETFCAP outside may, and neither the template nor its forks
     do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own; with ``mounts``
-    it mounts its own ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
+    it mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
     done (else it exits before its hand-over, the reason in the template's log)."""
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
@@ -83,7 +84,7 @@ def own_namespaces(hand, flags, own_maps, mounts):
         return False  # the parent gave up on it
     if problem is None and mounts:
         world = shim.load_part("world")
-        problem = world.ipc_mounts(world.mounter())
+        problem = world.own_instances(world.mounter())
     if problem is None and own_maps:
         problem = shim.load_part("supervisor").map_own_ids(uid, gid)
     if problem is not None:

@@ -192,9 +192,7 @@ def private_dev(mount):
             os.close(fd)
     for name in ("pts", "shm", "mqueue"):
         os.mkdir("/dev/" + name, 0o755)
-    options = b"newinstance,ptmxmode=0666,mode=620"
-    problem = mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options)
-    problem = problem or ipc_mounts(mount)
+    problem = own_instances(mount)
     if problem is not None:
         return problem
     for name, target in LINKS:
@@ -202,11 +200,15 @@ def private_dev(mount):
     return None
 
 
-def ipc_mounts(mount):
-    """A ``/dev/shm`` (tmpfs) and a ``/dev/mqueue`` of this mount namespace's own, over what
-    is there (a template's fork mounts its own too: shim_parked.py); a problem or None. A
-    kernel without POSIX message queues has no mqueue file system: that one is left out."""
-    problem = mount(b"tmpfs", b"/dev/shm", b"tmpfs", QUIET, b"mode=1777")
+def own_instances(mount):
+    """A devpts (``/dev/pts``, whose ``ptmx`` ``/dev/ptmx`` links to), a ``/dev/shm`` (tmpfs)
+    and a ``/dev/mqueue`` (of the IPC namespace this process is in) of this mount namespace's
+    own, over what is there (a template's fork gets its own too: shim_parked.py,
+    shim_outer.py); a problem or None. A kernel without POSIX message queues has no mqueue
+    file system: that one is left out."""
+    options = b"newinstance,ptmxmode=0666,mode=620"
+    problem = mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options)
+    problem = problem or mount(b"tmpfs", b"/dev/shm", b"tmpfs", QUIET, b"mode=1777")
     if problem is None:
         mount(b"mqueue", b"/dev/mqueue", b"mqueue", QUIET)
     return problem

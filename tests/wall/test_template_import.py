@@ -18,6 +18,7 @@ import may start and what survives a template:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -569,6 +570,12 @@ def look(key, size):
     keys = [int(line.split()[0]) for line in open("/proc/sysvipc/shm").readlines()[1:]]
     found = {"listed": key in keys, "read": None}
     found["dev shm"] = os.path.exists("/dev/shm/isolate-sysv-%d" % key)
+    queue = libc.mq_open(b"/isolate-sysv-%d" % key, os.O_RDONLY)
+    if queue >= 0:
+        os.close(queue)
+    found["queue"] = queue >= 0 or os.path.exists("/dev/mqueue/isolate-sysv-%d-file" % key)
+    pty = os.path.join(os.environ["PID_DIR"], "pty")
+    found["pty"] = os.path.exists(pty) and open(pty).read() in os.listdir("/dev/pts")
     shmid = libc.shmget(key, 0, 0)
     address = libc.shmat(shmid, None, SHM_RDONLY) if shmid >= 0 else FAILED
     if address not in (FAILED, None):
@@ -596,6 +603,14 @@ def run(data):
         ctypes.memmove(address, secret.encode(), len(secret))
         with open("/dev/shm/isolate-sysv-%d" % key, "w") as f:
             f.write(secret)  # POSIX shared memory: a file there
+        # A POSIX message queue (Landlock refuses them, mq_open and /dev/mqueue alike), and
+        # one made through the file system.
+        libc.mq_open(b"/isolate-sysv-%d" % key, os.O_CREAT | os.O_RDWR, 0o600, None)
+        if os.path.isdir("/dev/mqueue") and not data.get("dev"):
+            creat("/dev/mqueue/isolate-sysv-%d-file" % key)
+        terminal, pty = os.openpty()  # a terminal: its name in /dev/pts
+        with open(os.path.join(os.environ["PID_DIR"], "pty"), "w") as f:
+            f.write(os.path.basename(os.ttyname(pty)))
         mark("written")
         wait("checked")
         ids = open("/proc/self/uid_map").read().split()
@@ -630,10 +645,12 @@ def test_the_system_v_attack_reaches_a_segment_from_a_plain_process(tmp_path: Pa
         )
         out, _ = writer.communicate(timeout=30)
         found = {"listed": True, "read": data["credential"], "dev shm": True}
+        found |= {"queue": True, "pty": True}
         assert json.loads(sibling.stdout)["sibling"] == found
         assert json.loads(out)["own"]["read"] == data["credential"]
     finally:
         subprocess.run(["ipcrm", "-M", str(key)], capture_output=True)
+        ctypes.CDLL(None).mq_unlink(b"/isolate-sysv-%d" % key)
         Path(f"/dev/shm/isolate-sysv-{key}").unlink(missing_ok=True)
 
 
@@ -666,8 +683,9 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     await one("later")
     for outcome in results.values():
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
-    absent = {"listed": False, "read": None, "dev shm": False}
-    own = {"listed": True, "read": data["credential"], "dev shm": True}
+    absent = {"listed": False, "read": None, "dev shm": False, "queue": False, "pty": False}
+    own = {"listed": True, "read": data["credential"], "dev shm": True, "pty": True}
+    own["queue"] = not sandboxed  # Landlock refuses POSIX message queues (mq_open, /dev/mqueue)
     expected = {"own": own, "uid_map": ["0", "0", "4294967295"]}
     assert results["writer"].info == expected | ({"dev": ["EROFS", "EROFS"]} if sandboxed else {})
     assert results["sibling"].info == {"sibling": absent}
@@ -726,9 +744,10 @@ def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -
                 outcome["preload_refused"],
                 outcome["stderr_tail"][-2000:],
             )
-        absent = {"listed": False, "read": None, "dev shm": False}
+        absent = {"listed": False, "read": None, "dev shm": False, "queue": False, "pty": False}
+        own = {"listed": True, "read": report["credential"], "dev shm": True}
         assert outcomes["writer"]["info"] == {
-            "own": {"listed": True, "read": report["credential"], "dev shm": True},
+            "own": own | {"queue": True, "pty": True},
             "uid_map": [str(NOBODY), str(NOBODY), "1"],
         }
         assert outcomes["sibling"]["info"] == {"sibling": absent}

@@ -5,7 +5,7 @@ the forks that PID 1 of the template's namespace reaped once the importer was go
 
 Messages: ``{"t": "exit", "status"}`` for the importer; ``{"t": "exit", "pid", "status",
 "cpu_s"}`` for another process PID 1 reaped, ``pid`` as the template's namespace numbers it;
-``{"t": "dev_shm", "problem"}``, the outer process's answer. Blocking.
+``{"t": "own_dev", "problem"}``, the outer process's answer. Blocking.
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ class Life:
         with self._lock:
             return self._forks.pop(ns_pid, None)
 
-    def dev_shm(self, pidfd: int, seconds: float) -> str | None:
-        """Ask the template's outer process to mount a ``/dev/shm`` of its own in the mount
-        namespace of the fork ``pidfd`` names, and wait for its answer, ``seconds`` at most: a
-        problem or None."""
+    def own_dev(self, pidfd: int, seconds: float) -> str | None:
+        """Ask the template's outer process to mount a ``/dev/pts``, ``/dev/shm`` and
+        ``/dev/mqueue`` of its own in the mount namespace of the fork ``pidfd`` names, and wait
+        for its answer, ``seconds`` at most: a problem or None."""
         with self._asking:
             try:
-                send_message(self.sock, {"t": "dev_shm"}, [pidfd])
+                send_message(self.sock, {"t": "own_dev"}, [pidfd])
             except OSError as exc:
                 return f"the template is gone ({exc.strerror})"
             end = time.monotonic() + seconds
@@ -94,7 +94,7 @@ class Life:
         self.sock.close()
 
     def _take(self, message: dict[str, Any]) -> None:
-        if message.get("t") == "dev_shm":
+        if message.get("t") == "own_dev":
             self._answer = message
             return
         status, pid = message.get("status"), message.get("pid")

@@ -1,16 +1,16 @@
 """Namespaces of its own for each fork of a template: what the parent asks of the template,
 checks of each fork, and the ids it maps.
 
-Where a template has a PID namespace and the parent is root, each fork makes a user namespace
-and, in it, IPC and UTS ones (``agent_shim/shim_parked.py``: ``own_namespaces``) before the
-template reports it; a mount namespace too, with its own ``/dev/shm`` (mounted by the fork, with
-a ``/dev/mqueue``; under a sandbox, whose Landlock rules forbid the fork mounts, by the
-template's outer process), and a network one where the sandbox has a network. The parent then
-checks that the fork's IPC namespace is neither the importer's nor a sibling's, and maps the
-fork's ids, each to itself: root inside stays the owner of what the trainer's root owns, and the
-capabilities the agent keeps act on the objects of the fork's own namespaces only (not on the
-host's network namespace, its devices or its System V objects). The map is the parent's to
-write: mapping root needs CAP_SETFCAP outside, which no process of the template holds.
+Where a template has a PID namespace and the parent is root, each fork makes a user namespace and,
+in it, IPC and UTS ones (``agent_shim/shim_parked.py``: ``own_namespaces``) before the template
+reports it; a mount namespace too, with its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue``
+(mounted by the fork; under a sandbox, whose Landlock rules forbid the fork mounts, by the
+template's outer process), and a network one where the sandbox has a network. The parent then checks
+that the fork's IPC namespace is neither the importer's nor a sibling's, and maps the fork's ids,
+each to itself: root inside stays the owner of what the trainer's root owns, and the capabilities
+the agent keeps act on the objects of the fork's own namespaces only (not on the host's network
+namespace, its devices or its System V objects). The map is the parent's to write: mapping root
+needs CAP_SETFCAP outside, which no process of the template holds.
 
 An unprivileged parent's template lives in a user namespace of its own, whose parent the
 parent is not in: each fork maps its own ids there, which a sandbox's Landlock rules keep it
@@ -49,7 +49,8 @@ def wanted(wall: _wall.Wall) -> bool:
 def kinds(wall: _wall.Wall) -> tuple[str, ...]:
     """The namespaces besides user, IPC and UTS each fork of a template walled in by ``wall``
     makes, named to the template in its wall (``fork_unshare``; ``shim_parked.unshare_flags``
-    turns them into flags): a mount namespace, for a ``/dev/shm`` of its own; a network one
+    turns them into flags): a mount namespace, for a ``/dev/pts``, ``/dev/shm`` and
+    ``/dev/mqueue`` of its own; a network one
     with a sandbox's network. Under a sandbox, only where its view of the file system is
     read-only (:func:`mounted_by_the_template`)."""
     mnt = ("mnt",) if wall.sandbox is None or mounted_by_the_template(wall) else ()
@@ -59,9 +60,9 @@ def kinds(wall: _wall.Wall) -> tuple[str, ...]:
 
 
 def mounted_by_the_template(wall: _wall.Wall) -> bool:
-    """Whether the template's outer process mounts each fork's ``/dev/shm``
-    (``agent_shim/shim_outer.py``): under a sandbox, whose Landlock rules forbid the fork any
-    mount, and whose view of the file system is read-only (``/dev`` among it)."""
+    """Whether the template's outer process mounts each fork's ``/dev/pts``, ``/dev/shm`` and
+    ``/dev/mqueue`` (``agent_shim/shim_outer.py``): under a sandbox, whose Landlock rules forbid the
+    fork any mount, and whose view of the file system is read-only (``/dev`` among it)."""
     return wall.sandbox is not None and ["view", "/"] in wall.sandbox.plan.mounts
 
 

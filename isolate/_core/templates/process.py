@@ -329,7 +329,8 @@ class Template:
 
 def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int | None:
     """Once the fork says on ``hand`` that it made its namespaces, check and map them
-    (``namespaces.adopt``), and under a sandbox have the template mount its ``/dev/shm``: the
+    (``namespaces.adopt``), and under a sandbox have the template mount its ``/dev/pts``,
+    ``/dev/shm`` and ``/dev/mqueue``: the
     inode of its IPC namespace. Raises :class:`TemplateGone`,
     with the fork killed. None where the fork maps its own ids: an unprivileged parent cannot
     read the namespaces of a process that is not dumpable, and the fork is not."""
@@ -360,9 +361,9 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
         kinds = _namespaces.kinds(template.wall)
         ipc = _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
         if _namespaces.mounted_by_the_template(template.wall):
-            problem = template.life.dev_shm(pidfd, _FORK_TIMEOUT_S)
+            problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S)
             if problem is not None:
-                raise TemplateGone(f"template {template.name}: its fork's /dev/shm: {problem}")
+                raise TemplateGone(f"template {template.name}: its fork's /dev: {problem}")
         return ipc
     except TemplateGone:
         _drop(pidfd)
