@@ -1,6 +1,8 @@
-"""Containment layers and resource limits: every combination passes the same teardown tests, limits
-end an episode as ``crashed`` with a reason while its neighbours carry on, and the handshake
-and frame parsers survive whatever they are fed."""
+"""Containment layers and resource limits: ``auto`` picks the strongest combination here, a
+layer the machine cannot give is a setup error that says why, a dead parent's stale cgroup
+leaves are removed, limits end an episode as ``crashed`` with a reason while its neighbours
+carry on, and the handshake and frame parsers survive whatever they are fed. The teardown tests
+at every combination are in ``tests/teardown``."""
 
 from __future__ import annotations
 
