@@ -1,6 +1,8 @@
-"""Containment layers and resource limits: every combination passes the same teardown tests, limits
-end an episode as ``crashed`` with a reason while its neighbours carry on, and the handshake
-and frame parsers survive whatever they are fed."""
+"""Containment layers and resource limits: ``auto`` picks the strongest combination here, a
+layer the machine cannot give is a setup error that says why, a dead parent's stale cgroup
+leaves are removed, limits end an episode as ``crashed`` with a reason while its neighbours
+carry on, and the handshake and frame parsers survive whatever they are fed. The teardown tests
+at every combination are in ``tests/teardown``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,247 +32,11 @@ from .conftest import (
     SLOW,
     Agents,
     both_starts,
-    episode_processes,
-    from_template,
-    is_gone,
     wait_for,
-    wait_until,
 )
-from .test_teardown import PARENT, TREE_AGENT, TREE_PIDS
+from .teardown._trees import LEVELS, PARENT, needs, tree
 
 pytestmark = pytest.mark.anyio
-
-#: Each layer alone, session, and what ``auto`` picks here (the default).
-LEVELS = [*_internals.LAYERS, "session", "auto"]
-COMBINATIONS = list(_internals.COMBINATIONS)
-
-
-def needs(name: str) -> str:
-    """Skip, with the reason, unless this machine provides containment ``name``; the
-    combination it stands for (``auto``: the one it picks here)."""
-    if name == "auto":
-        found = _internals.resolve("auto", None)
-        return found[0]
-    problem = _internals.containment_problem(name)
-    if problem is not None:
-        pytest.skip(f"containment {name!r} is not available here: {problem}")
-    return name
-
-
-@pytest.fixture(params=LEVELS)
-def level(request: pytest.FixtureRequest) -> str:
-    """Each containment layer alone, session, and the default; the combination used."""
-    return needs(request.param)
-
-
-@pytest.fixture(params=COMBINATIONS)
-def combination(request: pytest.FixtureRequest) -> str:
-    """Every combination of containment layers in turn."""
-    return needs(request.param)
-
-
-def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
-    """Live processes of this test's episodes (host view, any level) by their environment,
-    which at the pidns level is the only sure way: recorded pids are the namespace's."""
-    procs = episode_processes(f"PID_DIR={agents.pids}".encode())
-    templates = {pid for t in _internals.started_templates() for pid in t.own_pids()}
-    return [p for p in procs if marker in _environ(p) and p.pid not in templates]
-
-
-def _environ(proc: psutil.Process) -> str:
-    try:
-        return Path(f"/proc/{proc.pid}/environ").read_text(errors="replace")
-    except OSError:
-        return ""
-
-
-def all_gone(procs: list[psutil.Process]) -> bool:
-    return all(is_gone(p.pid, p.create_time()) for p in procs)
-
-
-def shims(forked: bool) -> int:
-    """How many processes of an episode are above its worker: none for a template's fork that
-    is its own worker (where the template's forks are: cgroup leaves and a PID namespace),
-    else at least the shim's supervisor."""
-    alone = forked and all(t.forks_alone for t in _internals.started_templates())
-    return 0 if alone else 1
-
-
-async def snapshot_when_ready(agents: Agents, into: list[psutil.Process]) -> None:
-    await wait_until((agents.pids / "ready").exists, 20.0)
-    into.extend(await anyio.to_thread.run_sync(tree, agents))
-
-
-# --- the same teardown tests at every level ---------------------------------------------------
-
-
-async def test_timeout_kills_the_whole_tree(agents: Agents, combination: str) -> None:
-    level = combination
-    spec = agents.spec(TREE_AGENT, timeout=3.0, kill_grace=0.5, containment=level)
-    seen: list[psutil.Process] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(snapshot_when_ready, agents, seen)
-        outcome = await isolate.run_episode(spec, {})
-    assert outcome.status == "timeout", outcome.summary()
-    assert outcome.containment == level
-    # The tree, and the shim where the worker has one (and for pidns its PID 1).
-    assert len(seen) >= TREE_PIDS + shims(outcome.start == "template")
-    assert all_gone(seen)
-    assert outcome.cleanup == "finished"  # the worker, cancelled, exited by itself
-    assert outcome.killed >= TREE_PIDS - 1
-    assert outcome.duration_s <= spec.timeout + spec.kill_grace + 1.0 * SLOW
-
-
-@from_template
-@pytest.mark.parametrize("requested", ["session", "auto"])
-async def test_timeout_kills_the_whole_tree_of_a_fork(agents: Agents, requested: str) -> None:
-    """The same teardown for an episode forked from a template (the other layers: cancel)."""
-    await test_timeout_kills_the_whole_tree(agents, needs(requested))
-
-
-@both_starts
-async def test_leftovers_after_a_normal_return_are_killed(agents: Agents, level: str) -> None:
-    code = TREE_AGENT.replace("time.sleep(300)\n", "return 1.0\n")
-    spec = agents.spec(code, kill_grace=0.5, containment=level)
-    outcome = await isolate.run_episode(spec, {})
-    assert outcome.status == "ok", outcome.summary()
-    assert outcome.containment == level
-    assert len([n for n in agents.pid_files() if n != "ready"]) == TREE_PIDS
-    assert tree(agents) == []
-    assert outcome.killed == TREE_PIDS - 1  # all but the worker, which returned
-
-
-@both_starts
-async def test_cancel_during_the_run(agents: Agents, level: str) -> None:
-    spec = agents.spec(TREE_AGENT, kill_grace=0.5, containment=level)
-    seen: list[psutil.Process] = []
-    cancelled_at = 0.0
-    async with anyio.create_task_group() as tg:
-
-        async def cancel_when_ready() -> None:
-            nonlocal cancelled_at
-            await snapshot_when_ready(agents, seen)
-            cancelled_at = time.monotonic()
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {})
-        pytest.fail("run_episode returned instead of being cancelled")
-    assert len(seen) >= TREE_PIDS + shims(forked=True)
-    assert all_gone(seen)
-    # One grace period (the tree ignores SIGTERM) and little more.
-    assert time.monotonic() - cancelled_at <= spec.kill_grace + 1.0 * SLOW
-
-
-@both_starts
-def test_parent_killed_takes_the_tree_with_it(agents: Agents, level: str) -> None:
-    spec = agents.spec(TREE_AGENT, kill_grace=5.0, timeout=120.0, containment=level)
-    parent = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(PARENT), spec.model_dump_json()]
-    )
-    groups = _internals.cgroups()
-    roots = [r for r in [groups.v2, *groups.v1.values()] if r is not None]
-    owners: list[Path] = []
-    try:
-        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the tree to be ready")
-        seen = tree(agents)
-        assert len(seen) > TREE_PIDS
-        # Found while the parent lives: once it is dead, any isolate process that starts on
-        # this machine (a concurrent test run's, say) may clean its leaf before we look.
-        owners = [
-            p for root in roots for p in root.iterdir() if p.name.startswith(f"{parent.pid}.")
-        ]
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait()
-        wait_for(lambda: all_gone(seen), 2.0, "the tree, shim included, to die")
-    finally:
-        parent.kill()
-        parent.wait()
-    if "cgroup" in _internals.layers(level):
-        # The dead parent's leaf stays until an isolate process starts and cleans it.
-        assert owners, "the parent's cgroup leaf"
-        _internals.clean_stale(roots)
-        assert not any(owner.exists() for owner in owners)
-
-
-# A process whose main thread exits (pthread_exit) while another thread runs on: its state
-# letter reads Z, psutil calls it a zombie, and it cannot be reaped, yet it runs. It ignores
-# SIGTERM, so only SIGKILL (or cgroup.kill, or the namespace's end) takes it.
-ZOMBIE_LEADER = r"""
-import ctypes, os, signal, subprocess, sys, threading, time
-
-LEADER = (
-    "import ctypes, signal, threading, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "threading.Thread(target=time.sleep, args=(3600,)).start(); "
-    "ctypes.CDLL(None).pthread_exit(None)"
-)
-
-def state(pid):
-    stat = open("/proc/%d/stat" % pid).read()
-    return stat[stat.rfind(")") + 2]
-
-def run(data):
-    child = subprocess.Popen([sys.executable, "-c", LEADER])
-    for _ in range(1000):
-        if state(child.pid) == "Z" and len(os.listdir("/proc/%d/task" % child.pid)) >= 2:
-            break
-        time.sleep(0.01)
-    else:
-        return 0.0  # never became a running zombie: the test below fails on the reward
-    open(os.path.join(os.environ["PID_DIR"], "ready"), "w").close()
-    if data.get("hang"):
-        time.sleep(300)
-    return 1.0
-"""
-
-
-async def test_a_zombie_leader_does_not_outlive_a_normal_end(
-    agents: Agents, combination: str
-) -> None:
-    spec = agents.spec(ZOMBIE_LEADER, kill_grace=0.5, containment=combination)
-    outcome = await isolate.run_episode(spec, {})
-    assert outcome.status == "ok", outcome.summary()
-    assert outcome.reward == 1.0  # the leader did read as a zombie with a live thread
-    assert outcome.containment == combination
-    assert tree(agents) == []
-    assert outcome.killed >= 1
-    # The agent was done at once: teardown, not the parent's deadline, ended the episode.
-    assert outcome.duration_s <= spec.kill_grace + 5.0 * SLOW
-
-
-async def test_a_zombie_leader_does_not_outlive_a_timeout(agents: Agents, combination: str) -> None:
-    spec = agents.spec(
-        ZOMBIE_LEADER, timeout=3.0, kill_grace=0.5, cancel_grace=1.0, containment=combination
-    )
-    outcome = await isolate.run_episode(spec, {"hang": True})
-    assert outcome.status == "timeout", outcome.summary()
-    assert (agents.pids / "ready").exists()
-    assert tree(agents) == []
-    assert outcome.duration_s <= spec.timeout + spec.cancel_grace + spec.kill_grace + 1.0 * SLOW
-
-
-def test_a_zombie_leader_does_not_outlive_the_parent(agents: Agents, combination: str) -> None:
-    spec = agents.spec(
-        ZOMBIE_LEADER, timeout=120.0, kill_grace=5.0, cancel_grace=1.0, containment=combination
-    )
-    hang = textwrap.dedent(PARENT).replace("spec, {})", 'spec, {"hang": True})')
-    assert hang != textwrap.dedent(PARENT)
-    parent = subprocess.Popen([sys.executable, "-c", hang, spec.model_dump_json()])
-    try:
-        wait_for(lambda: (agents.pids / "ready").exists(), 20.0, "the zombie leader")
-        seen = tree(agents)
-        assert seen
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait()
-        # The shim's bound after its parent's death: the agent's clean-up, then 2 s.
-        wait_for(lambda: not tree(agents), spec.cancel_grace + 2.0, "the episode to end")
-        assert all_gone(seen)
-    finally:
-        parent.kill()
-        parent.wait()
-    if "cgroup" in _internals.layers(combination):
-        groups = _internals.cgroups()
-        _internals.clean_stale([r for r in [groups.v2, *groups.v1.values()] if r is not None])
 
 
 # --- levels ------------------------------------------------------------------------------------

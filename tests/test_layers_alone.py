@@ -31,7 +31,7 @@ from .conftest import (
     is_gone,
     wait_for,
 )
-from .test_containment import needs
+from .teardown._trees import needs
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux layers")
 

@@ -21,6 +21,7 @@ import pytest
 import isolate
 
 from . import _internals
+from .cancellation._shims import SILENT_SHIM
 from .conftest import (
     Agents,
     episode_processes,
@@ -29,7 +30,6 @@ from .conftest import (
     wait_for,
     wait_until,
 )
-from .test_teardown import SILENT_SHIM
 from .test_templates import TEMP_AGENT, fresh_after_no_fork, slow_to_fork, template_processes
 
 pytestmark = pytest.mark.anyio

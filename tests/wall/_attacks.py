@@ -35,7 +35,7 @@ from ..conftest import (
     episode_processes,
     unprivileged_python,
 )
-from ..test_containment import COMBINATIONS, needs
+from ..teardown._trees import COMBINATIONS, needs
 
 CAP_NAMES = [
     "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",

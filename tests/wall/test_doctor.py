@@ -15,8 +15,8 @@ import pytest
 
 from .. import _internals
 from ..conftest import SLOW
+from ..teardown._trees import needs
 from ..test_cli import SCRIPTED, isolate_cli
-from ..test_containment import needs
 from ._attacks import linux_only
 
 pytestmark = pytest.mark.anyio

@@ -34,7 +34,7 @@ from ..conftest import (
     wait_for,
     wait_until,
 )
-from ..test_containment import tree
+from ..teardown._trees import tree
 from ._attacks import combination
 
 pytestmark = pytest.mark.anyio

@@ -34,7 +34,7 @@ import pytest
 import isolate
 
 from ..conftest import AS_NOBODY, NOBODY, SLOW, Agents, both_starts, wait_until
-from ..test_containment import COMBINATIONS, needs, tree
+from ..teardown._trees import COMBINATIONS, needs, tree
 from ._attacks import WALLED, Standin, nobody_root, nobody_spec, run_as, scratch, x86_64_linux
 
 pytestmark = [

@@ -25,7 +25,7 @@ import isolate
 
 from .. import _internals
 from ..conftest import SLOW, Agents, wait_for
-from ..test_containment import needs
+from ..teardown._trees import needs
 from ._attacks import World, _denied, linux_only, needs_net, scratch, world
 
 pytestmark = pytest.mark.anyio

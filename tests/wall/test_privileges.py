@@ -26,7 +26,7 @@ import isolate
 
 from .. import _internals
 from ..conftest import Agents, episode_processes
-from ..test_containment import tree
+from ..teardown._trees import tree
 from ._attacks import (
     HOSTILE,
     cap_findings,

@@ -44,7 +44,7 @@ from ..conftest import (
     remove_dead_parents_leaves,
     wait_for,
 )
-from ..test_containment import tree
+from ..teardown._trees import tree
 from ..test_templates import template_processes
 from ._attacks import (
     HOSTILE,

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 import isolate
 
 from ..conftest import Agents
-from ..test_containment import tree
+from ..teardown._trees import tree
 from ._attacks import World, combination, needs_landlock, needs_net, world, x86_64_linux
 
 pytestmark = pytest.mark.anyio

@@ -34,7 +34,7 @@ import isolate
 
 from .. import _internals
 from ..conftest import AS_NOBODY, NOBODY, SLOW, both_starts
-from ..test_containment import COMBINATIONS, needs
+from ..teardown._trees import COMBINATIONS, needs
 from ._attacks import (
     DEFAULT_HIDE,
     SECRET,

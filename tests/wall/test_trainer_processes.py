@@ -28,7 +28,7 @@ from isolate._cli import doctor as _doctor
 
 from .. import _internals
 from ..conftest import SLOW, Agents, wait_until
-from ..test_containment import needs, tree
+from ..teardown._trees import needs, tree
 from ._attacks import WALLED, combination
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import pytest
 
 import isolate
 
-from .conftest import Agents, wait_for
+from ..conftest import Agents, wait_for
 
 pytestmark = pytest.mark.anyio
 

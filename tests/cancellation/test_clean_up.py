@@ -18,8 +18,8 @@ import pytest
 
 import isolate
 
-from . import _internals
-from .conftest import (
+from .. import _internals
+from ..conftest import (
     SLOW,
     Agents,
     episode_processes,
@@ -483,7 +483,7 @@ def kill_the_parent_of_a_template(
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(PARENT_OF_A_TEMPLATE), spec.model_dump_json(), mode],
-        cwd=Path(__file__).resolve().parents[1],  # where ``tests`` is importable
+        cwd=Path(__file__).resolve().parents[2],  # where ``tests`` is importable
     )
     try:
         wait_for(lambda: (agents.pids / "ready").exists(), 30.0, "the agent to be ready")
