@@ -303,7 +303,8 @@ def enter_wall(wall, control, life, grace):
             return "sandbox: cannot enforce " + "; ".join(missing)
     if sys.platform.startswith("linux"):
         # Its forks (not their workers) may make namespaces of their own: own_namespaces.
-        return worker.harden(shim.load_part("parked").unshare_flags(wall))
+        network = sandbox is not None and sandbox.get("network") is not None
+        return worker.harden(shim.load_part("parked").unshare_flags(wall), network)
     return None
 
 

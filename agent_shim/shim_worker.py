@@ -15,13 +15,16 @@ from errno import EINVAL
 shim = sys.modules["_isolate_shim"]
 signal = shim.signal
 
-# What a root agent keeps: file ownership and permissions, setuid and setgid, kill, low-port
-# sockets, chroot, audit writes. Docker keeps raw sockets, mknod and file capabilities too, in a
-# container with a network and a /dev of its own; here the episode may share the machine's
-# network namespace (a raw socket reads every process's loopback traffic) and its writable
-# paths (a device node made there opens the machine's disk; a file capability outlives the
-# episode), so those go. Every other capability reaches past the episode. Bits of capability.h.
+# What a root agent keeps: file ownership and permissions, setuid and setgid, kill, low-port sockets
+# (in a network namespace of its own), chroot, audit writes. Docker keeps raw sockets, mknod and
+# file capabilities too, in a container with a network and a /dev of its own; here the episode may
+# share the machine's network namespace (a raw socket reads every process's loopback traffic) and
+# its writable paths (a device node made there opens the machine's disk; a file capability outlives
+# the episode), so those go. Every other capability reaches past the episode. Bits of capability.h.
 KEPT_CAPABILITIES = (0, 1, 3, 4, 5, 6, 7, 10, 18, 29)
+# Kept only in a network namespace of the episode's own: in the machine's, a port below 1024
+# the agent binds is a service of the machine's taken over (80, 443, 53).
+CAP_NET_BIND_SERVICE = 10
 CAP_SETPCAP = 8
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -150,7 +153,7 @@ def enter(hs, channel):
     if sandbox is not None and not enter_sandbox(sandbox, channel, bool(hs.get("forked"))):
         return None
     if sys.platform.startswith("linux"):
-        problem = harden()
+        problem = harden(own_network=sandbox is not None and sandbox.get("network") is not None)
         if problem is not None:
             channel.send("error", kind="setup", type="ContainmentError", message=problem)
             return None
@@ -211,27 +214,31 @@ def enter_sandbox(sandbox, channel, forked=False):
     return True
 
 
-def harden(unshare=0):
+def harden(unshare=0, own_network=False):
     """The last step before the agent's code: a syscall filter (mounts, namespaces, other
     processes' memory and fds, kernel keys and modules...; shim_seccomp.py), then every
     capability that reaches past the episode dropped from all five sets, so that nothing the
     agent execs gets one back; the worker stays not dumpable. A problem, or None. A kernel
     without seccomp is said in the log, and the rest still holds. ``unshare``: the flags of
-    ``unshare`` the filter allows (a template's importer, for its forks)."""
+    ``unshare`` the filter allows (a template's importer, for its forks); ``own_network``: in a
+    network namespace of the episode's own (a sandbox's network), where it may bind ports
+    below 1024."""
     problem = shim.load_part("seccomp").install(unshare)
     if problem is not None:
         sys.stderr.write("isolate shim: no syscall filter: %s\n" % problem)
-    problem = drop_capabilities()
+    problem = drop_capabilities(own_network)
     # The kernel resets it on some credential changes (commit_creds): once more, last.
     shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
     return problem
 
 
-def drop_capabilities():
-    """Keep at most KEPT_CAPABILITIES in every set, and none for an unprivileged trainer's
-    agent (in its user namespace it holds them all). The bounding set needs CAP_SETPCAP, so it
-    goes first, that one last. A problem or None."""
-    keep = sum(1 << cap for cap in KEPT_CAPABILITIES) if os.getuid() == 0 else 0
+def drop_capabilities(own_network=False):
+    """Keep at most KEPT_CAPABILITIES in every set (NET_BIND_SERVICE only with
+    ``own_network``), and none for an unprivileged trainer's agent (in its user namespace it
+    holds them all). The bounding set needs CAP_SETPCAP, so it goes first, that one last. A
+    problem or None."""
+    kept = [cap for cap in KEPT_CAPABILITIES if own_network or cap != CAP_NET_BIND_SERVICE]
+    keep = sum(1 << cap for cap in kept) if os.getuid() == 0 else 0
     sets = capability_sets()
     shim.c_call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     bounding = sets.get("CapBnd", 0) & ~keep

@@ -207,7 +207,11 @@ def _containment_report(report: _Report, requested: str) -> str | None:
         report.line("warn", caveat)
     if os.geteuid() == 0:
         kept = ", ".join(_containment.KEPT_CAPABILITIES)
-        report.line("ok", f"capabilities: a root agent keeps only {kept}; no other, ever")
+        report.line(
+            "ok",
+            f"capabilities: a root agent keeps only {kept} (NET_BIND_SERVICE only in a "
+            "network namespace of its own: Sandbox(network=...)); no other, ever",
+        )
     else:
         report.line("ok", "capabilities: the agent has none")
     if _containment.seccomp_available():

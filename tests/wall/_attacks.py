@@ -47,9 +47,9 @@ CAP_NAMES = [
 ]  # fmt: skip
 
 
-#: All a root agent may keep: Docker's default set less NET_RAW, MKNOD and SETFCAP (bits
-#: 0, 1, 3-7, 10, 18, 29).
-KEPT_CAPS = sorted("CAP_" + CAP_NAMES[bit] for bit in (0, 1, 3, 4, 5, 6, 7, 10, 18, 29))
+#: All a root agent may keep in the machine's network namespace: Docker's default set less
+#: NET_RAW, MKNOD, SETFCAP and NET_BIND_SERVICE (bits 0, 1, 3-7, 18, 29).
+KEPT_CAPS = sorted("CAP_" + CAP_NAMES[bit] for bit in (0, 1, 3, 4, 5, 6, 7, 18, 29))
 
 
 def cap_names(mask_hex: str) -> list[str]:

@@ -10,14 +10,18 @@ sets. Each attack's result is a word, collected in the episode's info. Which lay
   supervisor is not dumpable; in a PID namespace it is PID 1.
 - ``pidfd_getfd`` of the worker's and supervisor's fds (a forged result frame): the filter; the
   nonce is not in the agent's memory, so the reward stays the agent's own.
-- capabilities: the shim keeps only ``KEPT_CAPS`` (root) or none (an unprivileged trainer).
+- capabilities: the shim keeps only ``KEPT_CAPS`` (root) or none (an unprivileged trainer);
+  ``NET_BIND_SERVICE`` only in a network namespace of the episode's own, so a root agent binds
+  no port below 1024 of the machine's (``EACCES``).
 
 Destructive attacks on ``/proc`` run only where the agent has a mount namespace of its own."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+from pathlib import Path
 
 import anyio
 import pytest
@@ -161,3 +165,47 @@ def test_the_parent_names_the_capabilities_the_shim_keeps() -> None:
     named = sorted(CAPABILITY_BITS[name] for name in _internals.KEPT_CAPABILITIES)
     assert named == sorted(agent_shim.shim.load_part("worker").KEPT_CAPABILITIES)
     assert sum(1 << bit for bit in named) == 0x200404FB  # as docs/containment.md gives CapEff
+
+
+#: Binds a port below 1024 on loopback: the errno's name, or "bound".
+LOW_PORT = """
+import errno, socket
+def run(data):
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", data["port"]))
+        except OSError as exc:
+            return 1.0, errno.errorcode[exc.errno]
+    return 1.0, "bound"
+"""
+
+
+def privileged_port() -> int:
+    """A port below the machine's ``ip_unprivileged_port_start`` that this (root) process binds
+    on loopback and lets go: the control. Skips where every port is unprivileged."""
+    start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    for port in range(min(start, 1024) - 1, 511, -1):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    pytest.skip(f"no privileged port is free here (unprivileged from {start})")
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["fresh", "template"])
+@pytest.mark.parametrize("own_network", [False, True], ids=["the machines", "its own"])
+async def test_a_root_agent_binds_a_privileged_port_only_in_a_network_of_its_own(
+    agents: Agents, preload: bool, own_network: bool
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a root agent's capability: the trainer here is not root")
+    port = privileged_port()
+    box = isolate.Sandbox(network="none") if own_network else None
+    spec = agents.spec(LOW_PORT, preload=preload, sandbox=box)
+    outcome = await isolate.run_episode(spec, {"port": port})
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.info == ("bound" if own_network else "EACCES")
+    await isolate.close_templates()
+    assert tree(agents) == []

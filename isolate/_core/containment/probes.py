@@ -266,8 +266,9 @@ def layers(containment: str) -> tuple[str, ...]:
 
 
 #: The capabilities a root agent keeps (Docker's default set less NET_RAW, MKNOD and SETFCAP,
-#: which act on the machine's loopback, devices and files); every other one is dropped from all
-#: five sets before the agent's code runs, and an unprivileged trainer's agent has none.
+#: which act on the machine's loopback, devices and files; NET_BIND_SERVICE only in a network
+#: namespace of the episode's own); every other one is dropped from all five sets before the
+#: agent's code runs, and an unprivileged trainer's agent has none.
 KEPT_CAPABILITIES = (
     "CHOWN",
     "DAC_OVERRIDE",
