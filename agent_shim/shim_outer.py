@@ -10,7 +10,9 @@ and IPC namespaces (``setns`` through the fork's pidfd), mount them there
 (``shim_world.own_instances``; the mqueue file system is the IPC namespace's its mounter is
 in), and come back. Messages, one JSON object per packet:
 
-- parent -> outer: ``{"t": "own_dev"}`` carrying the fork's pidfd;
+- parent -> outer: ``{"t": "own_dev", "maps"}`` carrying the fork's pidfd; ``maps`` (an
+  unprivileged trainer's template: [the fork's pid in the template's namespace, uid, gid])
+  asks for the fork's id maps first (:func:`map_ids`);
 - outer -> parent: ``{"t": "own_dev", "problem"}`` (``problem`` None once mounted).
 
 EOF on LIFE means the parent is gone. Loaded with ``load_part("outer")``. Standard library
@@ -18,20 +20,24 @@ only, Python 3.9+.
 """
 
 import os
+import select
 import socket
 import sys
+from errno import EPERM
 
 shim = sys.modules["_isolate_shim"]
 
 #: The namespaces entered to mount the fork's: its mount namespace, and its IPC one, whose
 #: message queues its /dev/mqueue shows.
 THERE = shim.CLONE_NEWNS | shim.CLONE_NEWIPC
+HOME = {"mnt": shim.CLONE_NEWNS, "ipc": shim.CLONE_NEWIPC}
+OPEN_TREE_CLONE, AT_EMPTY_PATH = 1, 0x1000
 
 
 def serve(life, home):
     """Take one message from the parent on ``life`` and do what it asks; False at EOF (the
-    parent is gone). ``home``: a pidfd of PID 1 of the template's namespace, whose mount
-    namespace is this process's own (None without one)."""
+    parent is gone). ``home``: this process's namespaces (:func:`home`), those of the
+    template's PID 1 too; None without a PID namespace."""
     sock = socket.socket(fileno=os.dup(life))
     try:
         try:
@@ -44,7 +50,12 @@ def serve(life, home):
             return False
         problem = "not asked"
         if message is not None and message.get("t") == "own_dev" and len(fds) == 1:
-            problem = own_dev(fds[0], home) if home is not None else "no PID namespace"
+            maps = message.get("maps")
+            problem = "no PID namespace" if home is None else None
+            if problem is None and maps is not None:
+                problem = map_ids(fds[0], maps, home)
+            if problem is None:
+                problem = own_dev(fds[0], home)
         for fd in fds:
             os.close(fd)
         try:
@@ -56,11 +67,74 @@ def serve(life, home):
         sock.close()
 
 
+def home():
+    """This process's mount and IPC namespaces, {"mnt": fd, "ipc": fd}, opened while its /proc
+    is still the machine's (before PID 1 of its namespace mounts another). They are this
+    process's alone: its child closes them at once."""
+    return {kind: os.open("/proc/self/ns/" + kind, os.O_RDONLY | os.O_CLOEXEC) for kind in HOME}
+
+
+def leave(home):
+    """In the outer process's child: close its namespaces (:func:`home`)."""
+    for fd in home.values():
+        os.close(fd)
+
+
+def map_ids(pidfd, maps, home):
+    """Map the ids of the fork ``pidfd`` names, which is dumpable until they are (an
+    unprivileged trainer's sandboxed template: shim_parked.own_namespaces), each to itself:
+    ``maps`` is [its pid in the template's namespace, uid, gid]. Its mount and IPC namespaces
+    must not be this process's (``home``). A problem or None."""
+    if not (isinstance(maps, list) and len(maps) == 3 and all(type(n) is int for n in maps)):
+        return "no maps asked"
+    try:
+        for kind, fd in home.items():
+            if os.stat("/proc/%d/ns/%s" % (maps[0], kind)).st_ino == os.fstat(fd).st_ino:
+                return "the fork shares the template's %s namespace" % kind
+    except OSError as exc:
+        return "the fork's namespaces: " + os.strerror(exc.errno)
+    try:
+        proc = writable_proc()
+    except OSError as exc:
+        return "a writable /proc: " + os.strerror(exc.errno)
+    try:
+
+        def opener(name):
+            fd = os.open("%d/%s" % (maps[0], name), os.O_WRONLY | os.O_CLOEXEC, dir_fd=proc)
+            return os.fdopen(fd, "w")
+
+        problem = shim.load_part("supervisor").map_own_ids(maps[1], maps[2], opener)
+    finally:
+        os.close(proc)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if poller.poll(0):  # gone: its number may name another process since
+        return "the fork is gone"
+    return problem
+
+
+def writable_proc():
+    """A detached copy of this process's /proc (the template's namespace's), writable: the
+    sandbox's view made /proc read-only, and the forks' maps are files in it. Its fd, or
+    OSError."""
+    world = shim.load_part("world")
+    nr = shim.load_part("seccomp").SHARED_NUMBERS["open_tree"]
+    flags = OPEN_TREE_CLONE | os.O_CLOEXEC
+    fd, errno = shim.c_call("syscall", nr, world.AT_FDCWD, b"/proc", flags)
+    if fd < 0:
+        raise OSError(errno, os.strerror(errno))
+    problem = world.mount_setattr("", AT_EMPTY_PATH, 0, world.MOUNT_ATTR_RDONLY, dirfd=fd)
+    if problem is not None:
+        os.close(fd)
+        raise OSError(EPERM, problem)
+    return fd
+
+
 def own_dev(pidfd, home):
     """Mount a devpts, a tmpfs and an mqueue file system on ``/dev/pts``, ``/dev/shm`` and
     ``/dev/mqueue`` in the mount namespace of the process ``pidfd`` names, from inside its mount
-    and IPC namespaces, then come back to those of ``home`` (a pidfd too: this process's /proc
-    is the namespace's, where it has no number of its own). A problem or None."""
+    and IPC namespaces, then come back to this process's own (``home``: through a pidfd, the
+    kernel would want a ptrace right over it). A problem or None."""
     world = shim.load_part("world")  # from here: the fork's file system may hide this file
     mount = world.mounter()
     result, errno = shim.c_call("setns", pidfd, THERE)
@@ -69,6 +143,7 @@ def own_dev(pidfd, home):
     try:
         return world.own_instances(mount)
     finally:
-        result, errno = shim.c_call("setns", home, THERE)
-        if result != 0:  # nowhere safe to stay: the template ends, and its forks with it
-            os._exit(1)
+        for kind, flag in HOME.items():
+            result, errno = shim.c_call("setns", home[kind], flag)
+            if result != 0:  # nowhere safe to stay: the template ends, and its forks with it
+                os._exit(1)

@@ -31,6 +31,7 @@ signal, wire = shim.signal, shim.wire
 
 EPISODE_ENV = wire.EPISODE_ENV
 send, receive = wire.send_message, wire.receive_message
+PR_GET_DUMPABLE = 3
 #: The handshake goes to the worker in packets of at most this many bytes.
 PACKET = 65536
 
@@ -57,27 +58,33 @@ def unshare_flags(wall):
 
 
 def fork_walls(wall):
-    """What each fork does first (:func:`own_namespaces`): (flags, whether it maps its own
-    ids, whether it mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue``: not under a
-    sandbox, whose Landlock rules forbid mounts, and where the template's outer process mounts
-    them, shim_outer.py); flags 0: nothing."""
+    """What each fork does first (:func:`own_namespaces`): (flags, who maps its ids: "parent",
+    "own" or "template", whether it mounts its own ``/dev/pts``, ``/dev/shm`` and
+    ``/dev/mqueue``: not under a sandbox, whose Landlock rules forbid mounts, and where the
+    template's outer process mounts them, shim_outer.py); flags 0: nothing."""
     flags = unshare_flags(wall)
     mounts = bool(flags & shim.CLONE_NEWNS) and wall.get("sandbox") is None
-    return flags, bool(wall.get("fork_maps_own")), mounts
+    return flags, wall.get("fork_maps", "parent"), mounts
 
 
-def own_namespaces(hand, flags, own_maps, mounts):
+def own_namespaces(hand, flags, maps, mounts):
     """In a fork just made: unshare ``flags`` (:func:`unshare_flags`), then say so on ``hand``
-    (``{"t": "unshared"}``, or ``{"t": "error", "reason"}``), its hand-over socket: the parent
-    waits for it before it maps the new user namespace's ids, each to itself (root to root:
-    only a process that holds CAP_SETFCAP outside may, and neither the template nor its forks
-    do). With ``own_maps`` (an unprivileged trainer's) the fork maps its own; with ``mounts``
-    it mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue`` meanwhile. True if
-    done (else it exits before its hand-over, the reason in the template's log)."""
+    (``{"t": "unshared"}``, or ``{"t": "error", "reason"}``), its hand-over socket. Then its
+    new user namespace's ids are mapped, each to itself, by ``maps``: the parent (root to
+    root: only a process that holds CAP_SETFCAP outside may, and neither the template nor its
+    forks do); the fork itself ("own": an unprivileged trainer's template without a sandbox);
+    or the template's outer process ("template": an unprivileged trainer's template with a
+    sandbox, whose Landlock rules keep the fork from its maps in /proc), for which the fork is
+    dumpable, its /proc files its own, until it is moved or its handshake comes (:func:`park`,
+    :func:`episode`), which the parent sends once they are mapped. With
+    ``mounts`` it mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue`` meanwhile.
+    True if done (else it exits before its hand-over, the reason in the template's log)."""
     uid, gid = os.getuid(), os.getgid()
     result, errno = shim.c_call("unshare", flags)
     problem = None if result == 0 else "unshare: " + os.strerror(errno)
     said = {"t": "unshared"} if problem is None else {"t": "error", "reason": problem}
+    if problem is None and maps == "template":
+        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
         send(hand, said)
     except OSError:
@@ -85,7 +92,7 @@ def own_namespaces(hand, flags, own_maps, mounts):
     if problem is None and mounts:
         world = shim.load_part("world")
         problem = world.own_instances(world.mounter())
-    if problem is None and own_maps:
+    if problem is None and maps == "own":
         problem = shim.load_part("supervisor").map_own_ids(uid, gid)
     if problem is not None:
         sys.stderr.write("isolate template: a fork's own namespaces: %s\n" % problem)
@@ -117,8 +124,9 @@ def park(hand, own, shim_main, random_state):
     ahead = None
     message, fds = take(hand)
     if message is not None and message.get("t") == "moved" and not fds:
+        # As shim.main() does first (a fork whose ids the template mapped was dumpable so far).
+        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
         if message.get("alone"):  # its own worker: nothing to fork ahead
-            shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)  # as shim.main() does first
             message, fds = take(hand)
         else:
             ahead = fork_ahead(hand, random_state)
@@ -152,6 +160,10 @@ def episode(message, pipes, shim_main, random_state, ahead):
     sys.argv[1:] = []
     if message.get("alone"):  # SIGINT, the episode's cancellation, waits for its handler
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    if shim.c_call("prctl", PR_GET_DUMPABLE, 0, 0, 0, 0)[0] == 1:
+        # Its ids are the template's to map (own_namespaces), until the handshake comes;
+        # shim.main() makes it not dumpable before it reads it.
+        select.select([0], [], [])
     code = shim_main(ahead, bool(message.get("alone")))
     return code if isinstance(code, int) else 0
 

@@ -70,22 +70,26 @@ def unshare_pidns(userns, cgroupns=False):
     return map_own_ids(uid, gid) if userns else None
 
 
-def map_own_ids(uid, gid):
+def map_own_ids(uid, gid, opener=None):
     """In a user namespace just made: map our own ids to themselves, so that files the agent
-    writes keep the caller's ownership. A problem or None."""
+    writes keep the caller's ownership. ``opener(name)``: a file of /proc/PID open for
+    writing, for another process in it (the template's outer process maps a sandboxed
+    fork's, which is dumpable meanwhile). A problem or None."""
     # The files of a process that is not dumpable belong to root: dumpable just for the opens
     # (what was opened stays writable), then at once not again.
     maps = (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)))
     maps += (("gid_map", "%d %d 1" % (gid, gid)),)
     files, problem = [], None
-    shim.c_call("prctl", shim.PR_SET_DUMPABLE, 1, 0, 0, 0)
+    if opener is None:
+        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 1, 0, 0, 0)
     try:
         for name, _ in maps:
-            files.append(open("/proc/self/" + name, "w"))
+            files.append(opener(name) if opener else open("/proc/self/" + name, "w"))
     except OSError as exc:
         problem = exc
     finally:
-        shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
+        if opener is None:
+            shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
     for i, f in enumerate(files):
         try:
             with f:

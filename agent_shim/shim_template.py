@@ -9,7 +9,7 @@ packet:
 - parent -> template: ``{"t": "preload", "entrypoint", "agent_root", "preload": [...],
   "cancel_grace"}`` (the episodes', for the parent's death: shim_init.py) carrying a file
   (a memfd) that holds the wall as JSON: an episode's containment (``containment``,
-  ``cgroups``, ``userns``, ``sandbox``, ``fork_unshare``, ``fork_maps_own``), which can
+  ``cgroups``, ``userns``, ``sandbox``, ``fork_unshare``, ``fork_maps``), which can
   outgrow a message;
 - template -> parent: ``{"t": "ready", "seconds"}`` carrying a pidfd of the importing process,
   or ``{"t": "refused", "reason"}`` (then it kills what the import started and exits): not
@@ -257,11 +257,13 @@ def enter_wall(wall, control, life, grace):
         if problem is not None:
             return problem
     outer = os.getpid()
+    home = shim.load_part("outer").home() if pidns else {}
     child = os.fork()
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        watch(child, life, leaves, not pidns, grace)
+        watch(child, life, leaves, not pidns, grace, home or None)
+    shim.load_part("outer").leave(home)
     if pidns:
         # Dies with the outer process. /sys stays writable until the importer is in its leaf.
         problem = supervisor.become_init(guard=False)
@@ -287,6 +289,11 @@ def enter_wall(wall, control, life, grace):
         problem = shim.load_part("world").cgroup_namespace()
     if problem is not None:
         return problem
+    return enter_layers(wall, layers, worker)
+
+
+def enter_layers(wall, layers, worker):
+    """In the importer: the layers a fresh episode's worker enters; a problem or None."""
     # Loaded once here, before the sandbox: each fork's worker uses them.
     for part in ("cancel", "seccomp", "sandbox", "landlock", "world", "parked"):
         shim.load_part(part)
@@ -321,13 +328,14 @@ def enter_sandbox(sandbox):
     return missing + shim.load_part("sandbox").enter(sandbox)
 
 
-def watch(child, life, leaves, below, grace):
+def watch(child, life, leaves, below, grace, home):
     """The outer process: exit once ``child`` has. Should the parent go first, end ``child``:
     PID 1, which lets the episodes clean up (``grace``) and ends the whole namespace
     (end_namespace); or, without a namespace (``below``), stop the importer, let its forks
     clean up (``grace``, shim_init.stop_and_cancel), then kill it, its cgroup ``leaves`` and
     every process below it (a subreaper: whatever it started is there), and send its wait
-    status on LIFE. Never returns."""
+    status on LIFE. Meanwhile, serve the parent's requests on LIFE (shim_outer.py; ``home``:
+    this process's namespaces). Never returns."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
     poller = select.poll()
@@ -344,10 +352,10 @@ def watch(child, life, leaves, below, grace):
             if pid == child:
                 status = found
                 if life is not None and select.select([life], [], [], 0)[0]:
-                    if not outer.serve(life, pidfd):  # gone together: what is left goes too
+                    if not outer.serve(life, home):  # gone together: what is left goes too
                         kill_leaves(leaves)
                 break
-        if life in ready and not outer.serve(life, pidfd):
+        if life in ready and not outer.serve(life, home):
             if below or pidfd is None:
                 if below:  # its forks, each a supervisor and its worker, clean up first
                     shim.load_part("init").stop_and_cancel(child, grace)

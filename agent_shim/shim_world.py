@@ -127,12 +127,13 @@ def remount_read_only(mount, path):
     return mount(None, path, None, flags)
 
 
-def mount_setattr(path, flags, attr_set, attr_clr):
-    """mount_setattr(2) on ``path``: set and clear MOUNT_ATTR_* flags; a problem or None."""
+def mount_setattr(path, flags, attr_set, attr_clr, dirfd=AT_FDCWD):
+    """mount_setattr(2) on ``path`` (from ``dirfd``): set and clear MOUNT_ATTR_* flags; a
+    problem or None."""
     attr = b"".join(x.to_bytes(8, "little") for x in (attr_set, attr_clr, 0, 0))
     nr = shim.load_part("seccomp").SHARED_NUMBERS["mount_setattr"]
     target = os.fsencode(path)
-    result, errno = shim.c_call("syscall", nr, AT_FDCWD, target, flags, attr, len(attr))
+    result, errno = shim.c_call("syscall", nr, dirfd, target, flags, attr, len(attr))
     if result != 0:
         return "mount_setattr %s: %s" % (path, os.strerror(errno))
     return None

@@ -86,6 +86,10 @@ os.write(answer, (json.dumps(report) + "\n").encode())
 """
 
 
+#: What a root agent keeps, in words.
+KEPT = ", ".join(_containment.KEPT_CAPABILITIES) + (
+    " (NET_BIND_SERVICE only in a network namespace of its own: Sandbox(network=...))"
+)
 MOVE_HINT = (
     "cgroup: each fresh episode's move into its leaf waits for an RCU grace period (1-20 ms\n"
     "on a 2-core VM) unless another move came within one; it overlaps the interpreter's\n"
@@ -206,12 +210,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
     if caveat is not None:
         report.line("warn", caveat)
     if os.geteuid() == 0:
-        kept = ", ".join(_containment.KEPT_CAPABILITIES)
-        report.line(
-            "ok",
-            f"capabilities: a root agent keeps only {kept} (NET_BIND_SERVICE only in a "
-            "network namespace of its own: Sandbox(network=...)); no other, ever",
-        )
+        report.line("ok", f"capabilities: a root agent keeps only {KEPT}; no other, ever")
     else:
         report.line("ok", "capabilities: the agent has none")
     if _containment.seccomp_available():

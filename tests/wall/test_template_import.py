@@ -697,25 +697,28 @@ async def test_episodes_of_one_template_share_no_system_v_object(
 
 
 #: The unprivileged trainer's run of SYSV: writer and sibling at once, then a later one, from
-#: one template; prints their outcomes.
+#: one template (under a sandbox where @SANDBOXED@ is True); prints their outcomes.
 SYSV_PARENT = """
 import anyio, json, os, sys
 import isolate
 
 work = sys.argv[1]
+sandboxed = @SANDBOXED@
 
 async def main():
+    pids = os.path.join(work, "pids")
     spec = isolate.EpisodeSpec(
+        sandbox=isolate.Sandbox(write=(pids,)) if sandboxed else None,
         agent_root=os.path.join(work, "agent_root"),
         entrypoint="hostile:run",
         timeout=60.0,
         log_dir=os.path.join(work, "logs"),
         cwd=work,
         preload=True,
-        env={"PID_DIR": os.path.join(work, "pids")},
+        env={"PID_DIR": pids},
     )
     key, credential = 0x156_0000 + os.getpid() % 0xFFFF, "sk-sysv-" + os.urandom(8).hex()
-    data = {"key": key, "credential": credential}
+    data = {"key": key, "credential": credential, "dev": sandboxed}
     results = {}
 
     async def one(role):
@@ -733,10 +736,16 @@ anyio.run(main)
 """
 
 
-def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -> None:
-    """As ``nobody`` (a template in a user namespace of its own, no sandbox): each fork makes
-    user, IPC and UTS namespaces of its own and maps its own id."""
-    with hostile_as_nobody("isolate-sysv-nobody-", SYSV, SYSV_PARENT) as (work, report):
+@pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandbox"])
+def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object(
+    sandboxed: bool,
+) -> None:
+    """As ``nobody`` (a template in a user namespace of its own): each fork makes user, IPC,
+    UTS and mount namespaces of its own, and its id is mapped, by the fork itself or, under a
+    sandbox, whose Landlock rules keep it from its maps in /proc, by the template's outer
+    process, which mounts its /dev/pts, /dev/shm and /dev/mqueue too."""
+    parent = SYSV_PARENT.replace("@SANDBOXED@", str(sandboxed))
+    with hostile_as_nobody("isolate-sysv-nobody-", SYSV, parent) as (work, report):
         outcomes = report["outcomes"]
         for outcome in outcomes.values():
             assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
@@ -745,13 +754,128 @@ def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object() -
                 outcome["stderr_tail"][-2000:],
             )
         absent = {"listed": False, "read": None, "dev shm": False, "queue": False, "pty": False}
-        own = {"listed": True, "read": report["credential"], "dev shm": True}
-        assert outcomes["writer"]["info"] == {
-            "own": own | {"queue": True, "pty": True},
-            "uid_map": [str(NOBODY), str(NOBODY), "1"],
-        }
+        own = {"listed": True, "read": report["credential"], "dev shm": True, "pty": True}
+        own["queue"] = not sandboxed  # Landlock refuses POSIX message queues
+        writer = {"own": own, "uid_map": [str(NOBODY), str(NOBODY), "1"]}
+        if sandboxed:
+            writer["dev"] = ["EROFS", "EROFS"]
+        assert outcomes["writer"]["info"] == writer
         assert outcomes["sibling"]["info"] == {"sibling": absent}
         assert outcomes["later"]["info"] == {"later": absent}
+        assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
+
+
+#: A sibling's memory, tried: the victim makes its worker dumpable (as a fork whose ids the
+#: template maps is, until its handshake) and waits; the attacker opens its /proc/PID/mem and
+#: reads its environ. Each says what it found.
+DUMPABLE_SIBLING = (
+    MARKS
+    + r"""
+import ctypes, errno, os
+
+
+def attempt(call):
+    try:
+        call()
+        return "done"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+
+def run(data):
+    pid_dir = os.environ["PID_DIR"]
+    if data["role"] == "victim":
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+        with open(os.path.join(pid_dir, "victim.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, "victim.tmp"), os.path.join(pid_dir, "victim"))
+        wait("attacked")
+        return 1.0, {"victim": os.getpid()}
+    wait("victim")
+    victim = int(open(os.path.join(pid_dir, "victim")).read())
+    found = {
+        "mem": attempt(lambda: os.close(os.open("/proc/%d/mem" % victim, os.O_RDONLY))),
+        "mem rw": attempt(lambda: os.close(os.open("/proc/%d/mem" % victim, os.O_RDWR))),
+        "environ": attempt(lambda: open("/proc/%d/environ" % victim, "rb").read()),
+    }
+    mark("attacked")
+    return 1.0, found
+"""
+)
+
+
+#: Runs DUMPABLE_SIBLING's victim and attacker at once from one sandboxed template (or, with
+#: ``--plain``, as two plain processes: the control), and prints what each found.
+DUMPABLE_PARENT = """
+import anyio, json, os, subprocess, sys
+import isolate
+
+work = sys.argv[1]
+pids = os.path.join(work, "pids")
+
+
+async def main():
+    spec = isolate.EpisodeSpec(
+        sandbox=isolate.Sandbox(write=(pids,)),
+        agent_root=os.path.join(work, "agent_root"),
+        entrypoint="hostile:run",
+        timeout=60.0,
+        log_dir=os.path.join(work, "logs"),
+        cwd=work,
+        preload=True,
+        env={"PID_DIR": pids},
+    )
+    results = {}
+
+    async def one(role):
+        outcome = await isolate.run_episode(spec, {"role": role})
+        results[role] = json.loads(outcome.model_dump_json())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "victim")
+        tg.start_soon(one, "attacker")
+    await isolate.close_templates()
+    print(json.dumps({"uid": os.getuid(), "outcomes": results}))
+
+
+def plain():
+    env = {**os.environ, "PID_DIR": pids, "PYTHONPATH": os.path.join(work, "agent_root")}
+    run = "import hostile, json, sys; print(json.dumps(hostile.run({'role': sys.argv[1]})[1]))"
+    victim = subprocess.Popen([sys.executable, "-c", run, "victim"], env=env)
+    attacker = subprocess.run(
+        [sys.executable, "-c", run, "attacker"], env=env, capture_output=True, text=True
+    )
+    victim.wait(30)
+    found = json.loads(attacker.stdout)
+    print(json.dumps({"uid": os.getuid(), "outcomes": {"attacker": {"info": found}}}))
+
+
+plain() if "--plain" in sys.argv else anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["control", "episodes"])
+def test_a_sibling_cannot_reach_a_dumpable_fork_of_the_same_template(plain: bool) -> None:
+    """As ``nobody``, under a sandbox: the window in which a fork is dumpable, for the
+    template's outer process to map its ids, opens nothing to a sibling. Each fork is in a
+    user namespace of its own and holds no capability in a sibling's, which the kernel's
+    ptrace check wants of processes in different ones; each worker is in a Landlock domain of
+    its own, which may not trace a process outside it; /proc is read-only. The control: two
+    plain processes of the same user, where the attacker reads and writes the victim."""
+    parent = DUMPABLE_PARENT.replace('"--plain" in sys.argv', str(plain))
+    with hostile_as_nobody("isolate-dumpable-", DUMPABLE_SIBLING, parent) as (work, report):
+        outcomes = report["outcomes"]
+        for outcome in outcomes.values() if not plain else ():
+            assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
+                outcome["error"],
+                outcome["preload_refused"],
+                outcome["stderr_tail"][-2000:],
+            )
+        found = outcomes["attacker"]["info"]
+        if plain:
+            assert found == {"mem": "done", "mem rw": "done", "environ": "done"}
+        else:  # the read-only /proc answers a write first; the ptrace check the rest
+            assert found == {"mem": "EACCES", "mem rw": "EROFS", "environ": "EACCES"}
         assert episode_processes(f"PID_DIR={work}/pids".encode()) == []
 
 

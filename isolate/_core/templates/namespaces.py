@@ -13,11 +13,11 @@ namespace, its devices or its System V objects). The map is the parent's to writ
 needs CAP_SETFCAP outside, which no process of the template holds.
 
 An unprivileged parent's template lives in a user namespace of its own, whose parent the
-parent is not in: each fork maps its own ids there, which a sandbox's Landlock rules keep it
-from doing (the maps are files in /proc). So a sandboxed template of an unprivileged trainer's
-has forks that share its IPC and UTS namespaces and its ``/dev/shm``, and no network for each
-(docs/containment.md).
-With a network, each fork makes a network namespace too (docs/sandbox.md). Blocking.
+parent is not in: each fork maps its own ids there, or, under a sandbox, whose Landlock rules
+keep it from doing so (the maps are files in /proc), the template's outer process maps them
+while the fork is dumpable (:func:`maps`). Such a template's forks have no network of their
+own: its ``network`` episodes start fresh (docs/containment.md). With a network, each fork
+makes a network namespace too (docs/sandbox.md). Blocking.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from .. import containment as _containment
 from ..containment import sandbox as _sandbox
@@ -39,11 +39,12 @@ IDENTITY = b"0 0 4294967295\n"
 def wanted(wall: _wall.Wall) -> bool:
     """Whether the forks of a template walled in by ``wall`` make namespaces of their own:
     with a PID namespace, where the trainer is root (the parent maps their ids), or where it
-    is not and the template has no sandbox (each fork maps its own: a sandbox's Landlock rules
-    keep it from writing its maps)."""
+    is not and the template has no sandbox (each fork maps its own) or one with a read-only
+    view (whose Landlock rules keep a fork from its maps: the template's outer process writes
+    them, :func:`maps`)."""
     if "pidns" not in wall.layers or _problem() is not None:
         return False
-    return wall.userns is False or wall.sandbox is None
+    return wall.userns is False or wall.sandbox is None or mounted_by_the_template(wall)
 
 
 def kinds(wall: _wall.Wall) -> tuple[str, ...]:
@@ -74,7 +75,7 @@ def template_message(wall: _wall.Wall) -> dict[str, Any]:
     read-only view keeps from any change of its own."""
     message = wall.template_message()
     message["fork_unshare"] = list(kinds(wall))
-    message["fork_maps_own"] = maps_own(wall)
+    message["fork_maps"] = maps(wall)
     sandbox = message.get("sandbox")
     if sandbox is not None and mounted_by_the_template(wall):
         rules = [r for r in sandbox["rules"] if r != ["/dev/shm", "wd"]]
@@ -82,11 +83,27 @@ def template_message(wall: _wall.Wall) -> dict[str, Any]:
     return message
 
 
-def maps_own(wall: _wall.Wall) -> bool:
-    """Whether the forks of a template walled in by ``wall`` map their own ids: where the
-    trainer is not root, the parent is not in the parent user namespace of theirs (the
-    template's), and may not."""
-    return wall.userns is True
+def maps(wall: _wall.Wall) -> Literal["parent", "own", "template"]:
+    """Who maps the ids of each fork of a template walled in by ``wall``: the parent, where
+    the trainer is root; else (the parent is not in the parent user namespace of the forks',
+    the template's, and may not) the fork itself, or, under a sandbox, whose Landlock rules
+    keep it from its maps in /proc, the template's outer process."""
+    if wall.userns is not True:
+        return "parent"
+    return "own" if wall.sandbox is None else "template"
+
+
+def fork_ipc(pid: int, name: str, shared: Callable[[int], bool]) -> int:
+    """The inode of the IPC namespace of the fork ``pid`` of an unprivileged trainer's
+    sandboxed template, dumpable until the template maps its ids: not a live sibling's
+    (``shared(inode)``); the template's outer process checks it is not the template's. Raises
+    :class:`TemplateGone`."""
+    ipc = namespace(pid, "ipc")
+    if ipc is None:
+        raise TemplateGone(f"template {name}: its fork {pid} is gone, or not dumpable")
+    if shared(ipc):
+        raise TemplateGone(f"template {name}: its fork {pid} shares an IPC namespace")
+    return ipc
 
 
 def network_problem(containment: str) -> str | None:

@@ -23,7 +23,7 @@ from ..containment import sandbox as _sandbox
 from ..containment import wall as _wall
 from ..model.outcome import describe_exit, signal_name
 from ..system import admission as _admission
-from ..system.procfs import parent_pid
+from ..system.procfs import ns_pid, parent_pid
 from ..system.reaping import GIVE_UP_S, Reaper
 from ..system.tree import ProcessTree
 from . import namespaces as _namespaces
@@ -328,12 +328,12 @@ class Template:
 
 
 def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int | None:
-    """Once the fork says on ``hand`` that it made its namespaces, check and map them
-    (``namespaces.adopt``), and under a sandbox have the template mount its ``/dev/pts``,
-    ``/dev/shm`` and ``/dev/mqueue``: the
-    inode of its IPC namespace. Raises :class:`TemplateGone`,
-    with the fork killed. None where the fork maps its own ids: an unprivileged parent cannot
-    read the namespaces of a process that is not dumpable, and the fork is not."""
+    """Once the fork says on ``hand`` that it made its namespaces, check them and have its ids
+    mapped (``namespaces.maps`` says by whom), and under a sandbox have the template's outer
+    process mount its ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue``: the inode of its IPC
+    namespace. Raises :class:`TemplateGone`, with the fork killed. None where the fork maps
+    its own ids: an unprivileged parent cannot read the namespaces of a process that is not
+    dumpable, and the fork is not."""
 
     def shared(ipc: int) -> bool:
         # A namespace's inode is reused as soon as it is freed: only a live fork's counts.
@@ -356,18 +356,33 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
             raise TemplateGone(
                 f"template {template.name}: its fork {pid} has no namespaces ({why})"
             )
-        if _namespaces.maps_own(template.wall):
+        who = _namespaces.maps(template.wall)
+        if who == "own":
             return None
-        kinds = _namespaces.kinds(template.wall)
-        ipc = _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
+        if who == "parent":
+            kinds = _namespaces.kinds(template.wall)
+            ipc = _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
+        else:
+            ipc = _namespaces.fork_ipc(pid, template.name, shared)
         if _namespaces.mounted_by_the_template(template.wall):
-            problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S)
+            maps = None
+            if who == "template":
+                maps = [_ns_pid(pid, template.name), os.getuid(), os.getgid()]
+            problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S, maps)
             if problem is not None:
                 raise TemplateGone(f"template {template.name}: its fork's /dev: {problem}")
         return ipc
     except TemplateGone:
         _drop(pidfd)
         raise
+
+
+def _ns_pid(pid: int, name: str) -> int:
+    """The fork ``pid``'s number in the namespace of template ``name``; TemplateGone if gone."""
+    number = ns_pid(pid)
+    if number is None:
+        raise TemplateGone(f"template {name}: its fork {pid} is gone")
+    return number
 
 
 def _drop(pidfd: int) -> None:
