@@ -1,6 +1,7 @@
-"""What the outer process of a preloaded template (``shim_template.watch``) does for the
-parent besides watching: asked on LIFE, it mounts a sandboxed fork's own ``/dev/pts``,
-``/dev/shm`` and ``/dev/mqueue``.
+"""The outer process of a preloaded template: the first process of the template, which stays
+outside its namespaces, single-threaded, and watches PID 1 (or the importer) and LIFE
+(:func:`watch`). At the parent's death it ends the template. Asked on LIFE, it maps a
+sandboxed fork's ids and mounts its own ``/dev/pts``, ``/dev/shm`` and ``/dev/mqueue``.
 
 Each fork of a template with a sandbox makes a mount namespace of its own (shim_parked.py),
 but the sandbox's Landlock rules forbid it any mount. The outer process is under neither the
@@ -26,11 +27,15 @@ import sys
 from errno import EPERM
 
 shim = sys.modules["_isolate_shim"]
+signal = shim.signal
 
 #: The namespaces entered to mount the fork's: its mount namespace, and its IPC one, whose
 #: message queues its /dev/mqueue shows.
 THERE = shim.CLONE_NEWNS | shim.CLONE_NEWIPC
 HOME = {"mnt": shim.CLONE_NEWNS, "ipc": shim.CLONE_NEWIPC}
+#: After the parent's death, how long past the episodes' ``cancel_grace`` PID 1 gets to end
+#: its namespace before the outer process kills it (seconds).
+END_MARGIN = 1.0
 OPEN_TREE_CLONE, AT_EMPTY_PATH = 1, 0x1000
 
 
@@ -147,3 +152,86 @@ def own_dev(pidfd, home):
             result, errno = shim.c_call("setns", home[kind], flag)
             if result != 0:  # nowhere safe to stay: the template ends, and its forks with it
                 os._exit(1)
+
+
+def watch(child, life, leaves, below, grace, home):
+    """The outer process: exit once ``child`` has. Should the parent go first, end ``child``:
+    PID 1, which lets the episodes clean up (``grace``) and ends the whole namespace
+    (end_namespace); or, without a namespace (``below``), stop the importer, let its forks
+    clean up (``grace``, shim_init.stop_and_cancel), then kill it, its cgroup ``leaves`` and
+    every process below it (a subreaper: whatever it started is there), and send its wait
+    status on LIFE. Meanwhile, serve the parent's requests on LIFE (shim_outer.py; ``home``:
+    this process's namespaces). Never returns."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
+    poller = select.poll()
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    if life is not None:
+        poller.register(life, select.POLLIN)
+    status = None
+    while status is None:
+        ready = [fd for fd, _ in poller.poll(None if pidfd is not None else 100)]
+        if pidfd in ready or pidfd is None:
+            pid, found = os.waitpid(child, os.WNOHANG)
+            if pid == child:
+                status = found
+                if life is not None and select.select([life], [], [], 0)[0]:
+                    if not serve(life, home):  # gone together: what is left goes too
+                        kill_leaves(leaves)
+                break
+        if life in ready and not serve(life, home):
+            if below or pidfd is None:
+                if below:  # its forks, each a supervisor and its worker, clean up first
+                    shim.load_part("init").stop_and_cancel(child, grace)
+                kill_all(child, leaves, below)
+            else:
+                end_namespace(pidfd, grace)
+            status = os.waitpid(child, 0)[1]
+    if below:
+        shim.load_part("init").tell(life, status)
+    os._exit(0)
+
+
+def end_namespace(pidfd, grace):
+    """After the parent's death: SIGTERM to PID 1, which cancels the episodes and exits once
+    they have ended, ``grace`` seconds at most (shim_init.py); SIGKILL should it still be there
+    ``END_MARGIN`` seconds past that. The namespace, and all in it, ends with PID 1."""
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    except OSError:
+        return  # gone already
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    if not poller.poll((grace + END_MARGIN) * 1000):
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
+            pass  # it exited just now
+
+
+def kill_leaves(leaves):
+    """Kill every process in these cgroup leaves (cgroup v2's ``cgroup.kill``)."""
+    for leaf in leaves:
+        try:
+            with open(os.path.join(leaf, "cgroup.kill"), "w") as f:
+                f.write("1")
+        except OSError:
+            pass  # cgroup v1, or gone already
+
+
+def kill_all(child, leaves, below):
+    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's
+    ``kill_until_gone`` over its ``live_descendants``, the child stopped first, so that nothing
+    new appears below it meanwhile)."""
+    kill_leaves(leaves)
+    supervisor = shim.load_part("supervisor")
+    if not below:
+        supervisor.signal_all([child], signal.SIGKILL)
+        return
+
+    def find():
+        found = supervisor.live_descendants(child)
+        return found, not found
+
+    supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last

@@ -64,9 +64,6 @@ signal, wire = shim.signal, shim.wire
 send, receive = wire.send_message, wire.receive_message
 #: A thread the agent started at import may be about to end: wait this long before refusing.
 THREAD_GRACE = 0.5
-#: After the parent's death, how long past the episodes' ``cancel_grace`` PID 1 gets to end
-#: its namespace before the outer process kills it (seconds).
-END_MARGIN = 1.0
 
 
 def fork_hazard(control, process_table, spaces):
@@ -262,7 +259,7 @@ def enter_wall(wall, control, life, grace):
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        watch(child, life, leaves, not pidns, grace, home or None)
+        shim.load_part("outer").watch(child, life, leaves, not pidns, grace, home or None)
     shim.load_part("outer").leave(home)
     if pidns:
         # Dies with the outer process. /sys stays writable until the importer is in its leaf.
@@ -326,90 +323,6 @@ def enter_sandbox(sandbox):
         if problem is not None:
             missing.append("network isolation: " + problem)
     return missing + shim.load_part("sandbox").enter(sandbox)
-
-
-def watch(child, life, leaves, below, grace, home):
-    """The outer process: exit once ``child`` has. Should the parent go first, end ``child``:
-    PID 1, which lets the episodes clean up (``grace``) and ends the whole namespace
-    (end_namespace); or, without a namespace (``below``), stop the importer, let its forks
-    clean up (``grace``, shim_init.stop_and_cancel), then kill it, its cgroup ``leaves`` and
-    every process below it (a subreaper: whatever it started is there), and send its wait
-    status on LIFE. Meanwhile, serve the parent's requests on LIFE (shim_outer.py; ``home``:
-    this process's namespaces). Never returns."""
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    pidfd = os.pidfd_open(child) if hasattr(os, "pidfd_open") else None
-    poller = select.poll()
-    if pidfd is not None:
-        poller.register(pidfd, select.POLLIN)
-    if life is not None:
-        poller.register(life, select.POLLIN)
-    outer = shim.load_part("outer")
-    status = None
-    while status is None:
-        ready = [fd for fd, _ in poller.poll(None if pidfd is not None else 100)]
-        if pidfd in ready or pidfd is None:
-            pid, found = os.waitpid(child, os.WNOHANG)
-            if pid == child:
-                status = found
-                if life is not None and select.select([life], [], [], 0)[0]:
-                    if not outer.serve(life, home):  # gone together: what is left goes too
-                        kill_leaves(leaves)
-                break
-        if life in ready and not outer.serve(life, home):
-            if below or pidfd is None:
-                if below:  # its forks, each a supervisor and its worker, clean up first
-                    shim.load_part("init").stop_and_cancel(child, grace)
-                kill_all(child, leaves, below)
-            else:
-                end_namespace(pidfd, grace)
-            status = os.waitpid(child, 0)[1]
-    if below:
-        shim.load_part("init").tell(life, status)
-    os._exit(0)
-
-
-def end_namespace(pidfd, grace):
-    """After the parent's death: SIGTERM to PID 1, which cancels the episodes and exits once
-    they have ended, ``grace`` seconds at most (shim_init.py); SIGKILL should it still be there
-    ``END_MARGIN`` seconds past that. The namespace, and all in it, ends with PID 1."""
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
-    except OSError:
-        return  # gone already
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    if not poller.poll((grace + END_MARGIN) * 1000):
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except OSError:
-            pass  # it exited just now
-
-
-def kill_leaves(leaves):
-    """Kill every process in these cgroup leaves (cgroup v2's ``cgroup.kill``)."""
-    for leaf in leaves:
-        try:
-            with open(os.path.join(leaf, "cgroup.kill"), "w") as f:
-                f.write("1")
-        except OSError:
-            pass  # cgroup v1, or gone already
-
-
-def kill_all(child, leaves, below):
-    """SIGKILL ``child`` and, with ``below``, every process below it (the supervisor's
-    ``kill_until_gone`` over its ``live_descendants``, the child stopped first, so that nothing
-    new appears below it meanwhile)."""
-    kill_leaves(leaves)
-    supervisor = shim.load_part("supervisor")
-    if not below:
-        supervisor.signal_all([child], signal.SIGKILL)
-        return
-
-    def find():
-        found = supervisor.live_descendants(child)
-        return found, not found
-
-    supervisor.kill_until_gone(find, stop=[child])  # the child SIGKILLed last
 
 
 def loop(control, shim_main, random_state, process_table, unshare):
