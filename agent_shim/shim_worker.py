@@ -153,7 +153,8 @@ def enter(hs, channel):
     if sandbox is not None and not enter_sandbox(sandbox, channel, bool(hs.get("forked"))):
         return None
     if sys.platform.startswith("linux"):
-        problem = harden(own_network=sandbox is not None and sandbox.get("network") is not None)
+        network = sandbox is not None and sandbox.get("network") is not None
+        problem = harden(own_network=network)
         if problem is not None:
             channel.send("error", kind="setup", type="ContainmentError", message=problem)
             return None

@@ -71,7 +71,7 @@ def unhardened_shim(workdir: Path) -> Path:
         workdir,
         "unhardened_shim",
         {
-            "        problem = harden()\n": "        problem = None\n",
+            "        problem = harden(own_network=network)\n": "        problem = None\n",
             '        load_part("seccomp")\n': "        pass\n",
         },
     )

@@ -42,7 +42,7 @@ BEFORE = {
         '    problem = mount(b"tmpfs", b"/dev/shm", b"tmpfs", QUIET, b"mode=1777")\n'
     ),
     "    problem = cgroup_view(mount) if cgroupns else None\n": "    problem = None\n",
-    "    problem = guard_kernel_files(mount, c_call) if guard else None\n": "    problem = None\n",
+    "    problem = guard_kernel_files(mount) if guard else None\n": "    problem = None\n",
 }
 
 

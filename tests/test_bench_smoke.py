@@ -200,3 +200,18 @@ def test_targets_listed(results: dict[str, Any]) -> None:
     assert any(n.startswith("teardown") for n in names)
     assert any(n.startswith("scale") for n in names)
     assert sum("forkserver" in n for n in names) == 3
+
+
+def test_every_shim_copy_the_benches_make_still_finds_its_lines(tmp_path: Path) -> None:
+    """The benches that price a part of the shim run a copy with lines replaced; a line that
+    moved or changed in the shim fails here, not only when that bench next runs."""
+    from bench import world
+    from bench._launch_worker import os_exit_shim, shim_variant, unhardened_shim
+
+    made = [
+        shim_variant(tmp_path, "before_world", world.BEFORE),
+        unhardened_shim(tmp_path),
+        os_exit_shim(tmp_path),
+    ]
+    assert [p.name for p in made] == ["boot.py"] * 3
+    assert all(p.is_file() for p in made)
