@@ -11,15 +11,17 @@ and IPC namespaces (``setns`` through the fork's pidfd), mount them there
 (``shim_world.own_instances``; the mqueue file system is the IPC namespace's its mounter is
 in), and come back. Messages, one JSON object per packet:
 
-- parent -> outer: ``{"t": "own_dev", "maps"}`` carrying the fork's pidfd; ``maps`` (an
-  unprivileged trainer's template: [the fork's pid in the template's namespace, uid, gid])
-  asks for the fork's id maps first (:func:`map_ids`);
+- parent -> outer: ``{"t": "own_dev", "maps", "own"}`` carrying the fork's pidfd; ``maps``
+  (an unprivileged trainer's template: [the fork's pid in the template's namespace, uid,
+  gid]) asks for the fork's id maps first (:func:`map_ids`), once its namespaces named in
+  ``own`` are found to be its own;
 - outer -> parent: ``{"t": "own_dev", "problem"}`` (``problem`` None once mounted).
 
 EOF on LIFE means the parent is gone. Loaded with ``load_part("outer")``. Standard library
 only, Python 3.9+.
 """
 
+import fcntl
 import os
 import select
 import socket
@@ -33,6 +35,10 @@ signal = shim.signal
 #: message queues its /dev/mqueue shows.
 THERE = shim.CLONE_NEWNS | shim.CLONE_NEWIPC
 HOME = {"mnt": shim.CLONE_NEWNS, "ipc": shim.CLONE_NEWIPC}
+#: The namespaces a fork may be asked to have made (``map_ids``).
+KINDS = {"mnt", "ipc", "uts", "net"}
+#: ioctl(2) on a namespace's fd: an fd of the user namespace that owns it.
+NS_GET_USERNS = 0xB701
 #: After the parent's death, how long past the episodes' ``cancel_grace`` PID 1 gets to end
 #: its namespace before the outer process kills it (seconds).
 END_MARGIN = 1.0
@@ -58,7 +64,7 @@ def serve(life, home):
             maps = message.get("maps")
             problem = "no PID namespace" if home is None else None
             if problem is None and maps is not None:
-                problem = map_ids(fds[0], maps, home)
+                problem = map_ids(fds[0], maps, home, message.get("own"))
             if problem is None:
                 problem = own_dev(fds[0], home)
         for fd in fds:
@@ -73,10 +79,11 @@ def serve(life, home):
 
 
 def home():
-    """This process's mount and IPC namespaces, {"mnt": fd, "ipc": fd}, opened while its /proc
-    is still the machine's (before PID 1 of its namespace mounts another). They are this
-    process's alone: its child closes them at once."""
-    return {kind: os.open("/proc/self/ns/" + kind, os.O_RDONLY | os.O_CLOEXEC) for kind in HOME}
+    """This process's mount, IPC and user namespaces, {"mnt": fd, "ipc": fd, "user": fd},
+    opened while its /proc is still the machine's (before PID 1 of its namespace mounts
+    another). They are this process's alone: its child closes them at once."""
+    kinds = (*HOME, "user")
+    return {kind: os.open("/proc/self/ns/" + kind, os.O_RDONLY | os.O_CLOEXEC) for kind in kinds}
 
 
 def leave(home):
@@ -85,19 +92,21 @@ def leave(home):
         os.close(fd)
 
 
-def map_ids(pidfd, maps, home):
+def map_ids(pidfd, maps, home, kinds):
     """Map the ids of the fork ``pidfd`` names, which is dumpable until they are (an
     unprivileged trainer's sandboxed template: shim_parked.own_namespaces), each to itself:
-    ``maps`` is [its pid in the template's namespace, uid, gid]. Its mount and IPC namespaces
-    must not be this process's (``home``). A problem or None."""
+    ``maps`` is [its pid in the template's namespace, uid, gid]. Its namespaces of ``kinds``
+    must be its own (:func:`made_by_the_fork`). A problem or None."""
     if not (isinstance(maps, list) and len(maps) == 3 and all(type(n) is int for n in maps)):
         return "no maps asked"
+    if not (isinstance(kinds, list) and set(kinds) <= KINDS):
+        return "no namespaces named"
     try:
-        for kind, fd in home.items():
-            if os.stat("/proc/%d/ns/%s" % (maps[0], kind)).st_ino == os.fstat(fd).st_ino:
-                return "the fork shares the template's %s namespace" % kind
+        problem = made_by_the_fork(maps[0], kinds, home)
     except OSError as exc:
-        return "the fork's namespaces: " + os.strerror(exc.errno)
+        problem = "the fork's namespaces: " + os.strerror(exc.errno)
+    if problem is not None:
+        return problem
     try:
         proc = writable_proc()
     except OSError as exc:
@@ -116,6 +125,28 @@ def map_ids(pidfd, maps, home):
     if poller.poll(0):  # gone: its number may name another process since
         return "the fork is gone"
     return problem
+
+
+def made_by_the_fork(pid, kinds, home):
+    """A problem, or None if the namespaces of ``kinds`` of the process ``pid`` (in the
+    template's namespace) were all made in its own user namespace, which is not this
+    process's: made by the fork after that, so neither the template's nor a sibling's."""
+    where = "/proc/%d/ns/" % pid
+    own = os.stat(where + "user").st_ino
+    if own == os.fstat(home["user"]).st_ino:
+        return "the fork has no user namespace of its own"
+    for kind in kinds:
+        fd = os.open(where + kind, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            owner = fcntl.ioctl(fd, NS_GET_USERNS)
+        finally:
+            os.close(fd)
+        try:
+            if os.fstat(owner).st_ino != own:
+                return "the fork's %s namespace is not its own" % kind
+        finally:
+            os.close(owner)
+    return None
 
 
 def writable_proc():

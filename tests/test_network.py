@@ -298,10 +298,10 @@ def resolved(containment: str) -> str:
 
 
 def forks_have_networks(containment: str | None) -> bool:
-    """Whether a template's forks at ``containment`` get networks of their own here: as root,
-    with a PID namespace (``templates.namespaces.network_problem``)."""
+    """Whether a template's forks at ``containment`` get networks of their own here: with a
+    PID namespace, where user namespaces work (``templates.namespaces.network_problem``)."""
     assert containment is not None
-    return os.geteuid() == 0 and "pidns" in containment and _internals.userns_problem() is None
+    return "pidns" in containment and _internals.userns_problem() is None
 
 
 def findings(outcome: isolate.EpisodeOutcome) -> dict[str, Any]:
@@ -440,7 +440,9 @@ async def test_each_fork_of_a_template_has_a_network_of_its_own(
     """Episodes of one template under ``Sandbox(network=...)``: neither reaches a sibling's
     loopback port or abstract unix socket, each reaches the endpoint through its own proxy."""
     if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
-        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+        pytest.skip(
+            "a template's forks have networks of their own only with pidns and user namespaces"
+        )
     box = isolate.Sandbox(network=servers.allow(), write=(agents.pids,))
     spec = agents.spec(SIBLINGS, sandbox=box, preload=True)
     with socket.socket() as free:
@@ -496,7 +498,9 @@ async def test_a_network_templates_import_reaches_nothing(agents: Agents, server
     """The import runs in a network namespace of the template's own, with loopback only and
     no proxy: the trainer's endpoint is not there, nothing outside is."""
     if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
-        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+        pytest.skip(
+            "a template's forks have networks of their own only with pidns and user namespaces"
+        )
     box = isolate.Sandbox(network=servers.allow(), write=(agents.pids,))
     (agents.pids / "llm_port").write_text(str(servers.llm))
     spec = agents.spec(IMPORT_REACHES, sandbox=box, preload=True)
@@ -512,7 +516,9 @@ async def test_a_parked_fork_has_a_network_of_its_own_at_its_hand_over(
     agents: Agents, servers: Servers
 ) -> None:
     if not forks_have_networks(await anyio.to_thread.run_sync(resolved, "auto")):
-        pytest.skip("a template's forks have networks of their own only as root, with pidns")
+        pytest.skip(
+            "a template's forks have networks of their own only with pidns and user namespaces"
+        )
     box = isolate.Sandbox(network=servers.allow())
     spec = agents.spec(AGENT, sandbox=box, preload=True)
     await isolate.park(spec, 2)

@@ -67,15 +67,18 @@ class Life:
         with self._lock:
             return self._forks.pop(ns_pid, None)
 
-    def own_dev(self, pidfd: int, seconds: float, maps: list[int] | None = None) -> str | None:
+    def own_dev(
+        self, pidfd: int, seconds: float, maps: list[int] | None = None, own: tuple[str, ...] = ()
+    ) -> str | None:
         """Ask the template's outer process to mount a ``/dev/pts``, ``/dev/shm`` and
         ``/dev/mqueue`` of its own in the mount namespace of the fork ``pidfd`` names, and wait
         for its answer, ``seconds`` at most: a problem or None. With ``maps`` ([the fork's pid
         in the template's namespace, uid, gid]: an unprivileged trainer's template), it maps the
-        fork's ids first (``shim_outer.map_ids``)."""
+        fork's ids first (``shim_outer.map_ids``), once it has found that the fork's namespaces
+        named in ``own`` were made in its own user namespace."""
         with self._asking:
             try:
-                send_message(self.sock, {"t": "own_dev", "maps": maps}, [pidfd])
+                send_message(self.sock, {"t": "own_dev", "maps": maps, "own": list(own)}, [pidfd])
             except OSError as exc:
                 return f"the template is gone ({exc.strerror})"
             end = time.monotonic() + seconds

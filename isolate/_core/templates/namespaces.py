@@ -15,9 +15,9 @@ needs CAP_SETFCAP outside, which no process of the template holds.
 An unprivileged parent's template lives in a user namespace of its own, whose parent the
 parent is not in: each fork maps its own ids there, or, under a sandbox, whose Landlock rules
 keep it from doing so (the maps are files in /proc), the template's outer process maps them
-while the fork is dumpable (:func:`maps`). Such a template's forks have no network of their
-own: its ``network`` episodes start fresh (docs/containment.md). With a network, each fork
-makes a network namespace too (docs/sandbox.md). Blocking.
+while the fork is dumpable (:func:`maps`), once it has found the fork's namespaces made in
+the fork's own user namespace. With a network, each fork makes a network namespace too
+(docs/sandbox.md). Blocking.
 """
 
 from __future__ import annotations
@@ -111,8 +111,6 @@ def network_problem(containment: str) -> str | None:
     their own (for ``Sandbox(network=...)``), or None. Blocking (probes may run)."""
     if "pidns" not in _containment.layers(containment):
         return "at a combination without pidns"
-    if _containment.needs_userns():
-        return "for an unprivileged trainer, whose template's forks share its user namespace"
     problem = _problem() or _sandbox.network_problem()
     return f"here: {problem}" if problem is not None else None
 

@@ -368,9 +368,10 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
             maps = None
             if who == "template":
                 maps = [_ns_pid(pid, template.name), os.getuid(), os.getgid()]
-            problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S, maps)
+            own = ("ipc", "uts", *_namespaces.kinds(template.wall))
+            problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S, maps, own)
             if problem is not None:
-                raise TemplateGone(f"template {template.name}: its fork's /dev: {problem}")
+                raise TemplateGone(f"template {template.name}: its fork {pid}: {problem}")
         return ipc
     except TemplateGone:
         _drop(pidfd)
