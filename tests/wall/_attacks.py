@@ -834,6 +834,89 @@ linux_only = pytest.mark.skipif(
 )
 
 
+#: What ``hostile_as_nobody`` runs for episodes of one template (:func:`nobody_parent`).
+NOBODY_PARENT = """
+import anyio, json, os, subprocess, sys
+import isolate
+
+work = sys.argv[1]
+pids = os.path.join(work, "pids")
+ROLES, LATER, PLAIN, DATA = @ROLES@, @LATER@, @PLAIN@, @DATA@
+
+
+async def main():
+    spec = isolate.EpisodeSpec(
+        sandbox=@SANDBOX@,
+        agent_root=os.path.join(work, "agent_root"),
+        entrypoint="hostile:run",
+        timeout=60.0,
+        log_dir=os.path.join(work, "logs"),
+        cwd=work,
+        preload=True,
+        env={"PID_DIR": pids},
+    )
+    results = {}
+
+    async def one(role):
+        outcome = await isolate.run_episode(spec, {**DATA, "role": role})
+        results[role] = json.loads(outcome.model_dump_json())
+
+    async with anyio.create_task_group() as tg:
+        for role in ROLES:
+            tg.start_soon(one, role)
+    for role in LATER:
+        await one(role)
+    await isolate.close_templates()
+    print(json.dumps({"uid": os.getuid(), "data": DATA, "outcomes": results}))
+
+
+def plain():
+    env = {**os.environ, "PID_DIR": pids, "PYTHONPATH": os.path.join(work, "agent_root")}
+    run = "import hostile, json, sys; print(json.dumps(hostile.run(json.loads(sys.argv[1]))[1]))"
+    argv = [[sys.executable, "-c", run, json.dumps({**DATA, "role": role})] for role in ROLES]
+    first = subprocess.Popen(argv[0], env=env, stdout=subprocess.PIPE)
+    second = subprocess.run(argv[1], env=env, capture_output=True)
+    out, _ = first.communicate(timeout=30)
+    infos = [json.loads(out), json.loads(second.stdout)]
+    outcomes = {role: {"info": info} for role, info in zip(ROLES, infos)}
+    print(json.dumps({"uid": os.getuid(), "data": DATA, "outcomes": outcomes}))
+
+
+plain() if PLAIN else anyio.run(main)
+"""
+
+
+def nobody_parent(
+    sandbox: str,
+    roles: tuple[str, str],
+    *,
+    later: tuple[str, ...] = (),
+    plain: bool = False,
+    data: str = "{}",
+) -> str:
+    """A script for :func:`hostile_as_nobody`: episodes of ``hostile:run`` from one template
+    under ``sandbox`` (Python, where ``pids`` is the episodes' PID_DIR), the two ``roles`` at
+    once, then each of ``later``; or, with ``plain``, the two roles as plain processes, the
+    control. ``data`` (Python) is every episode's data besides its ``role``. It prints the
+    outcomes by role, and the data."""
+    script = NOBODY_PARENT.replace("@SANDBOX@", sandbox).replace("@DATA@", data)
+    return (
+        script.replace("@ROLES@", repr(roles))
+        .replace("@LATER@", repr(later))
+        .replace("@PLAIN@", repr(plain))
+    )
+
+
+def assert_forked(outcomes: dict[str, Any]) -> None:
+    """Each outcome (as JSON, by role) ended ``ok`` and started from the template; else why."""
+    for outcome in outcomes.values():
+        assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
+            outcome["error"],
+            outcome["preload_refused"],
+            outcome["stderr_tail"][-2000:],
+        )
+
+
 @contextlib.contextmanager
 def hostile_as_nobody(prefix: str, hostile: str, parent: str) -> Iterator[tuple[Path, Any]]:
     """Run the script ``parent`` (given its work directory) as ``nobody``, with ``hostile`` as

@@ -26,7 +26,17 @@ import isolate
 from .. import _internals
 from ..conftest import MARKS, SLOW, Agents, episode_processes, wait_for
 from ..teardown._trees import needs
-from ._attacks import World, _denied, hostile_as_nobody, linux_only, needs_net, scratch, world
+from ._attacks import (
+    World,
+    _denied,
+    assert_forked,
+    hostile_as_nobody,
+    linux_only,
+    needs_net,
+    nobody_parent,
+    scratch,
+    world,
+)
 
 pytestmark = pytest.mark.anyio
 __all__ = ["scratch", "world"]  # fixtures, used by name
@@ -244,54 +254,6 @@ def run(data):
 """
 )
 
-#: The unprivileged trainer's run of LOOPBACK_SIBLINGS from one template under
-#: ``Sandbox(network="none")`` (or, with @PLAIN@ True, as two plain processes: the control).
-LOOPBACK_PARENT = """
-import anyio, json, os, subprocess, sys
-import isolate
-
-work = sys.argv[1]
-pids = os.path.join(work, "pids")
-
-
-async def main():
-    spec = isolate.EpisodeSpec(
-        sandbox=isolate.Sandbox(write=(pids,), network="none"),
-        agent_root=os.path.join(work, "agent_root"),
-        entrypoint="hostile:run",
-        timeout=60.0,
-        log_dir=os.path.join(work, "logs"),
-        cwd=work,
-        preload=True,
-        env={"PID_DIR": pids},
-    )
-    results = {}
-
-    async def one(role):
-        outcome = await isolate.run_episode(spec, {"role": role})
-        results[role] = json.loads(outcome.model_dump_json())
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(one, "server")
-        tg.start_soon(one, "client")
-    await isolate.close_templates()
-    print(json.dumps({"uid": os.getuid(), "outcomes": results}))
-
-
-def plain():
-    env = {**os.environ, "PID_DIR": pids, "PYTHONPATH": os.path.join(work, "agent_root")}
-    run = "import hostile, json, sys; print(json.dumps(hostile.run({'role': sys.argv[1]})[1]))"
-    argv = [sys.executable, "-c", run]
-    server = subprocess.Popen([*argv, "server"], env=env, stdout=subprocess.PIPE)
-    client = subprocess.run([*argv, "client"], env=env, capture_output=True)
-    out, _ = server.communicate(timeout=30)
-    outcomes = {"server": {"info": json.loads(out)}, "client": {"info": json.loads(client.stdout)}}
-    print(json.dumps({"uid": os.getuid(), "outcomes": outcomes}))
-
-
-plain() if @PLAIN@ else anyio.run(main)
-"""
-
 
 @linux_only
 @pytest.mark.parametrize("plain", [True, False], ids=["control", "episodes"])
@@ -302,15 +264,12 @@ def test_an_unprivileged_trainers_template_gives_each_fork_a_network_of_its_own(
     makes a network namespace of its own in its own user namespace (the template's outer
     process maps its ids and checks that its namespaces are its own), so a sibling's loopback
     port is not there. The control: two plain processes, where the client connects."""
-    parent = LOOPBACK_PARENT.replace("@PLAIN@", str(plain))
+    box = 'isolate.Sandbox(write=(pids,), network="none")'
+    parent = nobody_parent(box, ("server", "client"), plain=plain)
     with hostile_as_nobody("isolate-loopback-", LOOPBACK_SIBLINGS, parent) as (work, report):
         outcomes = report["outcomes"]
-        for outcome in outcomes.values() if not plain else ():
-            assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
-                outcome["error"],
-                outcome["preload_refused"],
-                outcome["stderr_tail"][-2000:],
-            )
+        if not plain:
+            assert_forked(outcomes)
         server, client = outcomes["server"]["info"], outcomes["client"]["info"]
         assert client["tcp"] == ("connected" if plain else "ECONNREFUSED")
         assert (client["net"] == server["net"]) is plain

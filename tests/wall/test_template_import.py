@@ -48,12 +48,14 @@ from ..teardown._trees import tree
 from ..test_templates import template_processes
 from ._attacks import (
     HOSTILE,
+    assert_forked,
     cap_findings,
     compare,
     expected_caps,
     expected_findings,
     host_mnt,
     hostile_as_nobody,
+    nobody_parent,
     standin,
 )
 
@@ -696,46 +698,6 @@ async def test_episodes_of_one_template_share_no_system_v_object(
     assert template_processes(agents) == []
 
 
-#: The unprivileged trainer's run of SYSV: writer and sibling at once, then a later one, from
-#: one template (under a sandbox where @SANDBOXED@ is True); prints their outcomes.
-SYSV_PARENT = """
-import anyio, json, os, sys
-import isolate
-
-work = sys.argv[1]
-sandboxed = @SANDBOXED@
-
-async def main():
-    pids = os.path.join(work, "pids")
-    spec = isolate.EpisodeSpec(
-        sandbox=isolate.Sandbox(write=(pids,)) if sandboxed else None,
-        agent_root=os.path.join(work, "agent_root"),
-        entrypoint="hostile:run",
-        timeout=60.0,
-        log_dir=os.path.join(work, "logs"),
-        cwd=work,
-        preload=True,
-        env={"PID_DIR": pids},
-    )
-    key, credential = 0x156_0000 + os.getpid() % 0xFFFF, "sk-sysv-" + os.urandom(8).hex()
-    data = {"key": key, "credential": credential, "dev": sandboxed}
-    results = {}
-
-    async def one(role):
-        outcome = await isolate.run_episode(spec, {**data, "role": role})
-        results[role] = json.loads(outcome.model_dump_json())
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(one, "writer")
-        tg.start_soon(one, "sibling")
-    await one("later")
-    await isolate.close_templates()
-    print(json.dumps({"uid": os.getuid(), "credential": credential, "outcomes": results}))
-
-anyio.run(main)
-"""
-
-
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["plain", "sandbox"])
 def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object(
     sandboxed: bool,
@@ -744,17 +706,18 @@ def test_an_unprivileged_trainers_template_episodes_share_no_system_v_object(
     UTS and mount namespaces of its own, and its id is mapped, by the fork itself or, under a
     sandbox, whose Landlock rules keep it from its maps in /proc, by the template's outer
     process, which mounts its /dev/pts, /dev/shm and /dev/mqueue too."""
-    parent = SYSV_PARENT.replace("@SANDBOXED@", str(sandboxed))
+    parent = nobody_parent(
+        "isolate.Sandbox(write=(pids,))" if sandboxed else "None",
+        ("writer", "sibling"),
+        later=("later",),
+        data='{"key": 0x156_0000 + os.getpid() % 0xFFFF, "credential": "sk-sysv-"'
+        f' + os.urandom(8).hex(), "dev": {sandboxed}}}',
+    )
     with hostile_as_nobody("isolate-sysv-nobody-", SYSV, parent) as (work, report):
         outcomes = report["outcomes"]
-        for outcome in outcomes.values():
-            assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
-                outcome["error"],
-                outcome["preload_refused"],
-                outcome["stderr_tail"][-2000:],
-            )
+        assert_forked(outcomes)
         absent = {"listed": False, "read": None, "dev shm": False, "queue": False, "pty": False}
-        own = {"listed": True, "read": report["credential"], "dev shm": True, "pty": True}
+        own = {"listed": True, "read": report["data"]["credential"], "dev shm": True, "pty": True}
         own["queue"] = not sandboxed  # Landlock refuses POSIX message queues
         writer = {"own": own, "uid_map": [str(NOBODY), str(NOBODY), "1"]}
         if sandboxed:
@@ -804,56 +767,6 @@ def run(data):
 )
 
 
-#: Runs DUMPABLE_SIBLING's victim and attacker at once from one sandboxed template (or, with
-#: ``--plain``, as two plain processes: the control), and prints what each found.
-DUMPABLE_PARENT = """
-import anyio, json, os, subprocess, sys
-import isolate
-
-work = sys.argv[1]
-pids = os.path.join(work, "pids")
-
-
-async def main():
-    spec = isolate.EpisodeSpec(
-        sandbox=isolate.Sandbox(write=(pids,)),
-        agent_root=os.path.join(work, "agent_root"),
-        entrypoint="hostile:run",
-        timeout=60.0,
-        log_dir=os.path.join(work, "logs"),
-        cwd=work,
-        preload=True,
-        env={"PID_DIR": pids},
-    )
-    results = {}
-
-    async def one(role):
-        outcome = await isolate.run_episode(spec, {"role": role})
-        results[role] = json.loads(outcome.model_dump_json())
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(one, "victim")
-        tg.start_soon(one, "attacker")
-    await isolate.close_templates()
-    print(json.dumps({"uid": os.getuid(), "outcomes": results}))
-
-
-def plain():
-    env = {**os.environ, "PID_DIR": pids, "PYTHONPATH": os.path.join(work, "agent_root")}
-    run = "import hostile, json, sys; print(json.dumps(hostile.run({'role': sys.argv[1]})[1]))"
-    victim = subprocess.Popen([sys.executable, "-c", run, "victim"], env=env)
-    attacker = subprocess.run(
-        [sys.executable, "-c", run, "attacker"], env=env, capture_output=True, text=True
-    )
-    victim.wait(30)
-    found = json.loads(attacker.stdout)
-    print(json.dumps({"uid": os.getuid(), "outcomes": {"attacker": {"info": found}}}))
-
-
-plain() if "--plain" in sys.argv else anyio.run(main)
-"""
-
-
 @pytest.mark.parametrize("plain", [True, False], ids=["control", "episodes"])
 def test_a_sibling_cannot_reach_a_dumpable_fork_of_the_same_template(plain: bool) -> None:
     """As ``nobody``, under a sandbox: the window in which a fork is dumpable, for the
@@ -862,15 +775,12 @@ def test_a_sibling_cannot_reach_a_dumpable_fork_of_the_same_template(plain: bool
     ptrace check wants of processes in different ones; each worker is in a Landlock domain of
     its own, which may not trace a process outside it; /proc is read-only. The control: two
     plain processes of the same user, where the attacker reads and writes the victim."""
-    parent = DUMPABLE_PARENT.replace('"--plain" in sys.argv', str(plain))
+    box = "isolate.Sandbox(write=(pids,))"
+    parent = nobody_parent(box, ("victim", "attacker"), plain=plain)
     with hostile_as_nobody("isolate-dumpable-", DUMPABLE_SIBLING, parent) as (work, report):
         outcomes = report["outcomes"]
-        for outcome in outcomes.values() if not plain else ():
-            assert (outcome["status"], outcome["start"]) == ("ok", "template"), (
-                outcome["error"],
-                outcome["preload_refused"],
-                outcome["stderr_tail"][-2000:],
-            )
+        if not plain:
+            assert_forked(outcomes)
         found = outcomes["attacker"]["info"]
         if plain:
             assert found == {"mem": "done", "mem rw": "done", "environ": "done"}
