@@ -25,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,54 @@ async def test_a_hidden_path_that_is_a_symlink_hides_its_target(world: World, le
     assert found["listing"] == [] or _denied(found["listing"]), found["listing"]
     assert found["vimrc"] == "set nu\n"
     assert SECRET in (dotfiles / "ssh" / "id_rsa").read_text()  # untouched
+
+
+@needs_landlock
+@pytest.mark.parametrize("level", ["pidns", "landlock"])
+async def test_no_watch_or_lock_on_a_hidden_path(world: World, level: str) -> None:
+    """inotify and ``flock`` on a hidden file. With a mount namespace (``pidns``, or a root
+    trainer) its path leads into the hiding mount, where it is not (``ENOENT``). Landlock
+    alone (an unprivileged trainer at ``landlock``) refuses the
+    open a lock needs, but no Landlock right covers an inotify watch: there the agent may
+    learn when the hidden file is opened or changed, never what it holds. A readable file of
+    the trainer's it may watch and lock (docs/containment.md). The control: this process
+    watches and locks the hidden file."""
+    problem = _internals.containment_problem(level)
+    if problem is not None:
+        pytest.skip(f"containment {level!r} is not available here: {problem}")
+    code = """
+        import ctypes, errno, fcntl
+        libc = ctypes.CDLL(None, use_errno=True)
+
+        def watch(path):
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            try:
+                if libc.inotify_add_watch(fd, path.encode(), 0x20 | 0x2) < 0:  # OPEN, MODIFY
+                    return errno.errorcode[ctypes.get_errno()]
+            finally:
+                os.close(fd)
+            return "watched"
+
+        def lock(path):
+            try:
+                with open(path, "rb") as f:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as exc:
+                return errno.errorcode[exc.errno]
+            return "locked"
+
+        for name, path in (("hidden", os.path.join(home, ".ssh", "id_rsa")),
+                           ("readable", os.path.join(home, ".gitconfig"))):
+            out[name] = [watch(path), lock(path)]
+        """
+    local: dict[str, Any] = {"os": os, "home": str(world.home), "out": {}}
+    exec(textwrap.dedent(code), local)  # the control, in this process
+    assert local["out"] == {"hidden": ["watched", "locked"], "readable": ["watched", "locked"]}
+    found = await world.attempt(code, isolate.Sandbox(), containment=level)
+    # A mount namespace with pidns, and for a root trainer at any level (it may make one).
+    mounts = level == "pidns" or os.geteuid() == 0
+    hidden = ["ENOENT", "ENOENT"] if mounts else ["watched", "EACCES"]
+    assert found == {"hidden": hidden, "readable": ["watched", "locked"]}
 
 
 @needs_landlock
