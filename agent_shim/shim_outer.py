@@ -33,8 +33,8 @@ signal = shim.signal
 
 #: The namespaces entered to mount the fork's: its mount namespace, and its IPC one, whose
 #: message queues its /dev/mqueue shows.
-THERE = shim.CLONE_NEWNS | shim.CLONE_NEWIPC
 HOME = {"mnt": shim.CLONE_NEWNS, "ipc": shim.CLONE_NEWIPC}
+THERE = sum(HOME.values())  # both at once (each a bit of its own)
 #: The namespaces a fork may be asked to have made (``map_ids``).
 KINDS = {"mnt", "ipc", "uts", "net"}
 #: ioctl(2) on a namespace's fd: an fd of the user namespace that owns it.
@@ -48,7 +48,7 @@ OPEN_TREE_CLONE, AT_EMPTY_PATH = 1, 0x1000
 def serve(life, home):
     """Take one message from the parent on ``life`` and do what it asks; False at EOF (the
     parent is gone). ``home``: this process's namespaces (:func:`home`), those of the
-    template's PID 1 too; None without a PID namespace."""
+    template's PID 1 too; empty without a PID namespace."""
     sock = socket.socket(fileno=os.dup(life))
     try:
         try:
@@ -62,7 +62,7 @@ def serve(life, home):
         problem = "not asked"
         if message is not None and message.get("t") == "own_dev" and len(fds) == 1:
             maps = message.get("maps")
-            problem = "no PID namespace" if home is None else None
+            problem = None if home else "no PID namespace"
             if problem is None and maps is not None:
                 problem = map_ids(fds[0], maps, home, message.get("own"))
             if problem is None:

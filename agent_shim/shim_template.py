@@ -254,13 +254,14 @@ def enter_wall(wall, control, life, grace):
         if problem is not None:
             return problem
     outer = os.getpid()
-    home = shim.load_part("outer").home() if pidns else {}
+    watcher = shim.load_part("outer")
+    home = watcher.home() if pidns else {}
     child = os.fork()
     if child:
         control.close()
         leaves = () if pidns else wall.get("cgroups", ())
-        shim.load_part("outer").watch(child, life, leaves, not pidns, grace, home or None)
-    shim.load_part("outer").leave(home)
+        watcher.watch(child, life, leaves, not pidns, grace, home)
+    watcher.leave(home)
     if pidns:
         # Dies with the outer process. /sys stays writable until the importer is in its leaf.
         problem = supervisor.become_init(guard=False)

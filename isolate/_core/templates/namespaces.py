@@ -93,10 +93,11 @@ def maps(wall: _wall.Wall) -> Literal["parent", "own", "template"]:
     return "own" if wall.sandbox is None else "template"
 
 
-def fork_ipc(pid: int, name: str, shared: Callable[[int], bool]) -> int:
-    """The inode of the IPC namespace of the fork ``pid`` of an unprivileged trainer's
-    sandboxed template, dumpable until the template maps its ids: not a live sibling's
-    (``shared(inode)``); the template's outer process checks it is not the template's. Raises
+def own_ipc(pid: int, name: str, shared: Callable[[int], bool]) -> int:
+    """The inode of the IPC namespace of the fork ``pid`` of template ``name``, which must not
+    be ``shared`` (a live sibling's; for a root parent, the importer's too). A fork of an
+    unprivileged trainer's sandboxed template is dumpable until the template maps its ids,
+    and the template's outer process checks it is not the template's. Raises
     :class:`TemplateGone`."""
     ipc = namespace(pid, "ipc")
     if ipc is None:
@@ -160,11 +161,9 @@ def adopt(
     (``mnt``, ``net``) that are not the importer's, then map its user namespace's ids, which
     only a user namespace made since, whose ids are not mapped yet, takes: the fork's IPC
     namespace's inode. Raises :class:`TemplateGone`."""
-    ipc = namespace(pid, "ipc")
-    if ipc is None or importer is None:
+    if importer is None:
         raise TemplateGone(f"template {name}: its fork {pid} is gone")
-    if ipc == namespace(importer, "ipc") or shared(ipc):
-        raise TemplateGone(f"template {name}: its fork {pid} shares an IPC namespace")
+    ipc = own_ipc(pid, name, lambda inode: inode == namespace(importer, "ipc") or shared(inode))
     for kind in kinds:
         if namespace(pid, kind) in (None, namespace(importer, kind)):
             raise TemplateGone(f"template {name}: its fork {pid} shares its {kind} namespace")

@@ -359,16 +359,17 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
         who = _namespaces.maps(template.wall)
         if who == "own":
             return None
+        kinds = _namespaces.kinds(template.wall)
         if who == "parent":
-            kinds = _namespaces.kinds(template.wall)
             ipc = _namespaces.adopt(pid, template.importer, template.name, shared, kinds)
         else:
-            ipc = _namespaces.fork_ipc(pid, template.name, shared)
+            ipc = _namespaces.own_ipc(pid, template.name, shared)
         if _namespaces.mounted_by_the_template(template.wall):
-            maps = None
+            maps: list[int] | None = None
+            own: tuple[str, ...] = ()
             if who == "template":
                 maps = [_ns_pid(pid, template.name), os.getuid(), os.getgid()]
-            own = ("ipc", "uts", *_namespaces.kinds(template.wall))
+                own = ("ipc", "uts", *kinds)
             problem = template.life.own_dev(pidfd, _FORK_TIMEOUT_S, maps, own)
             if problem is not None:
                 raise TemplateGone(f"template {template.name}: its fork {pid}: {problem}")
