@@ -22,6 +22,7 @@ from isolate._core.containment import leaves as _leaves
 
 from . import _internals
 from .conftest import wait_for
+from .teardown._trees import needs
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -37,9 +38,7 @@ def shim_stand_in(session: bool = True) -> subprocess.Popen[bytes]:
 
 def cgroups_here() -> _internals.Cgroups:
     """This machine's cgroup trees; skip, with the reason, where the cgroup layer is missing."""
-    problem = _internals.containment_problem("cgroup")
-    if problem is not None:
-        pytest.skip(f"containment 'cgroup' is not available here: {problem}")
+    needs("cgroup")
     return _leaves.cgroups()
 
 

@@ -27,6 +27,7 @@ from ..conftest import (
     wait_for,
     wait_until,
 )
+from ..teardown._trees import needs
 
 pytestmark = pytest.mark.anyio
 
@@ -469,9 +470,7 @@ def kill_the_parent_of_a_template(
     """Run ``code`` as a template's episode under a parent process, at ``containment``; once
     it is ready, SIGKILL the parent and wait until no process of the test is left (the
     template's included): the seconds that took."""
-    problem = _internals.containment_problem(containment)
-    if problem is not None:
-        pytest.skip(f"containment {containment!r} is not available here: {problem}")
+    needs(containment)
     spec = agents.spec(
         HELPERS + FORKED + code,
         timeout=120.0,

@@ -34,17 +34,11 @@ from ..conftest import (
     wait_for,
     wait_until,
 )
-from ..teardown._trees import tree
+from ..teardown._trees import needs, tree
 from ._attacks import combination
 
 pytestmark = pytest.mark.anyio
 __all__ = ["combination"]  # a fixture, used by name
-
-
-def needs(containment: str) -> None:
-    problem = _internals.containment_problem(containment)
-    if problem is not None:
-        pytest.skip(f"containment {containment!r} is not available here: {problem}")
 
 
 async def kill_shim_once_recorded(

@@ -44,7 +44,7 @@ from ..conftest import (
     remove_dead_parents_leaves,
     wait_for,
 )
-from ..teardown._trees import tree
+from ..teardown._trees import needs, tree
 from ..test_templates import template_processes
 from ._attacks import (
     HOSTILE,
@@ -77,9 +77,8 @@ TEMPLATE_COMBINATIONS = ("session", "cgroup", "landlock", "pidns", "cgroup+pidns
 
 
 def needs_template(combination: str) -> str:
-    problem = _internals.containment_problem(combination)
-    if problem is not None:
-        pytest.skip(f"containment {combination!r} is not available here: {problem}")
+    """Skip unless this machine provides ``combination``; it, as given (``auto`` too)."""
+    needs(combination)
     return combination
 
 

@@ -33,7 +33,6 @@ import pytest
 
 import isolate
 
-from .. import _internals
 from ..conftest import AS_NOBODY, NOBODY, SLOW, both_starts
 from ..teardown._trees import COMBINATIONS, needs
 from ._attacks import (
@@ -112,9 +111,7 @@ async def test_a_hidden_path_that_is_a_symlink_hides_its_target(world: World, le
     """As dotfile managers make them: ``~/.ssh -> ~/dotfiles/ssh`` (a default) and a file the
     caller hides, ``~/.tokens -> ~/dotfiles/tokens``. Neither reads through the link, nor by
     the target's own path; the rest of ``~/dotfiles`` stays readable."""
-    problem = _internals.containment_problem(level)
-    if problem is not None:
-        pytest.skip(f"containment {level!r} is not available here: {problem}")
+    needs(level)
     dotfiles = world.home / "dotfiles"
     dotfiles.mkdir()
     (world.home / ".ssh").rename(dotfiles / "ssh")
@@ -159,9 +156,7 @@ async def test_no_watch_or_lock_on_a_hidden_path(world: World, level: str) -> No
     learn when the hidden file is opened or changed, never what it holds. A readable file of
     the trainer's it may watch and lock (docs/containment.md). The control: this process
     watches and locks the hidden file."""
-    problem = _internals.containment_problem(level)
-    if problem is not None:
-        pytest.skip(f"containment {level!r} is not available here: {problem}")
+    needs(level)
     code = """
         import ctypes, errno, fcntl
         libc = ctypes.CDLL(None, use_errno=True)
@@ -409,9 +404,7 @@ async def test_the_walls_hold_at_every_containment_level(world: World, level: st
     # With pidns the worker shares the namespace's mounts; otherwise it makes its own. With
     # the landlock layer, the sandbox's domain stacks on the layer's. From a template, the
     # template made the mounts and entered the domain; each worker stacks one of its own.
-    problem = _internals.containment_problem(level)
-    if problem is not None:
-        pytest.skip(f"containment {level!r} is not available here: {problem}")
+    needs(level)
     found = await world.attempt(
         """
         out["ssh"] = try_(read, os.path.join(home, ".ssh", "id_rsa"))
