@@ -2,7 +2,8 @@
 
 The fork waits on its hand-over socket. Once the parent has moved it into its cgroup leaf it
 says so (``{"t": "moved"}``; sent where there is no leaf too): the fork becomes a child
-subreaper, not dumpable, and forks its worker at once, born in the leaf. That worker waits on
+subreaper, not dumpable, cuts its bounding set to what its agent will keep (:func:`narrow`),
+and forks its worker at once, born in the leaf. That worker waits on
 a socket pair of their own; it holds no handshake and no secret, and has run none of the
 episode's code. At its hand-over (``{"t": "episode"}``, with the channel and the stderr pipe)
 the fork runs shim.main(), the code of a fresh start: it reads the handshake, says hello and
@@ -111,8 +112,9 @@ def namespaces():
     return found
 
 
-def park(hand, own, shim_main, random_state):
-    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF)."""
+def park(hand, own, shim_main, random_state, flags):
+    """In the fork: a session of its own, then the hand-over; its exit code (0 at EOF).
+    ``flags``: those its :func:`own_namespaces` unshared."""
     os.setsid()
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -126,6 +128,8 @@ def park(hand, own, shim_main, random_state):
     if message is not None and message.get("t") == "moved" and not fds:
         # As shim.main() does first (a fork whose ids the template mapped was dumpable so far).
         shim.c_call("prctl", shim.PR_SET_DUMPABLE, 0, 0, 0, 0)
+        if flags & shim.CLONE_NEWUSER:
+            narrow(flags)
         if message.get("alone"):  # its own worker: nothing to fork ahead
             message, fds = take(hand)
         else:
@@ -137,6 +141,17 @@ def park(hand, own, shim_main, random_state):
             os.close(fd)
         return 0 if message is None else 1  # its worker, if any, dies with it
     return episode(message, fds, shim_main, random_state, ahead)
+
+
+def narrow(flags):
+    """Ahead of its episode, in a fork with a user namespace of its own (which gave it every
+    capability again), and its ids mapped: the bounding set cut to what the episode's agent
+    keeps, as its worker would cut it (``shim_worker.drop_capabilities``), which then has the
+    other sets left to drop. Its own capabilities stay until then."""
+    worker = shim.load_part("worker")
+    problem = worker.drop_bounding(worker.kept(bool(flags & shim.CLONE_NEWNET)))
+    if problem is not None:  # the worker tries again, and fails the episode with it
+        sys.stderr.write("isolate template: a parked fork: %s\n" % problem)
 
 
 def take(sock):

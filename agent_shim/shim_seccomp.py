@@ -207,17 +207,14 @@ def install(unshare=0):
     then on: a problem in words, or None when the filter is in place. ``unshare``: as for
     :func:`program`."""
     machine = os.uname().machine
-    code = program(machine, unshare)
-    if code is None:
+    fprog = prepare(machine, unshare)
+    if fprog is None:
         if machine in _ARCHES:
             return "no seccomp syscall table for a %d-bit process on %s" % (
                 64 if sys.maxsize >= 1 << 32 else 32,
                 machine,
             )
         return "no seccomp syscall table for %s" % machine
-    buffer, address = _c_copy(code)
-    # struct sock_fprog: unsigned short len, padding to the pointer, struct sock_filter *.
-    fprog = (len(code) // 8).to_bytes(2, "little") + bytes(6) + address.to_bytes(8, "little")
     number = _ARCHES[machine][1]["seccomp"]
     result, errno = _load(number, fprog)
     if result < 0 and errno == EACCES:
@@ -228,12 +225,31 @@ def install(unshare=0):
         if result != 0:
             return "seccomp: no_new_privs: %s" % os.strerror(errno)
         result, errno = _load(number, fprog)
-    del buffer  # only now: the kernel has copied the program
     if result > 0:  # TSYNC: the id of a thread that could not be synchronised
         return "seccomp: thread %d has a filter of its own" % result
     if result != 0:
         return "seccomp: %s" % os.strerror(errno)
     return None
+
+
+#: (machine, unshare) -> (the C buffer of the program, its struct sock_fprog): made once per
+#: process, and by a template before its forks, which find it in the pages they share.
+_prepared = {}
+
+
+def prepare(machine, unshare=0):
+    """The filter of :func:`program` in C memory, as the struct sock_fprog that points at it
+    (bytes); None where there is no program. Kept: the kernel copies it at each load."""
+    key = (machine, unshare)
+    if key not in _prepared:
+        code = program(machine, unshare)
+        if code is None:
+            return None
+        buffer, address = _c_copy(code)
+        # struct sock_fprog: unsigned short len, padding to the pointer, struct sock_filter *.
+        fprog = (len(code) // 8).to_bytes(2, "little") + bytes(6) + address.to_bytes(8, "little")
+        _prepared[key] = buffer, fprog
+    return _prepared[key][1]
 
 
 def _load(number, fprog):

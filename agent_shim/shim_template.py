@@ -309,6 +309,7 @@ def enter_layers(wall, layers, worker):
     if sys.platform.startswith("linux"):
         # Its forks (not their workers) may make namespaces of their own: own_namespaces.
         network = sandbox is not None and sandbox.get("network") is not None
+        shim.load_part("seccomp").prepare(os.uname().machine)  # each fork's worker's filter
         return worker.harden(shim.load_part("parked").unshare_flags(wall), network)
     return None
 
@@ -396,7 +397,7 @@ def fork(hand, reply, own, shim_main, random_state, unshare):
         try:
             parked = shim.load_part("parked")
             if not unshare[0] or parked.own_namespaces(hand, *unshare):
-                code = parked.park(hand, own + [reply], shim_main, random_state)
+                code = parked.park(hand, own + [reply], shim_main, random_state, unshare[0])
         except BaseException:
             import traceback
 

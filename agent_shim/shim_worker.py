@@ -234,23 +234,14 @@ def harden(unshare=0, own_network=False):
 
 
 def drop_capabilities(own_network=False):
-    """Keep at most KEPT_CAPABILITIES in every set (NET_BIND_SERVICE only with
-    ``own_network``), and none for an unprivileged trainer's agent (in its user namespace it
-    holds them all). The bounding set needs CAP_SETPCAP, so it goes first, that one last. A
-    problem or None."""
-    kept = [cap for cap in KEPT_CAPABILITIES if own_network or cap != CAP_NET_BIND_SERVICE]
-    keep = sum(1 << cap for cap in kept) if os.getuid() == 0 else 0
+    """Keep at most :func:`kept` in every set. The bounding set needs CAP_SETPCAP, so it goes
+    first, that one last. A problem or None."""
+    keep = kept(own_network)
     sets = capability_sets()
     shim.c_call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    bounding = sets.get("CapBnd", 0) & ~keep
-    if bounding and sets.get("CapEff", 0) >> CAP_SETPCAP & 1:
-        for cap in range(64):
-            if bounding >> cap & 1:
-                result, errno = shim.c_call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
-                if result != 0 and errno != EINVAL:  # a capability this kernel lacks
-                    return "cannot drop capability %d: %s" % (cap, os.strerror(errno))
-    # Without CAP_SETPCAP the bounding set stays; no_new_privs (set with the syscall filter
-    # for such a process) keeps exec from granting anything from it.
+    problem = drop_bounding(keep, sets)
+    if problem is not None:
+        return problem
     now = [sets.get(name, 0) for name in ("CapEff", "CapPrm", "CapInh")]
     effective, permitted, inheritable = (value & keep for value in now)
     if [effective, permitted, inheritable] == now:
@@ -264,6 +255,31 @@ def drop_capabilities(own_network=False):
     result, errno = shim.c_call("capset", header, data)
     if result != 0:
         return "cannot drop capabilities: %s" % os.strerror(errno)
+    return None
+
+
+def kept(own_network):
+    """The capabilities an agent keeps, as a mask: KEPT_CAPABILITIES for root (NET_BIND_SERVICE
+    only with ``own_network``), none for any other user (in its user namespace it holds them
+    all)."""
+    if os.getuid() != 0:
+        return 0
+    return sum(1 << cap for cap in KEPT_CAPABILITIES if own_network or cap != CAP_NET_BIND_SERVICE)
+
+
+def drop_bounding(keep, sets=None):
+    """Drop from the bounding set every capability not in the mask ``keep``: none of them can
+    come back, not even through an exec. A problem or None. Without CAP_SETPCAP the set
+    stays; no_new_privs (set with the syscall filter for such a process) keeps exec from
+    granting anything from it. ``sets``: :func:`capability_sets`, if read already."""
+    sets = capability_sets() if sets is None else sets
+    bounding = sets.get("CapBnd", 0) & ~keep
+    if bounding and sets.get("CapEff", 0) >> CAP_SETPCAP & 1:
+        for cap in range(64):
+            if bounding >> cap & 1:
+                result, errno = shim.c_call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
+                if result != 0 and errno != EINVAL:  # a capability this kernel lacks
+                    return "cannot drop capability %d: %s" % (cap, os.strerror(errno))
     return None
 
 

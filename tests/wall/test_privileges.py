@@ -33,6 +33,7 @@ from ..conftest import Agents, episode_processes
 from ..teardown._trees import tree
 from ._attacks import (
     HOSTILE,
+    KEPT_CAPS,
     cap_findings,
     combination,
     compare,
@@ -207,5 +208,45 @@ async def test_a_root_agent_binds_a_privileged_port_only_in_a_network_of_its_own
     outcome = await isolate.run_episode(spec, {"port": port})
     assert outcome.status == "ok", outcome.summary()
     assert outcome.info == ("bound" if own_network else "EACCES")
+    await isolate.close_templates()
+    assert tree(agents) == []
+
+
+#: This process's capability sets and those of a program it execs, as /proc shows them.
+CAP_SETS = """
+import subprocess
+def sets(status):
+    return {line[:6]: line.split()[1] for line in status.splitlines() if line.startswith("Cap")}
+def run(data):
+    with open("/proc/self/status") as f:
+        mine = sets(f.read())
+    shown = subprocess.run(["cat", "/proc/self/status"], capture_output=True, text=True)
+    return 1.0, {"caps": mine, "child caps": sets(shown.stdout)}
+"""
+
+
+@pytest.mark.parametrize("start", ["fresh", "forked", "parked"])
+@pytest.mark.parametrize("own_network", [False, True], ids=["the machines", "its own"])
+async def test_a_root_agent_and_what_it_execs_keep_the_kept_capabilities_only(
+    agents: Agents, start: str, own_network: bool
+) -> None:
+    """Each fork of a template makes a user namespace of its own, which gives it every
+    capability again, bounding set included; a parked fork cuts its bounding set ahead of its
+    episode, its worker the rest. None of them may come back through an exec."""
+    if os.geteuid() != 0:
+        pytest.skip("a root agent's capabilities: the trainer here is not root")
+    box = isolate.Sandbox(network="none") if own_network else None
+    spec = agents.spec(CAP_SETS, preload=start != "fresh", sandbox=box)
+    if start == "parked":
+        await isolate.park(spec, 1)
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == "ok", outcome.summary() + "\n" + outcome.stderr_tail[-3000:]
+    assert outcome.start == ("fresh" if start == "fresh" else "template"), outcome.preload_refused
+    kept = sorted(KEPT_CAPS + (["CAP_NET_BIND_SERVICE"] if own_network else []))
+    expected = {
+        key: kept if isinstance(value, list) and value == KEPT_CAPS else value
+        for key, value in expected_caps(root=True, found=outcome.info).items()
+    }
+    assert cap_findings(outcome.info, root=True) == expected
     await isolate.close_templates()
     assert tree(agents) == []
