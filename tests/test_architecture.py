@@ -209,6 +209,7 @@ UNIT_UNDER_TEST = {
     "test_egress.py": "isolate._core.network",
     "test_env.py": "isolate._core.system.env",
     "test_leaf_kill.py": "isolate._core.containment.leaves",
+    "test_offload.py": "isolate._core.system.offload",
     "test_procfs.py": "isolate._core.system.procfs",
     "test_protocol.py": "isolate._core.episode.protocol",
     "test_redact.py": "isolate._core.episode.redact",

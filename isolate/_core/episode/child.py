@@ -11,7 +11,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -143,33 +142,20 @@ class Launch:
 
 
 def start(
-    launch: Launch,
-    template: _templates.Template | None,
-    episode_id: str,
-    before_fresh: Callable[[], object] = lambda: None,
-) -> tuple[Child, int, str | None]:
-    """Start the shim: forked from ``template`` when there is one and it forks, else fresh.
-    Returns the child, the parent's end of its socket, and why the template could not fork
-    (None when it did, or there was none); blocking (run it in a worker thread: fork+exec of a
-    big parent must not stall the event loop). ``before_fresh`` is called before a fresh start
-    after a template that did not fork (it waits at the start gate). OSError from
-    ``subprocess`` goes on."""
+    launch: Launch, template: _templates.Template | None, episode_id: str
+) -> tuple[Child, int]:
+    """Start the shim: forked from ``template`` when there is one, else fresh. Returns the child
+    and the parent's end of its socket; blocking (run it in a worker thread: fork+exec of a big
+    parent must not stall the event loop). :class:`~isolate._core.templates.TemplateGone` when
+    the template did not fork (then the caller starts it fresh, after its wait at the start
+    gate); OSError from ``subprocess`` goes on."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    child: Fresh | _templates.Forked | None = None
-    gone = None
+    child: Fresh | _templates.Forked
     try:
         if template is not None:
-            try:
-                child = template.fork(episode_id, theirs.fileno())
-            except _templates.TemplateGone as exc:
-                gone = str(exc)
-                # A fork that comes late holds this pair's end: a pair of its own for the
-                # fresh shim, and EOF for the late fork.
-                ours.close()
-                theirs.close()
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                before_fresh()
-        if child is None:
+            # A fork that comes late holds this pair's end: EOF for it once we give up.
+            child = template.fork(episode_id, theirs.fileno())
+        else:
             child = Fresh(
                 subprocess.Popen(
                     [launch.python, "-I", str(launch.shim)],
@@ -188,11 +174,10 @@ def start(
         raise
     finally:
         theirs.close()
-    assert child is not None
     channel = ours.detach()
     for fd in (channel, child.stderr_fd()):
         os.set_blocking(fd, False)
-    return child, channel, gone
+    return child, channel
 
 
 def move(child: Child, leaves: _containment.Leaves) -> None:

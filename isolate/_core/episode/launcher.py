@@ -24,6 +24,7 @@ after the outcome is written into the log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -40,6 +41,7 @@ from ..model.config import EpisodeSpec
 from ..model.errors import SetupProblem
 from ..model.outcome import EpisodeOutcome, ErrorInfo
 from ..system import admission as _admission
+from ..system import offload as _offload
 from ..system.shim import boot_path
 from . import child as _child
 from . import stages as _st
@@ -205,7 +207,7 @@ async def _ready(
 ) -> _st.Ready:
     """Prepare, in a worker thread; its leaves, TMPDIR and network go on ``held``. Raises
     :class:`SetupProblem`."""
-    prep = await anyio.to_thread.run_sync(prepare_episode, ep.req, ep.shim, ep.log.note)
+    prep = await _offload.call(prepare_episode, ep.req, ep.shim, ep.log.note)
     held.push_async_callback(_release_wall, ep, prep)
     held.callback(prep.close_network, ep.log.note)
     return _st.Ready(ticket, prep)
@@ -214,9 +216,7 @@ async def _ready(
 async def _choose(ep: _st.Episode, ready: _st.Ready) -> _st.Chosen | None:
     """Open the log, build the exec environment, and with ``preload`` find the template;
     None when no template came in time. Raises :class:`SetupProblem`."""
-    env = await _retrying(
-        ep, ready.ticket, lambda: anyio.to_thread.run_sync(_open_log, ep, ready.prep)
-    )
+    env = await _retrying(ep, ready.ticket, lambda: _offload.call(_open_log, ep, ready.prep))
     if not ep.spec.preload:
         return _st.Chosen(ready, env, None, None)
     refused: list[str] = []
@@ -253,14 +253,26 @@ async def _start(
     waited = 0.0
 
     async def spawn() -> _st.Started:
-        nonlocal waited
+        nonlocal chosen, waited
+        template = chosen.template
+        if template is not None:  # a fork starts no interpreter: no place at the gate
+            # A fork made on demand waits for its template: a thread of its own, so that
+            # others' forks are asked for meanwhile.
+            offload = _offload.call if template.has_parked() else anyio.to_thread.run_sync
+            try:
+                return await offload(_spawn, ep, chosen, frames, _Slot(), waited, held)
+            except _templates.TemplateGone as exc:
+                # The next episode starts a new template; this one need not wait for it.
+                ep.log.note(f"{exc}; this episode starts fresh")
+                chosen = dataclasses.replace(
+                    chosen, template=None, refused=ep.req.redact.text(str(exc))
+                )
         slot, since = _Slot(), time.monotonic()
-        if chosen.template is None:  # a fork starts no interpreter: no place at the gate
-            await slot.take()
-            held.callback(slot.release)
-            waited += time.monotonic() - since
+        await slot.take()
+        held.callback(slot.release)
+        waited += time.monotonic() - since
         try:
-            return await anyio.to_thread.run_sync(_spawn, ep, chosen, frames, slot, waited, held)
+            return await _offload.call(_spawn, ep, chosen, frames, slot, waited, held)
         except OSError:
             slot.release()  # while it waits for room, others may start
             raise
@@ -312,23 +324,10 @@ def _spawn(
     ``waited``: how long it waited for one. Raises :class:`~.stages.StartFailed` (with the
     child killed)."""
     env, template, ready = chosen.env, chosen.template, chosen.ready
-    refused = chosen.refused
     launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
-
-    def before_fresh() -> None:  # no fork after all: a fresh start takes a place at the gate
-        nonlocal waited
-        since = time.monotonic()
-        anyio.from_thread.run(slot.take)
-        held.callback(slot.release)
-        waited += time.monotonic() - since
-
-    child, channel, gone = _child.start(launch, template, ep.req.episode_id, before_fresh)
+    child, channel = _child.start(launch, template, ep.req.episode_id)
     held.callback(_close_child, frames, child, channel)
-    if gone is not None:
-        # The next episode starts a new template; this one need not wait for it.
-        ep.log.note(f"{gone}; this episode starts fresh")
-        refused = ep.req.redact.text(gone)
-    elif template is not None:
+    if template is not None:
         ep.log.note(f"forked from {template.name} (pid {child.pid})")
     try:
         prep = _child.into_template(ep.req, ready.prep, child, template)
@@ -353,7 +352,7 @@ def _spawn(
     )
     forked = isinstance(child, _templates.Forked)
     spawned = time.monotonic()
-    return _st.Started(chosen, prep, child, forked, frames, watch, spawned, waited, refused)
+    return _st.Started(chosen, prep, child, forked, frames, watch, spawned, waited, chosen.refused)
 
 
 async def _observe(
@@ -395,8 +394,8 @@ async def _release_wall(ep: _st.Episode, prep: Prepared) -> None:
     """Remove the leaves (unless the episode's watch did) and the sandbox's TMPDIR."""
     leaves = prep.leaves
     if leaves is not None and leaves.dirs:  # not yet removed by the watch
-        problem = await anyio.to_thread.run_sync(leaves.remove)
+        problem = await _offload.call(leaves.remove)
         if problem is not None:
             ep.log.note(f"cgroup clean-up: {problem}; the next start of isolate removes it")
     if prep.sandbox is not None:
-        await anyio.to_thread.run_sync(_sandbox.remove_tmpdir, prep.sandbox.tmpdir)
+        await _offload.call(_sandbox.remove_tmpdir, prep.sandbox.tmpdir)

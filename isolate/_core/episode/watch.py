@@ -15,6 +15,7 @@ from agent_shim.shim_wire import CANCEL
 
 from .. import containment as _containment
 from ..network.netserve import EpisodeNetwork
+from ..system import offload as _offload
 from ..system.tree import ProcessTree
 from .child import Child, write_some
 from .episode_log import EpisodeLog
@@ -184,12 +185,12 @@ class EpisodeWatch:
             self.leaves_problem = leaves.remove()
             return True
 
-        return await anyio.to_thread.run_sync(settle)
+        return await _offload.call(settle)
 
     async def _read_counters(self) -> None:
         leaves = self.leaves
         if leaves is not None:
-            self.oom_kills, self.pids_limit_hits = await anyio.to_thread.run_sync(
+            self.oom_kills, self.pids_limit_hits = await _offload.call(
                 lambda: (leaves.oom_kills(), leaves.pids_limit_hits())
             )
 

@@ -134,6 +134,12 @@ class Template:
             return describe_exit(None, signal_name(-code))
         return describe_exit(code, None)
 
+    def has_parked(self) -> bool:
+        """Whether a parked fork waits in the pool now: then :meth:`fork` need not wait for
+        the template (unless another episode takes it first)."""
+        pool = self.pool
+        return pool is not None and bool(pool.parked)
+
     def fork(self, episode_id: str, channel: int) -> Forked:
         """Fork one episode whose stdin and stdout are ``channel`` (the child's end of the
         launcher's socket): a parked fork from the pool when one is there, else one parked now
