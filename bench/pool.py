@@ -78,7 +78,10 @@ async def _round_trips(spec: isolate.EpisodeSpec, n: int, parked: int) -> tuple[
         started, t0 = time.monotonic(), time.time()
         outcome = await isolate.run_episode(spec, {})
         times.append((time.monotonic() - started) * 1000)
-        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        assert (outcome.status, outcome.start) == ("ok", "template"), (
+            outcome.summary(),
+            outcome.preload_refused,
+        )
         firsts.append((outcome.info["first_line"] - t0) * 1000)
     return statistics.median(times), statistics.median(firsts)
 
@@ -90,7 +93,10 @@ async def _burst(spec: isolate.EpisodeSpec, n: int) -> tuple[float, float]:
 
     async def one() -> None:
         outcome = await isolate.run_episode(spec, {"sleep": 1.0})
-        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        assert (outcome.status, outcome.start) == ("ok", "template"), (
+            outcome.summary(),
+            outcome.preload_refused,
+        )
         firsts.append(outcome.info["first_line"])
 
     async with anyio.create_task_group() as tg:
