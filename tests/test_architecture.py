@@ -208,6 +208,7 @@ UNIT_UNDER_TEST = {
     "test_admission_budget.py": "isolate._core.system.admission",
     "test_egress.py": "isolate._core.network",
     "test_env.py": "isolate._core.system.env",
+    "test_fork_namespaces.py": "isolate._core.templates.namespaces",
     "test_leaf_kill.py": "isolate._core.containment.leaves",
     "test_offload.py": "isolate._core.system.offload",
     "test_procfs.py": "isolate._core.system.procfs",

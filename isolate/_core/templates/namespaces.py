@@ -149,6 +149,19 @@ def namespace(pid: int | str, kind: str) -> int | None:
         return None
 
 
+def still_in(pid: int, kind: str, inode: int) -> bool:
+    """Whether process ``pid`` is in the namespace of ``kind`` whose inode is ``inode`` now.
+    False once it has left its namespaces, as an exiting process does before its pidfd says
+    it has exited, or is gone; True where it cannot be told (the process is not dumpable and
+    this one unprivileged)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino == inode
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 def adopt(
     pid: int,
     importer: int | None,

@@ -342,10 +342,15 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
     dumpable, and the fork is not."""
 
     def shared(ipc: int) -> bool:
-        # A namespace's inode is reused as soon as it is freed: only a live fork's counts.
+        # A namespace's inode is reused as soon as it is freed: only a fork that is in it now
+        # counts. An exiting one leaves it before its pidfd says so; and its pid, once it is
+        # reaped, may be another's (this fork's, even): alive before and after the look.
         with template._forks_lock:
             same = [f for f in template.forks if f.ipc == ipc]
-        return any(not f.parked_dead() for f in same)
+        return any(
+            not f.parked_dead() and _namespaces.still_in(f.pid, "ipc", ipc) and not f.parked_dead()
+            for f in same
+        )
 
     try:
         hand.settimeout(_FORK_TIMEOUT_S)
