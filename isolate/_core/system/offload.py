@@ -72,27 +72,26 @@ class _Queue:
         """Queue ``item``; True if the caller must start a worker thread."""
         with self.lock:
             self.calls.append(item)
-            if self.idle:
-                self.lock.notify()
-                return False
-            stuck = time.monotonic() - self.progress > STUCK_S
-            if self.threads == 0 or stuck:
-                self.threads += 1
-                self.progress = time.monotonic()
-                return True
-            return False
+            return self._another()
 
     def stuck(self, item: _Call) -> bool:
         """Whether ``item`` still waits behind busy threads that made no progress of late; if
         so, the caller starts another."""
         with self.lock:
-            if item.started or self.idle:
-                return False
-            if time.monotonic() - self.progress <= STUCK_S:
-                return False
-            self.threads += 1
-            self.progress = time.monotonic()
-            return True
+            return not item.started and self._another()
+
+    def _another(self) -> bool:
+        """With the lock held and calls queued: wake a waiting worker thread if there is one;
+        else whether the caller must start one (none runs, or those running made no progress
+        for ``STUCK_S``), counted at once."""
+        if self.idle:
+            self.lock.notify()
+            return False
+        if self.threads and time.monotonic() - self.progress <= STUCK_S:
+            return False
+        self.threads += 1
+        self.progress = time.monotonic()
+        return True
 
     def start(self) -> None:
         threading.Thread(target=self.work, name="isolate offload", daemon=True).start()
