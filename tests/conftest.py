@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,30 @@ async def wait_until(predicate: Callable[[], Any], seconds: float = 10.0) -> Non
     with anyio.fail_after(seconds * SLOW):
         while not predicate():  # noqa: ASYNC110 - the condition is a file, not an event
             await anyio.sleep(0.01)
+
+
+async def cancelled_once(
+    spec: isolate.EpisodeSpec, ready: Callable[[], Awaitable[object]]
+) -> tuple[float, isolate.EpisodeOutcome]:
+    """Run an episode of ``spec`` and cancel its caller once ``ready()`` has returned:
+    ``run_episode`` must not return. When the cancellation came (``time.monotonic()``), and the
+    outcome ``on_end`` gave after the teardown."""
+    ended: list[isolate.EpisodeOutcome] = []
+    cancelled_at = 0.0
+    async with anyio.create_task_group() as tg:
+
+        async def cancel_when_ready() -> None:
+            nonlocal cancelled_at
+            await ready()
+            cancelled_at = time.monotonic()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(cancel_when_ready)
+        await isolate.run_episode(spec, {}, on_end=ended.append)
+        pytest.fail("run_episode returned instead of being cancelled")
+    assert tg.cancel_scope.cancelled_caught
+    (outcome,) = ended
+    return cancelled_at, outcome
 
 
 def is_gone(pid: int, create_time: float | None = None) -> bool:

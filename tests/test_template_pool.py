@@ -24,6 +24,7 @@ from . import _internals
 from .cancellation._shims import SILENT_SHIM
 from .conftest import (
     Agents,
+    cancelled_once,
     episode_processes,
     is_gone,
     remove_dead_parents_leaves,
@@ -380,19 +381,8 @@ async def test_a_pool_episode_cancelled_by_its_caller_cleans_up_as_before(
     spec = agents.spec(SLEEPER, preload=True, kill_grace=1.0)
     await park_in(mode, spec, 1)
     await anyio.to_thread.run_sync(parked_procs, parked()[0])
-    ended: list[isolate.EpisodeOutcome] = []
-    async with anyio.create_task_group() as tg:
-
-        async def cancel_when_ready() -> None:
-            await wait_until((agents.pids / "ready").exists)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {}, on_end=ended.append)
-        pytest.fail("run_episode returned instead of being cancelled")
-    assert tg.cancel_scope.cancelled_caught
+    _, outcome = await cancelled_once(spec, lambda: wait_until((agents.pids / "ready").exists))
     assert (agents.pids / "cleaned").read_text() == "yes"
-    (outcome,) = ended
     assert (outcome.status, outcome.start, outcome.cleanup) == ("timeout", "template", "finished")
     assert outcome.error is not None
     assert outcome.error.message.startswith("cancelled after ")

@@ -20,6 +20,7 @@ from ..conftest import (
     SLOW,
     Agents,
     both_starts,
+    cancelled_once,
     is_gone,
     wait_until,
 )
@@ -76,19 +77,8 @@ async def test_cancel_around_spawn(agents: Agents, point: str) -> None:
 async def test_cancel_during_the_run(agents: Agents) -> None:
     spec = agents.spec(TREE_AGENT, kill_grace=1.0)
     started = time.monotonic()
-    cancelled_at = 0.0
-    async with anyio.create_task_group() as tg:
-
-        async def cancel_when_ready() -> None:
-            nonlocal cancelled_at
-            await wait_until((agents.pids / "ready").exists)
-            cancelled_at = time.monotonic()
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {})
-        pytest.fail("run_episode returned instead of being cancelled")
-    assert tg.cancel_scope.cancelled_caught
+    ready = (agents.pids / "ready").exists
+    cancelled_at, _ = await cancelled_once(spec, lambda: wait_until(ready))
     pids = recorded(agents)
     assert len(pids) == TREE_PIDS
     assert not agents.left()
@@ -101,18 +91,7 @@ async def test_cancel_during_the_run(agents: Agents) -> None:
 async def test_cancel_during_the_run_at_every_level(agents: Agents, level: str) -> None:
     spec = agents.spec(TREE_AGENT, kill_grace=0.5, containment=level)
     seen: list[psutil.Process] = []
-    cancelled_at = 0.0
-    async with anyio.create_task_group() as tg:
-
-        async def cancel_when_ready() -> None:
-            nonlocal cancelled_at
-            await snapshot_when_ready(agents, seen)
-            cancelled_at = time.monotonic()
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {})
-        pytest.fail("run_episode returned instead of being cancelled")
+    cancelled_at, _ = await cancelled_once(spec, lambda: snapshot_when_ready(agents, seen))
     assert len(seen) >= TREE_PIDS + shims(forked=True)
     assert all_gone(seen)
     # One grace period (the tree ignores SIGTERM) and little more.

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 import isolate
@@ -22,6 +21,7 @@ from .. import _internals
 from ..conftest import (
     SLOW,
     Agents,
+    cancelled_once,
     episode_processes,
     remove_dead_parents_leaves,
     wait_for,
@@ -179,20 +179,9 @@ def run(data):
 
 async def test_clean_up_runs_at_cancellation_of_the_caller(agents: Agents) -> None:
     spec = agents.spec(ASYNC_SLEEP, kill_grace=1.0)
-    ended: list[isolate.EpisodeOutcome] = []
-    async with anyio.create_task_group() as tg:
-
-        async def cancel_when_ready() -> None:
-            await wait_until((agents.pids / "ready").exists)
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(cancel_when_ready)
-        await isolate.run_episode(spec, {}, on_end=ended.append)
-        pytest.fail("run_episode returned instead of being cancelled")
-    assert tg.cancel_scope.cancelled_caught
-    assert (agents.pids / "cleaned").read_text() == "async"
     # The caller still learns how the episode ended, after the teardown.
-    (outcome,) = ended
+    _, outcome = await cancelled_once(spec, lambda: wait_until((agents.pids / "ready").exists))
+    assert (agents.pids / "cleaned").read_text() == "async"
     assert outcome.status == "timeout"
     assert outcome.error is not None
     assert outcome.error.message.startswith("cancelled after ")
