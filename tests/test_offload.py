@@ -56,40 +56,48 @@ async def test_a_burst_runs_in_order_on_one_thread(monkeypatch: pytest.MonkeyPat
     assert len({thread for _, thread in ran}) == 1
 
 
+class Blocking:
+    """A call that says it has started, blocks until ``release`` is set, then appends ``note``
+    to ``notes`` and returns it."""
+
+    def __init__(self, notes: list[str], note: str) -> None:
+        self.notes, self.note = notes, note
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self) -> str:
+        self.started.set()
+        self.release.wait(60)
+        self.notes.append(self.note)
+        return self.note
+
+    async def entered(self) -> None:
+        """Until the call runs (in its worker thread)."""
+        await anyio.to_thread.run_sync(self.started.wait, 60)
+
+
 async def test_a_hung_call_holds_up_the_others_for_stuck_s_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(offload, "STUCK_S", 0.05)
-    entered, release = threading.Event(), threading.Event()
     hung: list[str] = []
-
-    def hang() -> str:
-        entered.set()
-        release.wait(60)
-        hung.append("released")
-        return "hung"
+    hang = Blocking(hung, "released")
 
     async def first() -> None:
-        assert await offload.call(hang) == "hung"
+        assert await offload.call(hang) == "released"
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(first)
-        await anyio.to_thread.run_sync(entered.wait, 60)
+        await hang.entered()
         with anyio.fail_after(30):
             assert await offload.call(lambda: "behind it") == "behind it"
         assert hung == []  # done while the first still hangs
-        release.set()
+        hang.release.set()
     assert hung == ["released"]
 
 
 async def test_a_cancelled_caller_waits_for_its_call_to_end() -> None:
-    entered, release = threading.Event(), threading.Event()
     order: list[str] = []
-
-    def slow() -> None:
-        entered.set()
-        release.wait(60)
-        order.append("call ended")
+    slow = Blocking(order, "call ended")
 
     async def caller() -> None:
         try:
@@ -100,13 +108,13 @@ async def test_a_cancelled_caller_waits_for_its_call_to_end() -> None:
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
             tg.start_soon(caller)
-            await anyio.to_thread.run_sync(entered.wait, 60)
+            await slow.entered()
             scope.cancel()
             with anyio.CancelScope(shield=True):
                 for _ in range(20):  # rounds of the event loop in which the caller could return
                     await anyio.lowlevel.checkpoint()
                 assert order == []
-                release.set()
+                slow.release.set()
     assert scope.cancelled_caught
     assert order == ["call ended", "caller back"]
 
