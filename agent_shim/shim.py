@@ -14,7 +14,8 @@ Python 3.9+, so it runs in an agent virtualenv that has neither isolate nor pyda
 5. Check the rest of the handshake, then contain (``shim_supervisor.contain``): join the
    episode's cgroups before creating any process; with ``pidns``, fork PID 1 of a new PID
    namespace (with a private /proc), which carries on as the supervisor while this process
-   only relays SIGTERM and its exit.
+   only relays SIGTERM and its exit; a privileged parent starts the shim as PID 1 of a
+   namespace of its own (``pid1``), which needs no relay.
 6. Fork the worker (``shim_worker.py``; a parked fork of a template forked it ahead and hands it
    the handshake here: ``shim_parked.py``), which enters its Landlock domain (with ``landlock``:
    from then on nothing it runs can signal or ptrace a process outside), sets the episode's
@@ -314,6 +315,7 @@ def check_handshake(hs):
         ("max_info_bytes", lambda v: type(v) is int and v >= 0),
         ("containment", is_containment),
         ("userns", lambda v: isinstance(v, bool)),
+        ("pid1", lambda v: v is True),
         ("cgroups", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
         ("rlimits", lambda v: isinstance(v, dict) and all(is_rlimit(*x) for x in v.items())),
         ("sandbox", lambda v: isinstance(v, dict)),
@@ -387,6 +389,11 @@ def main(ahead=None, alone=False):
         # process's memory, ptrace it or take its fds, nor those of its forks (the relay, PID
         # 1 and the worker inherit it; an exec does not).
         c_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if os.getpid() == 1:
+        # Started as PID 1 of a PID namespace (handshake ``pid1``), where no signal reaches a
+        # process without a handler for it: until the supervisor takes it, SIGTERM ends this
+        # process, as it ends any other shim before its worker exists.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
     frames_fd, parent_fd, raw, pending = take_stdio()
     hs = parse_handshake(raw)
     if hs is None:

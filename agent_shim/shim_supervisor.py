@@ -23,12 +23,18 @@ def contain(hs):
     process into a relay. Returns a problem, or None in the process that carries on. A
     template's fork (``forked``) lives in its template's namespaces already, and the parent
     moved it into its leaf before the handshake (the template's cgroup view does not show the
-    machine's tree)."""
+    machine's tree). With ``pid1`` the parent started this process as PID 1 of a PID
+    namespace of its own: it makes the other namespaces and needs no relay."""
     if hs.get("forked"):
         return None
     problem = join_cgroups(hs.get("cgroups", ()))
     if problem is not None or "pidns" not in shim.layers_of(hs):
         return problem
+    if hs.get("pid1"):
+        if os.getpid() != 1:
+            return "the parent's PID namespace: this process is not its PID 1"
+        problem = unshare_pidns(False, cgroupns=True, pid=False)
+        return problem or become_init(cgroupns=True, relayed=False)
     problem = unshare_pidns(hs.get("userns", False), cgroupns=True)
     if problem is not None:
         return problem
@@ -53,17 +59,19 @@ def join_cgroups(paths):
     return None
 
 
-def unshare_pidns(userns, cgroupns=False):
-    """New PID, mount, IPC and UTS namespaces (and a user one with ``userns``; a cgroup one with
-    ``cgroupns``, rooted at the cgroup this process is in: join the leaf first). A problem or
-    None."""
+def unshare_pidns(userns, cgroupns=False, pid=True):
+    """New PID (unless not ``pid``: this process is PID 1 of one already), mount, IPC and UTS
+    namespaces (and a user one with ``userns``; a cgroup one with ``cgroupns``, rooted at the
+    cgroup this process is in: join the leaf first). A problem or None."""
     uid, gid = os.getuid(), os.getgid()
-    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
-    flags |= (shim.CLONE_NEWUSER if userns else 0) | (shim.CLONE_NEWCGROUP if cgroupns else 0)
+    flags = shim.CLONE_NEWNS | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS
+    flags |= (shim.CLONE_NEWPID if pid else 0) | (shim.CLONE_NEWUSER if userns else 0)
+    flags |= shim.CLONE_NEWCGROUP if cgroupns else 0
     result, errno = shim.c_call("unshare", flags)
     if result != 0:
-        return "unshare(%s%s): %s" % (
-            "user+pid+mount+ipc+uts" if userns else "pid+mount+ipc+uts",
+        return "unshare(%s%s+mount+ipc+uts%s): %s" % (
+            "user+" if userns else "",
+            "pid" if pid else "",
             "+cgroup" if cgroupns else "",
             os.strerror(errno),
         )
@@ -102,12 +110,13 @@ def map_own_ids(uid, gid, opener=None):
     return None
 
 
-def become_init(cgroupns=False, guard=True):
-    """In PID 1 of the new namespace: die with the relay; build the episode's world (a /proc
-    that shows only the namespace, or the supervisor's scan of /proc would see the whole
-    machine; a /dev of its own; the cgroup view; with ``guard``, the kernel's files read-only):
-    shim_world.py. A problem or None."""
-    shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def become_init(cgroupns=False, guard=True, relayed=True):
+    """In PID 1 of the new namespace: die with the relay (``relayed``); build the episode's
+    world (a /proc that shows only the namespace, or the supervisor's scan of /proc would see
+    the whole machine; a /dev of its own; the cgroup view; with ``guard``, the kernel's files
+    read-only): shim_world.py. A problem or None."""
+    if relayed:
+        shim.c_call("prctl", shim.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     return shim.load_part("world").build(cgroupns, guard)
 
 

@@ -144,7 +144,9 @@ class _Parent:
             if shim is None:
                 outcome = await isolate.run_episode(spec, {"instance_id": "noop"})
             else:
-                outcome = await _launcher._run_with_shim(spec, {"instance_id": "noop"}, shim)
+                outcome = await _launcher._run_with_shim(
+                    spec, {"instance_id": "noop"}, shim, pid1=True
+                )
             if outcome.status != "ok":
                 raise RuntimeError(f"no-op episode failed: {outcome.summary()}")
             self.containment.add(str(outcome.containment))

@@ -148,7 +148,7 @@ async def _compare(spec: isolate.EpisodeSpec, shims: dict[str, Path], n: int) ->
     for _ in range(n):
         for name, shim in shims.items():
             t0 = time.perf_counter()
-            outcome = await _launcher._run_with_shim(spec, {}, shim)
+            outcome = await _launcher._run_with_shim(spec, {}, shim, pid1=True)
             times[name].append(time.perf_counter() - t0)
             assert outcome.status == "ok", outcome.summary()
     return {name: statistics.median(v) for name, v in times.items()}

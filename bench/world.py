@@ -52,7 +52,7 @@ async def _episodes(spec: isolate.EpisodeSpec, shim: Path | None, k: int) -> flo
         if shim is None:
             outcome = await isolate.run_episode(spec, {})
         else:
-            outcome = await _launcher._run_with_shim(spec, {}, shim)
+            outcome = await _launcher._run_with_shim(spec, {}, shim, pid1=True)
         if outcome.status != "ok" or outcome.containment != spec.containment:
             raise RuntimeError(f"no-op episode: {outcome.summary()}")
     return time.perf_counter() - t0

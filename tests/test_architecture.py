@@ -211,6 +211,7 @@ UNIT_UNDER_TEST = {
     "test_fork_namespaces.py": "isolate._core.templates.namespaces",
     "test_leaf_kill.py": "isolate._core.containment.leaves",
     "test_offload.py": "isolate._core.system.offload",
+    "test_pid1.py": "isolate._core.system.pidns",
     "test_procfs.py": "isolate._core.system.procfs",
     "test_protocol.py": "isolate._core.episode.protocol",
     "test_redact.py": "isolate._core.episode.redact",

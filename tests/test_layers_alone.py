@@ -156,7 +156,7 @@ def test_every_process_of_the_shim_is_not_dumpable(
         parent.kill()
         parent.wait()
     assert json.loads(out.splitlines()[-1])["status"] == "ok"
-    # The shim's processes (the relay, PID 1, the supervisor, the worker) belong to root in
+    # The shim's processes (a relay, PID 1, the supervisor, the worker) belong to root in
     # /proc; the agent's own child, as dumpable as any, to its user.
     assert owners == {"shim": {0}, "sleep": {NOBODY}}
     assert episode_processes(marker.encode()) == []

@@ -509,7 +509,7 @@ def expected_findings(combination: str, *, root: bool) -> dict[str, Any]:
                 "trainer in /proc": False,
                 "kill trainer": "ESRCH",
                 "supervisor": 1,  # PID 1 of the namespace
-                "supervisor's parent": 0,  # the relay is outside: not even a number
+                "supervisor's parent": 0,  # the trainer (or a relay) is outside: not even a number
             }
         )
     return expected

@@ -79,8 +79,9 @@ def plan_limits(containment: str, limits: Limits | None, groups: Cgroups | None)
             # the worker room to report its MemoryError (see REPORT_ROOM).
             out.rlimits["RLIMIT_DATA"] = (limits.memory_bytes, limits.memory_bytes + REPORT_ROOM)
     if limits.max_processes is not None:
-        # The supervisor counts too, and with a PID namespace its outer half (the relay).
-        n = str(limits.max_processes + 1 + ("pidns" in on))
+        # The supervisor counts too, and with a PID namespace in a user namespace its outer
+        # half (the relay; a privileged parent starts the supervisor in its namespace).
+        n = str(limits.max_processes + 1 + ("pidns" in on and needs_userns()))
         where = groups.controller("pids") if groups else None
         if where is not None:
             out.writes.setdefault("v2" if where == "v2" else "pids", {})["pids.max"] = n

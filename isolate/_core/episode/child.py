@@ -7,6 +7,7 @@ budget), on both sides. stderr is a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -22,6 +23,7 @@ from .. import containment as _containment
 from .. import templates as _templates
 from ..containment import sandbox as _sandbox
 from ..model.errors import SetupProblem
+from ..system import pidns as _pidns
 from ..system.tree import ProcessTree
 from . import protocol as proto
 from .prepare import Prepared, Request, handshake
@@ -45,6 +47,11 @@ class Child(Protocol):
     def alone(self) -> bool:
         """The agent's own process, supervised from the parent (a template's fork that is its
         own worker), rather than a shim that supervises the worker it forks."""
+
+    @property
+    def pid1(self) -> bool:
+        """Started as PID 1 of a PID namespace of its own: until the shim sets its handler,
+        SIGTERM does not reach it (the kernel spares PID 1 every signal it does not handle)."""
 
     @property
     def cpu_s(self) -> float | None:
@@ -79,9 +86,11 @@ class Fresh:
     alone = False
     cpu_s: float | None = None
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], pid1: bool) -> None:
+        """``pid1``: started as PID 1 of a PID namespace of its own (:class:`Launch`)."""
         self.popen = popen
         self.pid = popen.pid
+        self.pid1 = pid1
         self.pidfd: int | None = None
 
     @property
@@ -133,12 +142,14 @@ class Fresh:
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start a fresh shim."""
+    """How to start a fresh shim. ``pid1``: as PID 1 of a new PID namespace, made by the
+    parent (``system.pidns``), so that the shim needs no relay outside it."""
 
     python: str
     shim: Path
     env: dict[str, str]
     cwd: Path | None
+    pid1: bool = False
 
 
 def start(
@@ -156,8 +167,9 @@ def start(
             # A fork that comes late holds this pair's end: EOF for it once we give up.
             child = template.fork(episode_id, theirs.fileno())
         else:
-            child = Fresh(
-                subprocess.Popen(
+            born = _pidns.born_in_new() if launch.pid1 else contextlib.nullcontext()
+            with born:
+                popen = subprocess.Popen(
                     [launch.python, "-I", str(launch.shim)],
                     stdin=theirs.fileno(),
                     stdout=theirs.fileno(),
@@ -168,7 +180,7 @@ def start(
                     close_fds=True,
                     bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
                 )
-            )
+            child = Fresh(popen, launch.pid1)
     except BaseException:
         ours.close()
         raise
@@ -239,7 +251,8 @@ def send_handshake(
     what is left of the handshake and the episode's process tree. Raises
     :class:`SetupProblem`, with the child killed."""
     forked = isinstance(child, _templates.Forked)
-    public = handshake(req, prep, env, forked=forked)
+    pid1 = isinstance(child, Fresh) and child.pid1
+    public = handshake(req, prep, env, forked=forked, pid1=pid1)
     line = proto.encode_handshake(public, req.secrets, req.secret_env)
     # Out at once, so the shim can read it as soon as it has started; the rest later.
     rest = write_some(channel, memoryview(line))

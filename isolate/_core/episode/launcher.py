@@ -87,7 +87,7 @@ async def run_episode(
     "cancelled after N s", unless a result came first) and the cancellation propagates.
     """
     req = Request.check(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
-    return await _episode(req, boot_path(), on_start, on_end)
+    return await _episode(req, boot_path(), True, on_start, on_end)
 
 
 async def _run_with_shim(
@@ -100,10 +100,14 @@ async def _run_with_shim(
     episode_id: str | None = None,
     secret_env: Mapping[str, SecretStr | str] | None = None,
     on_start: Callable[[int], object] | None = None,
+    pid1: bool = False,
 ) -> EpisodeOutcome:
-    """Like :func:`run_episode` with another child program; for protocol tests and benches."""
+    """Like :func:`run_episode` with another child program; for protocol tests and benches.
+    ``pid1``: the program is a copy of the shim, started as the shim is (as PID 1 of a PID
+    namespace the parent makes, where it makes one); else as a plain child, whatever the
+    containment."""
     req = Request.check(spec, data, kwargs or {}, secrets or {}, episode_id, secret_env or {})
-    return await _episode(req, shim, on_start, None)
+    return await _episode(req, shim, pid1, on_start, None)
 
 
 _STARTING: RunVar[anyio.CapacityLimiter] = RunVar("isolate_starting")
@@ -145,13 +149,14 @@ class _Slot:
 async def _episode(
     req: Request,
     shim: Path,
+    pid1: bool,
     on_start: Callable[[int], object] | None,
     on_end: Callable[[EpisodeOutcome], object] | None,
 ) -> EpisodeOutcome:
     """The stages of one episode, then ``on_end``; the caller's cancellation goes on after."""
     limits = req.spec.limits
     log = EpisodeLog(req.spec.stderr_tail_bytes, limits.log_bytes if limits else None)
-    ep = _st.Episode(req, shim, time.monotonic(), log)
+    ep = _st.Episode(req, shim, pid1, time.monotonic(), log)
     with contextlib.ExitStack() as kept:  # after the outcome: the log, and the fd budget
         kept.callback(log.close)
         outcome, cancelled = await _stages(ep, on_start, kept)
@@ -324,7 +329,9 @@ def _spawn(
     ``waited``: how long it waited for one. Raises :class:`~.stages.StartFailed` (with the
     child killed)."""
     env, template, ready = chosen.env, chosen.template, chosen.ready
-    launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd)
+    # A fresh shim whose PID namespace needs no user namespace: the parent makes it.
+    pid1 = ep.pid1 and template is None and ready.prep.userns is False
+    launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd, pid1)
     child, channel = _child.start(launch, template, ep.req.episode_id)
     held.callback(_close_child, frames, child, channel)
     if template is not None:

@@ -192,10 +192,11 @@ def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
 
 
 def handshake(
-    req: Request, prep: Prepared, env: Mapping[str, str], *, forked: bool
+    req: Request, prep: Prepared, env: Mapping[str, str], *, forked: bool, pid1: bool = False
 ) -> dict[str, Any]:
     """The handshake's public part (everything but the secrets): a pure function of the
-    request, what was prepared and the exec environment. ``forked``: for a template's fork."""
+    request, what was prepared and the exec environment. ``forked``: for a template's fork;
+    ``pid1``: for a shim the parent started as PID 1 of a PID namespace of its own."""
     spec = req.spec
     public: dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
@@ -215,6 +216,8 @@ def handshake(
         public["rlimits"] = prep.rlimits
     if prep.userns is not None:
         public["userns"] = prep.userns
+    if pid1:
+        public["pid1"] = True
     if prep.leaves is not None:
         public["cgroups"] = prep.leaves.join()
     wall = prep.wall

@@ -27,11 +27,13 @@ from .watch import EpisodeWatch
 
 @dataclass(frozen=True)
 class Episode:
-    """What every stage reads: the request, the child program, when the episode began, and
-    the log (written through its own methods)."""
+    """What every stage reads: the request, the child program (``pid1``: it may be started
+    as PID 1 of a PID namespace the parent makes, as the shim may), when the episode began,
+    and the log (written through its own methods)."""
 
     req: Request
     shim: Path
+    pid1: bool
     began: float
     log: EpisodeLog
 

@@ -207,6 +207,13 @@ class EpisodeWatch:
         gets SIGTERM, ``kill_grace``, SIGKILL, until nothing is left."""
         if self.frames.final is None:
             await self._cancel()
+        if self.frames.hello is None and self.child.pid1 and self.child.returncode is None:
+            # The shim says hello before it forks the worker: without its hello, the agent has
+            # not started (or, its hello still unread, has just started, and ends now rather
+            # than a moment later). As PID 1 of its namespace the shim takes no SIGTERM until
+            # its handler is set and would wait out kill_grace: end it at once. The kernel
+            # ends whatever else is in the namespace with it.
+            self.child.kill()
         if self.frames.cleanup_seen.is_set() and self.child.returncode is None:
             # The shim answered: it terminates the tree itself and says what it killed.
             with anyio.move_on_after(self.graces.kill_grace + _SHIM_TEARDOWN_MARGIN_S):

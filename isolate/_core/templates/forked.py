@@ -111,6 +111,7 @@ class Forked:
         self.returncode: int | None = None
         #: False when the template died before it could report the exit status.
         self.status_known = True
+        self.pid1 = False  # in its template's PID namespace
         #: Its pid in the template's PID namespace: PID 1 reports it by that number.
         self.ns_pid = ns_pid(pid) if alone else None
         self._eof = False
