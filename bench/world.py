@@ -32,12 +32,10 @@ NOOP_AGENT = "def run(data, **kwargs):\n    return 1.0\n"
 
 #: The shim without the world: the namespaces, /proc and /dev/shm PID 1 had before it.
 BEFORE = {
-    "    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS\n": (
-        "    flags = shim.CLONE_NEWPID | shim.CLONE_NEWNS\n"
+    "    flags = shim.CLONE_NEWNS | shim.CLONE_NEWIPC | shim.CLONE_NEWUTS\n": (
+        "    flags = shim.CLONE_NEWNS\n"
     ),
-    "    flags |= (shim.CLONE_NEWUSER if userns else 0) | (shim.CLONE_NEWCGROUP if cgroupns else 0)\n": (  # noqa: E501
-        "    flags |= shim.CLONE_NEWUSER if userns else 0\n"
-    ),
+    "    flags |= shim.CLONE_NEWCGROUP if cgroupns else 0\n": "",
     "    problem = private_dev(mount)\n": (
         '    problem = mount(b"tmpfs", b"/dev/shm", b"tmpfs", QUIET, b"mode=1777")\n'
     ),
