@@ -141,8 +141,10 @@ def relay(child):
         import resource
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:  # whose action is always the default, and cannot be set
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 

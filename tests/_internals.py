@@ -113,6 +113,8 @@ template_receivers = (_template_process.receive_message, _template_registry.rece
 # -- The launcher's hooks.
 # Runs an episode with a shim of the test's (a fake that breaks the protocol, say).
 run_with_shim = _launcher._run_with_shim
+# The shim run_episode starts: run_with_shim with it and ``pid1=False`` starts it with its relay.
+shim_boot = _launcher.boot_path
 # The gate that bounds how many episodes start at once: a test fills it.
 starting_gate = _launcher._starting_gate
 # The module of the shim's deadline margin: a test reads it, one lowers it.

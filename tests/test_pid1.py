@@ -1,13 +1,16 @@
 """Promise: a privileged parent starts a fresh shim as PID 1 of a PID namespace of its own
 (``system.pidns``), and nothing else changes namespace: not the thread that started it, once
 the start is over, nor any other thread's children, nor the trainer. The episode has no relay
-outside its namespace; a shim cancelled before its hello ends at once, though PID 1 takes no
-SIGTERM it has no handler for. An unprivileged parent cannot make the namespace, and says so.
-Real processes and threads; each test proves nothing of its episodes is left."""
+outside its namespace; a shim ended before its hello ends at once, though PID 1 takes no
+SIGTERM it has no handler for. An unprivileged parent cannot make the namespace, and says so;
+its shim keeps a relay, which ends an episode as PID 1 would (run here as root, by
+``run_with_shim(..., pid1=False)``). Real processes and threads; each test proves nothing of
+its episodes is left."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -177,4 +180,47 @@ async def test_a_shim_ended_before_its_hello_ends_at_once(agents: Agents) -> Non
     took = time.monotonic() - started
     assert outcome.status == "timeout", outcome.summary()
     assert took < 20 * SLOW, took
+    assert agents.left() == []
+
+
+SLEEPS = "import time\ndef run(data):\n    time.sleep(60)\n    return 1.0\n"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("pid1", [True, False], ids=["as PID 1", "with its relay"])
+@pytest.mark.parametrize("victim", ["the parent's child", "PID 1"])
+async def test_a_supervisor_killed_from_outside_reads_as_killed(
+    agents: Agents, pid1: bool, victim: str
+) -> None:
+    """SIGKILL from outside (the OOM killer, an operator) to the shim's process or to PID 1:
+    the episode reads as killed by SIGKILL either way, with a relay too (which dies of what
+    killed PID 1), and nothing is left."""
+    spec = agents.spec(SLEEPS)
+    shim: list[int] = []
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def run() -> None:
+        boot = _internals.shim_boot()
+        outcomes.append(
+            await _internals.run_with_shim(spec, {}, boot, on_start=shim.append, pid1=pid1)
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        count = 2 if pid1 else 3  # the relay, outside the namespace
+        await anyio.to_thread.run_sync(
+            wait_for, lambda: len(agents.left()) == count, 30 * SLOW, "the episode's processes"
+        )
+        found = {proc.pid: _nspid(proc.pid) for proc in agents.left()}
+        assert (found[shim[0]][1:] == ["1"]) is pid1
+        target = (
+            shim[0]
+            if victim == "the parent's child"
+            else next(pid for pid, ns in found.items() if ns[1:] == ["1"])
+        )
+        os.kill(target, signal.SIGKILL)
+    outcome = outcomes[0]
+    assert outcome.status == "crashed", outcome.summary()
+    assert outcome.signal == "SIGKILL", outcome.summary()
+    assert outcome.exit_code is None
     assert agents.left() == []
