@@ -191,7 +191,11 @@ def _containment_report(report: _Report, requested: str) -> str | None:
             controllers = [c for c in ("memory", "pids") if groups.controller(c)]
             how = f"leaves under {groups.v2}; controllers: {', '.join(controllers) or 'none'}"
         elif layer == "pidns":
-            how = "in a user namespace" if _containment.needs_userns() else "privileged"
+            how = (
+                "in a user namespace, the shim outside it as a relay"
+                if _containment.needs_userns()
+                else "privileged: a fresh shim starts as PID 1 of its namespace"
+            )
         else:
             how = f"Landlock ABI {_sandbox.landlock_abi()}, scoped signals"
         report.line("ok", f"layer {layer}: available ({how})")
