@@ -4,9 +4,9 @@
 children are born in. The kernel keeps that name per thread, and the call needs no single
 thread (unlike a user namespace). So a worker thread of the parent, which holds
 CAP_SYS_ADMIN, may make the namespace, start the shim (its first child there, so its PID 1),
-and return to its own namespace for its later children. The shim then makes no namespace of
-the parent's: no relay process outside it waits for its exit (docs/containment.md). Other
-threads, and so the trainer's own children, are never affected.
+and return to its own namespace for its later children. The shim then makes only the other
+namespaces, and no relay process waits outside its PID namespace for its exit
+(docs/containment.md). Other threads, and so the trainer's own children, are never affected.
 
 An unprivileged parent cannot: a PID namespace needs a user namespace around it, and a process
 with threads cannot make one. Its shim makes both and keeps its relay.
