@@ -178,6 +178,13 @@ def _withheld(report: _Report) -> None:
         print(f"          {name}: {reason}")
 
 
+#: How a fresh shim gets its PID namespace, by whether the parent needs a user namespace.
+PIDNS_HOW = {
+    False: "privileged: a fresh shim starts as PID 1 of its namespace",
+    True: "in a user namespace, the shim outside it as a relay",
+}
+
+
 def _containment_report(report: _Report, requested: str) -> str | None:
     """Each layer, the combination ``requested`` resolves to, and what an agent could still do
     to the trainer there; the combination, or None when it cannot be had."""
@@ -191,11 +198,7 @@ def _containment_report(report: _Report, requested: str) -> str | None:
             controllers = [c for c in ("memory", "pids") if groups.controller(c)]
             how = f"leaves under {groups.v2}; controllers: {', '.join(controllers) or 'none'}"
         elif layer == "pidns":
-            how = (
-                "in a user namespace, the shim outside it as a relay"
-                if _containment.needs_userns()
-                else "privileged: a fresh shim starts as PID 1 of its namespace"
-            )
+            how = PIDNS_HOW[_containment.needs_userns()]
         else:
             how = f"Landlock ABI {_sandbox.landlock_abi()}, scoped signals"
         report.line("ok", f"layer {layer}: available ({how})")
