@@ -251,8 +251,7 @@ def send_handshake(
     what is left of the handshake and the episode's process tree. Raises
     :class:`SetupProblem`, with the child killed."""
     forked = isinstance(child, _templates.Forked)
-    pid1 = isinstance(child, Fresh) and child.pid1
-    public = handshake(req, prep, env, forked=forked, pid1=pid1)
+    public = handshake(req, prep, env, forked=forked, pid1=child.pid1)
     line = proto.encode_handshake(public, req.secrets, req.secret_env)
     # Out at once, so the shim can read it as soon as it has started; the rest later.
     rest = write_some(channel, memoryview(line))
