@@ -220,6 +220,18 @@ def reap(worker_pid, status):
             status = (code, usage.ru_utime + usage.ru_stime)
 
 
+def told(said):
+    """The worker's (wait status, CPU seconds) from the last ``exit CODE CPU_S`` line it wrote
+    on the exit pipe, or None."""
+    fields = said[said.rfind(b"exit ") :].split() if said.endswith(b"\n") else ()
+    try:
+        code, cpu_s = int(fields[1]), float(fields[2])
+    except (IndexError, ValueError):
+        return None
+    ok = len(fields) == 3 and 0 <= code <= 255 and 0 <= cpu_s < shim.INF
+    return (code << 8, cpu_s) if ok else None  # a wait status: exited with code
+
+
 def signal_all(pids, sig):
     for pid in pids:
         try:
@@ -280,10 +292,10 @@ def kill_until_gone(find, stop=(), grace=0.0, pause=None):
     return victims, gone
 
 
-def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
+def kill_tree(worker_pid, status, grace, reaper, parent_fd=None, exiting=None):
     """Kill every descendant (``kill_until_gone``: SIGTERM for ``grace`` seconds, then SIGKILL)
     and reap everything; with the parent's pipe ``parent_fd`` at EOF the grace ends within
-    PARENT_GONE_GRACE. Returns (number of processes signalled, worker's status)."""
+    PARENT_GONE_GRACE. Returns (processes signalled, worker's status). ``exiting``: told."""
     status, clear = reap(worker_pid, status)
     if clear and reaper:
         # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
@@ -296,7 +308,9 @@ def kill_tree(worker_pid, status, grace, reaper, parent_fd=None):
         # Reap the dead too: an unreaped zombie's own children would be handed to init.
         statuses[0], clear = reap(worker_pid, statuses[0])
         live = live_descendants(me)
-        return live, clear and not live
+        if exiting is not None:  # told: no survivor, and the kernel reaps it with PID 1
+            live = [pid for pid in live if pid != worker_pid]
+        return live, (clear or exiting is not None) and not live
 
     pause = None if parent_fd is None else watching_parent(parent_fd)
     victims, _ = kill_until_gone(find, grace=grace, pause=pause)
@@ -348,6 +362,7 @@ class Supervisor:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.exit_r, self.exit_w = os.pipe()  # the worker writes a byte once its frame is out
+        self.told = None  # the status the worker said it exits with (told), once said
         self.flags = {}
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -359,7 +374,7 @@ class Supervisor:
 
     def as_worker(self):
         """In the worker, at once after the fork: the supervisor's handlers and fds gone. The
-        fd to write one byte to once the final frame is out."""
+        fd to write one byte to once the final frame is out (PID 1 also reads :func:`told`)."""
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
@@ -382,7 +397,7 @@ class Supervisor:
         if why not in ("exited", "terminated") and not exiting and cancel_grace > 0:
             status = self._cancel(channel, status, cancel_grace, tell=why != "parent gone")
         watch = None if why == "parent gone" else self.parent_fd
-        killed, status = kill_tree(worker_pid, status, grace, reaper, watch)
+        killed, status = kill_tree(worker_pid, status, grace, reaper, watch, self.told)
         if why == "parent gone":
             os._exit(0)  # nobody to report to; skip the interpreter shutdown
         try:
@@ -432,10 +447,13 @@ class Supervisor:
                 if fd == self.wake_r:
                     drain(self.wake_r)
                 elif fd == self.exit_r:
-                    if not os.read(self.exit_r, 16):
+                    said = os.read(self.exit_r, 64)
+                    if not said:
                         poller.unregister(self.exit_r)  # EOF: the worker is gone
                     elif not exiting:
                         exiting, exit_by = True, time.monotonic() + exit_grace
+                    if said and os.getpid() == 1 and status is None:
+                        status = self.told = told(said)
                 else:
                     data = os.read(self.parent_fd, 4096)
                     if not data:

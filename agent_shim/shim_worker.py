@@ -51,8 +51,10 @@ def run(hs, channel, supervisor_pid, supervisor):
 
         traceback.print_exc()  # a bug of the shim itself: leave a trace in the log
         shim.leave(code)
-    # The final frame is out. The supervisor bounds what follows by exit_grace.
-    leave_worker(code)
+    # The final frame is out. The supervisor bounds what follows by exit_grace. As PID 1 of
+    # this PID namespace it need not wait for this exit: its own reaps what is left of this
+    # process. So it is told the exit status, and goes on while the kernel tears this down.
+    leave_worker(code, exit_w if supervisor_pid == 1 else None)
 
 
 def worker(hs, channel):
@@ -310,14 +312,16 @@ def report(message, traceback, secrets):
     return {"message": message, "traceback": traceback}
 
 
-def leave_worker(code):
+def leave_worker(code, tell=None):
     """The worker's exit after its final frame: what plain python's exit does for a program,
     without tearing down every module. Non-daemon threads are joined, atexit hooks run
     (logging.shutdown, weakref.finalize: TemporaryDirectory, multiprocessing's), cyclic garbage
     is collected with its finalisers, files still open are closed (so flushed), then stdout and
     stderr; then os._exit. CPython's teardown would also deallocate every module's objects: for
     an agent that imported litellm, 110-180 ms of CPU, and in a template's fork a copy of each
-    page it touches. Python does not promise finalisers of objects alive at exit anyway."""
+    page it touches. Python does not promise finalisers of objects alive at exit anyway.
+    ``tell``: the supervisor's exit pipe, when it is PID 1 of this namespace: the last thing
+    before os._exit is the line ``exit CODE CPU_S`` on it (see the supervisor's ``told``)."""
     # First what the agent printed: a thread that never ends may get this exit killed.
     shim.flush_std_streams()
     threading = sys.modules.get("threading")
@@ -328,6 +332,15 @@ def leave_worker(code):
     atexit._run_exitfuncs()
     gc.collect()
     close_open_files()
+    if tell is not None:
+        shim.flush_std_streams()  # first: once told, the supervisor may end the namespace
+        times = os.times()  # this process's CPU and its reaped children's, as wait4 counts it
+        cpu_s = times[0] + times[1] + times[2] + times[3]
+        try:
+            os.write(tell, b"exit %d %r\n" % (code & 0xFF, cpu_s))
+        except OSError:
+            pass  # the supervisor is gone: so is the namespace
+        os._exit(code)
     shim.leave(code)
 
 

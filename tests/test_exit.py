@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import agent_shim.shim
 import isolate
 
 from .conftest import SLOW, Agents, both_starts, episode_processes
@@ -93,6 +94,65 @@ async def test_an_exit_that_hangs_is_cut_at_exit_grace_and_the_result_stands(
     assert outcome.signal == "SIGKILL"
     assert "exit took longer than exit_grace (1 s)" in outcome.stderr_tail
     assert 1.0 <= elapsed <= 1.0 + 3.0 * SLOW, elapsed
+    assert not episode_processes(f"PID_DIR={agents.pids}".encode())
+
+
+def test_the_supervisor_believes_only_a_whole_exit_line() -> None:
+    told = agent_shim.shim.load_part("supervisor").told
+    assert told(b"exit 7 0.25\n") == (7 << 8, 0.25)
+    assert told(b"xexit 0 0.5\n") == (0, 0.5)  # after the byte that says the frame is out
+    assert told(b"exit 9 1.0\nexit 3 2.0\n") == (3 << 8, 2.0)  # the last line counts
+    for said in (
+        b"x",
+        b"exit 7 0.25",  # not a whole line
+        b"exit 256 0.1\n",
+        b"exit -1 0.1\n",
+        b"exit 1 nan\n",
+        b"exit 1 inf\n",
+        b"exit 1 -0.5\n",
+        b"exit 1\n",
+        b"exit 1 0.1 2\n",
+        b"exit one 0.1\n",
+    ):
+        assert told(said) is None, said
+
+
+@pytest.mark.parametrize(
+    ("containment", "status"), [("cgroup+pidns", "crashed"), ("session", "timeout")]
+)
+async def test_an_agent_that_says_it_exits_ends_only_itself(
+    agents: Agents, containment: str, status: str
+) -> None:
+    """The worker tells a supervisor that is PID 1 of the episode's namespace its exit status,
+    and the supervisor ends the episode without waiting for the exit: the kernel reaps the
+    worker with it. An agent that writes that line itself ends its own episode, as os._exit
+    would: it is killed, and nothing of it is left. Without a PID namespace the line is not
+    believed: the agent runs on to its deadline."""
+    spec = agents.spec(
+        """
+        import os, stat, time
+        def run(data):
+            for name in os.listdir("/proc/self/fd"):
+                try:
+                    fd = int(name)
+                    if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode):
+                        os.write(fd, b"exit 7 0.0\\n")
+                except OSError:
+                    pass
+            time.sleep(60)
+        """,
+        containment=containment,
+        timeout=3.0,
+        kill_grace=0.5,
+    )
+    outcome = await isolate.run_episode(spec, {})
+    assert outcome.status == status, outcome.summary()
+    if status == "crashed":
+        assert outcome.exit_code == 7, outcome.summary()
+        assert outcome.killed == 0, outcome.summary()  # the worker is no survivor to count
+        assert outcome.duration_s < 3.0, outcome.summary()
+    else:
+        assert outcome.duration_s >= 3.0, outcome.summary()
     assert not episode_processes(f"PID_DIR={agents.pids}".encode())
 
 
