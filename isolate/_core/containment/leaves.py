@@ -134,10 +134,9 @@ class Leaves:
     def remove(self) -> str | None:
         """Remove the leaves (and our parent directory once it is empty); a problem or None."""
         problem = None
-        if not self.wait_empty():
+        if not self._removed_if_empty() and not self.wait_empty():
             problem = f"processes still in {self.dirs.get('v2')}"
         for kind, leaf in list(self.dirs.items()):
-            parent = self.parents[kind]
             with _dir_lock:
                 try:
                     _rmdir_tree(leaf)
@@ -146,15 +145,35 @@ class Leaves:
                 except OSError as exc:
                     problem = problem or f"cannot remove {leaf}: {exc.strerror or exc}"
                     continue
-                del self.dirs[kind]
-                _active[parent] = _active.get(parent, 1) - 1
-                if _active[parent] <= 0:
-                    _active.pop(parent, None)
-                    try:
-                        parent.rmdir()
-                    except OSError:
-                        pass  # a leaf we did not make, or one left behind: the next start cleans
+                self._forget(kind)
         return problem
+
+    def _removed_if_empty(self) -> bool:
+        """Remove each leaf with one rmdir, which the kernel refuses while a process or a
+        cgroup is in it; whether none is left (then no process was left in them either)."""
+        for kind, leaf in list(self.dirs.items()):
+            with _dir_lock:
+                try:
+                    leaf.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue  # busy: the caller kills and removes what is in it
+                self._forget(kind)
+        return not self.dirs
+
+    def _forget(self, kind: str) -> None:
+        """``kind``'s leaf is gone; so is our parent directory after its last leaf. Under
+        ``_dir_lock``."""
+        parent = self.parents[kind]
+        del self.dirs[kind]
+        _active[parent] = _active.get(parent, 1) - 1
+        if _active[parent] <= 0:
+            _active.pop(parent, None)
+            try:
+                parent.rmdir()
+            except OSError:
+                pass  # a leaf we did not make, or one left behind: the next start cleans
 
 
 def _write_each(path: Path, values: Iterable[str]) -> None:
