@@ -210,18 +210,31 @@ async def _stages(
 async def _ready(
     ep: _st.Episode, ticket: _admission.Ticket, held: contextlib.AsyncExitStack
 ) -> _st.Ready:
-    """Prepare, in a worker thread; its leaves, TMPDIR and network go on ``held``. Raises
-    :class:`SetupProblem`."""
-    prep = await _offload.call(prepare_episode, ep.req, ep.shim, ep.log.note)
+    """Prepare, then open the log, in one worker-thread trip; its leaves, TMPDIR and network go
+    on ``held``. Raises :class:`SetupProblem`."""
+    prep, env = await _offload.call(_prepare, ep)
     held.push_async_callback(_release_wall, ep, prep)
     held.callback(prep.close_network, ep.log.note)
-    return _st.Ready(ticket, prep)
+    return _st.Ready(ticket, prep, env)
+
+
+def _prepare(ep: _st.Episode) -> tuple[Prepared, dict[str, str] | None]:
+    """``prepare_episode``, then :func:`_open_log`: its environment, or None where the log did
+    not open (``_choose`` tries again, and meets what failed as it would have first, with what
+    was prepared on the exit stack). Blocking."""
+    prep = prepare_episode(ep.req, ep.shim, ep.log.note)
+    try:
+        return prep, _open_log(ep, prep)
+    except Exception:
+        return prep, None
 
 
 async def _choose(ep: _st.Episode, ready: _st.Ready) -> _st.Chosen | None:
     """Open the log, build the exec environment, and with ``preload`` find the template;
     None when no template came in time. Raises :class:`SetupProblem`."""
-    env = await _retrying(ep, ready.ticket, lambda: _offload.call(_open_log, ep, ready.prep))
+    env = ready.env
+    if env is None:
+        env = await _retrying(ep, ready.ticket, lambda: _offload.call(_open_log, ep, ready.prep))
     if not ep.spec.preload:
         return _st.Chosen(ready, env, None, None)
     refused: list[str] = []

@@ -48,6 +48,9 @@ class Ready:
 
     ticket: _admission.Ticket
     prep: Prepared
+    env: dict[str, str] | None = None
+    """The exec environment, built with the log opened in the same trip; None when the log
+    could not be opened then (the start tries again, waiting for room in the fd table)."""
 
 
 @dataclass(frozen=True)
