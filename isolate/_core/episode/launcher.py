@@ -6,9 +6,10 @@ result that does not change afterwards:
 1. the arguments checked (``prepare.Request``);
 2. admitted (``admission``: its share of the fd budget, a :class:`~.admission.Ticket`);
 3. prepared (``prepare.prepare_episode``: paths, containment, the wall, the network, a frozen
-   ``Prepared``; ``stages.Ready``);
-4. chosen: the log opened, the exec environment built, the template found when preloading
-   (``stages.Chosen``);
+   ``Prepared``; ``stages.Ready``), and in the same worker-thread trip the log opened and the
+   exec environment built;
+4. chosen: the exec environment (built again where the log did not open then), the template
+   found when preloading (``stages.Chosen``);
 5. started (``child``: fresh, or forked from a template; the handshake under way), with the
    frames reader and the parent's watch made for it (``stages.Started``);
 6. observed (``watch`` reading ``frames``, each writing only what it owns);
@@ -230,8 +231,9 @@ def _prepare(ep: _st.Episode) -> tuple[Prepared, dict[str, str] | None]:
 
 
 async def _choose(ep: _st.Episode, ready: _st.Ready) -> _st.Chosen | None:
-    """Open the log, build the exec environment, and with ``preload`` find the template;
-    None when no template came in time. Raises :class:`SetupProblem`."""
+    """The exec environment (the log opened first, unless ``_ready`` did both), and with
+    ``preload`` the template; None when no template came in time. Raises
+    :class:`SetupProblem`."""
     env = ready.env
     if env is None:
         env = await _retrying(ep, ready.ticket, lambda: _offload.call(_open_log, ep, ready.prep))
