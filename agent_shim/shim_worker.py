@@ -54,7 +54,8 @@ def run(hs, channel, supervisor_pid, supervisor):
     # The final frame is out. The supervisor bounds what follows by exit_grace. As PID 1 of
     # this PID namespace it need not wait for this exit: its own reaps what is left of this
     # process. So it is told the exit status, and goes on while the kernel tears this down.
-    leave_worker(code, exit_w if supervisor_pid == 1 else None)
+    tell = exit_w if supervisor_pid == 1 else None
+    leave_worker(code, tell)
 
 
 def worker(hs, channel):
@@ -332,16 +333,20 @@ def leave_worker(code, tell=None):
     atexit._run_exitfuncs()
     gc.collect()
     close_open_files()
+    exit_worker(code, tell)
+
+
+def exit_worker(code, tell=None):
+    """Flush stdout and stderr and end this process at once; ``tell``: the line ``exit CODE
+    CPU_S`` on it first."""
+    shim.flush_std_streams()  # first: once told, the supervisor may end the namespace
     if tell is not None:
-        shim.flush_std_streams()  # first: once told, the supervisor may end the namespace
         times = os.times()  # this process's CPU and its reaped children's, as wait4 counts it
-        cpu_s = times[0] + times[1] + times[2] + times[3]
         try:
-            os.write(tell, b"exit %d %r\n" % (code & 0xFF, cpu_s))
+            os.write(tell, b"exit %d %r\n" % (code & 0xFF, sum(times[:4])))
         except OSError:
             pass  # the supervisor is gone: so is the namespace
-        os._exit(code)
-    shim.leave(code)
+    os._exit(code)
 
 
 def close_open_files():

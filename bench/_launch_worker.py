@@ -58,9 +58,10 @@ HEAVY_AGENT = (
 
 
 def os_exit_shim(workdir: Path) -> Path:
-    """A copy of the shim whose worker leaves by ``os._exit`` right after its final frame."""
+    """A copy of the shim whose worker leaves by ``os._exit`` right after its final frame
+    (telling its supervisor, as the worker's normal exit does)."""
     return shim_variant(
-        workdir, "os_exit_shim", {"    leave_worker(code)\n": "    os._exit(code)\n"}
+        workdir, "os_exit_shim", {"    leave_worker(code, tell)\n": "    exit_worker(code, tell)\n"}
     )
 
 
