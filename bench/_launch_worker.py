@@ -79,10 +79,10 @@ def unhardened_shim(workdir: Path) -> Path:
 
 
 def shim_variant(workdir: Path, name: str, changes: dict[str, str]) -> Path:
-    """A copy of the shim in ``workdir/name`` with each line of ``changes`` replaced; its
-    boot.py."""
+    """A copy of the shim in ``workdir/name.PID`` with each line of ``changes`` replaced; its
+    boot.py. One per process: launch workers started together make theirs at once."""
     source = Path(isolate.shim_path()).parent
-    target = workdir / name
+    target = workdir / f"{name}.{os.getpid()}"
     shutil.copytree(
         source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
     )
