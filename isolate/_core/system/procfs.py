@@ -67,14 +67,20 @@ def has_live_thread(pid: int) -> bool:
     return False
 
 
-def ns_pid(pid: int) -> int | None:
-    """The number of process ``pid`` in its own PID namespace (the last of ``NSpid`` in
-    ``/proc/PID/status``); None if it is gone."""
+def ns_pids(pid: int) -> list[int] | None:
+    """The numbers of process ``pid`` in each PID namespace it is in, from ours inwards
+    (``NSpid`` in ``/proc/PID/status``); None if it is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
                 if line.startswith(b"NSpid:"):
-                    return int(line.split()[-1])
+                    return [int(n) for n in line.split()[1:]]
     except (OSError, ValueError):
         return None
     return None
+
+
+def ns_pid(pid: int) -> int | None:
+    """The number of process ``pid`` in its own PID namespace; None if it is gone."""
+    levels = ns_pids(pid)
+    return levels[-1] if levels else None

@@ -23,6 +23,7 @@ import psutil
 
 from agent_shim.shim_wire import EPISODE_ENV
 
+from .procfs import ns_pids
 from .reaping import SWEEP_GIVE_UP_S, Box, Reaper, is_alive, key, processes
 
 __all__ = ["Box", "ProcessTree", "is_alive", "pids_with_env", "tagged"]
@@ -144,12 +145,5 @@ class ProcessTree:
 
 def _is_pid_1(pid: int) -> bool:
     """Whether ``pid`` is PID 1 of a PID namespace below ours: the shim's supervisor."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    numbers = line.split()[1:]
-                    return len(numbers) > 1 and numbers[-1] == "1"
-    except OSError:
-        pass
-    return False
+    levels = ns_pids(pid)
+    return levels is not None and len(levels) > 1 and levels[-1] == 1
