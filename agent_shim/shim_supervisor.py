@@ -292,10 +292,10 @@ def kill_until_gone(find, stop=(), grace=0.0, pause=None):
     return victims, gone
 
 
-def kill_tree(worker_pid, status, grace, reaper, parent_fd=None, exiting=None):
+def kill_tree(worker_pid, status, grace, reaper, parent_fd=None, told_status=None):
     """Kill every descendant (``kill_until_gone``: SIGTERM for ``grace`` seconds, then SIGKILL)
     and reap everything; with the parent's pipe ``parent_fd`` at EOF the grace ends within
-    PARENT_GONE_GRACE. Returns (processes signalled, worker's status). ``exiting``: told."""
+    PARENT_GONE_GRACE; ``told_status``: :func:`told`'s. Returns (signalled, worker's status)."""
     status, clear = reap(worker_pid, status)
     if clear and reaper:
         # Every orphan below a subreaper (or PID 1) is re-parented to it, with its exit signal
@@ -308,9 +308,9 @@ def kill_tree(worker_pid, status, grace, reaper, parent_fd=None, exiting=None):
         # Reap the dead too: an unreaped zombie's own children would be handed to init.
         statuses[0], clear = reap(worker_pid, statuses[0])
         live = live_descendants(me)
-        if exiting is not None:  # told: no survivor, and the kernel reaps it with PID 1
+        if told_status is not None:  # no survivor: the kernel reaps it with PID 1
             live = [pid for pid in live if pid != worker_pid]
-        return live, (clear or exiting is not None) and not live
+        return live, (clear or told_status is not None) and not live
 
     pause = None if parent_fd is None else watching_parent(parent_fd)
     victims, _ = kill_until_gone(find, grace=grace, pause=pause)
@@ -362,7 +362,6 @@ class Supervisor:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.exit_r, self.exit_w = os.pipe()  # the worker writes a byte once its frame is out
-        self.told = None  # the status the worker said it exits with (told), once said
         self.flags = {}
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -390,14 +389,14 @@ class Supervisor:
         os.close(self.exit_w)
         self.worker_pid = worker_pid
         grace = float(hs.get("kill_grace", 5.0))
-        status, why, exiting = self._wait(hs)
+        status, why, exiting, told_status = self._wait(hs)
         if why in ("terminated", "parent gone"):
             grace = min(grace, PARENT_GONE_GRACE)
         cancel_grace = float(hs.get("cancel_grace", 0.0))
         if why not in ("exited", "terminated") and not exiting and cancel_grace > 0:
             status = self._cancel(channel, status, cancel_grace, tell=why != "parent gone")
         watch = None if why == "parent gone" else self.parent_fd
-        killed, status = kill_tree(worker_pid, status, grace, reaper, watch, self.told)
+        killed, status = kill_tree(worker_pid, status, grace, reaper, watch, told_status)
         if why == "parent gone":
             os._exit(0)  # nobody to report to; skip the interpreter shutdown
         try:
@@ -409,8 +408,8 @@ class Supervisor:
 
     def _wait(self, hs):
         """Until the episode ends: the worker's (wait status, CPU seconds) or None, why it
-        ended (``exited``, ``deadline``, ``cancelled``, ``terminated``, ``parent gone``), and
-        whether the worker's final frame was out."""
+        ended (``exited``, ``deadline``, ``cancelled``, ``terminated``, ``parent gone``),
+        whether the worker's final frame was out, and the status it told (:func:`told`)."""
         deadline = time.monotonic() + float(hs.get("deadline", 1e9))
         exit_grace = float(hs.get("exit_grace", 10.0))
         poller = select.poll()
@@ -419,6 +418,7 @@ class Supervisor:
         status, why = None, "cancelled" if shim.CANCEL in self.pending else "exited"
         exit_by = None  # when the worker's normal exit must be over (monotonic)
         exiting = False  # the worker's final frame is out: nothing left to cancel
+        told_status = None  # the worker's status as it told PID 1, not yet reaped maybe
         while why == "exited":
             status, _ = reap(self.worker_pid, status)
             if status is not None:
@@ -453,7 +453,7 @@ class Supervisor:
                     elif not exiting:
                         exiting, exit_by = True, time.monotonic() + exit_grace
                     if said and os.getpid() == 1 and status is None:
-                        status = self.told = told(said)
+                        status = told_status = told(said)
                 else:
                     data = os.read(self.parent_fd, 4096)
                     if not data:
@@ -461,7 +461,7 @@ class Supervisor:
                         poller.unregister(self.parent_fd)
                     elif shim.CANCEL in data:
                         why = "cancelled"
-        return status, why, exiting
+        return status, why, exiting, told_status
 
     def _cancel(self, channel, status, grace, tell):
         """Cancel first: the agent releases its sandboxes in its own finally: blocks. The
