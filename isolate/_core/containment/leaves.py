@@ -9,7 +9,7 @@ import re
 import secrets
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ..model.errors import SetupProblem
@@ -132,14 +132,24 @@ class Leaves:
         return 0
 
     def remove(self) -> str | None:
-        """Remove the leaves (and our parent directory once it is empty); a problem or None."""
+        """Remove the leaves (and our parent directory once it is empty); a problem or None.
+        An empty leaf goes with one rmdir, which the kernel refuses while a process or a cgroup
+        is in it; what is left is killed, then removed with the cgroups made inside it."""
+        self._remove_each(Path.rmdir)
         problem = None
-        if not self._removed_if_empty() and not self.wait_empty():
+        if self.dirs and not self.wait_empty():
             problem = f"processes still in {self.dirs.get('v2')}"
+        removed = self._remove_each(_rmdir_tree)
+        return problem or removed
+
+    def _remove_each(self, remove: Callable[[Path], None]) -> str | None:
+        """``remove(leaf)`` for each leaf left, and forget those that went (so, after the last,
+        our parent directory); the first refusal in words, or None."""
+        problem = None
         for kind, leaf in list(self.dirs.items()):
             with _dir_lock:
                 try:
-                    _rmdir_tree(leaf)
+                    remove(leaf)
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
@@ -147,20 +157,6 @@ class Leaves:
                     continue
                 self._forget(kind)
         return problem
-
-    def _removed_if_empty(self) -> bool:
-        """Remove each leaf with one rmdir, which the kernel refuses while a process or a
-        cgroup is in it; whether none is left (then no process was left in them either)."""
-        for kind, leaf in list(self.dirs.items()):
-            with _dir_lock:
-                try:
-                    leaf.rmdir()
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue  # busy: the caller kills and removes what is in it
-                self._forget(kind)
-        return not self.dirs
 
     def _forget(self, kind: str) -> None:
         """``kind``'s leaf is gone; so is our parent directory after its last leaf. Under
