@@ -13,7 +13,7 @@ shim = sys.modules["_isolate_shim"]
 def pidns(userns):
     """``shim.py --probe-pidns [userns]``: can this machine give an episode a PID namespace?"""
     supervisor = shim.load_part("supervisor")
-    problem = supervisor.unshare_pidns(userns)
+    problem = supervisor.unshare_namespaces(userns)
     if problem is None:
         pid = os.fork()
         if pid == 0:

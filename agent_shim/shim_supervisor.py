@@ -33,9 +33,9 @@ def contain(hs):
     if hs.get("pid1"):
         if os.getpid() != 1:
             return "the parent's PID namespace: this process is not its PID 1"
-        problem = unshare_pidns(False, cgroupns=True, pid=False)
+        problem = unshare_namespaces(False, cgroupns=True, pid=False)
         return problem or become_init(cgroupns=True, relayed=False)
-    problem = unshare_pidns(hs.get("userns", False), cgroupns=True)
+    problem = unshare_namespaces(hs.get("userns", False), cgroupns=True)
     if problem is not None:
         return problem
     pid = os.fork()
@@ -59,7 +59,7 @@ def join_cgroups(paths):
     return None
 
 
-def unshare_pidns(userns, cgroupns=False, pid=True):
+def unshare_namespaces(userns, cgroupns=False, pid=True):
     """New PID (unless not ``pid``: this process is PID 1 of one already), mount, IPC and UTS
     namespaces (and a user one with ``userns``; a cgroup one with ``cgroupns``, rooted at the
     cgroup this process is in: join the leaf first). A problem or None."""

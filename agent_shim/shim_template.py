@@ -250,7 +250,7 @@ def enter_wall(wall, control, life, grace):
     layers = shim.layers_of(wall)
     pidns = "pidns" in layers
     if pidns:
-        problem = supervisor.unshare_pidns(wall.get("userns", False))
+        problem = supervisor.unshare_namespaces(wall.get("userns", False))
         if problem is not None:
             return problem
     outer = os.getpid()

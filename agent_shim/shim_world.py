@@ -1,9 +1,9 @@
 """The episode's world, built in PID 1 of its namespaces before anything of the agent runs.
 
 Loaded with ``load_part("world")``; standard library only, Python 3.9+, no side effect at
-import. The namespaces themselves are made by the supervisor's ``unshare_pidns``: PID, mount,
-IPC and UTS, the cgroup one for a fresh episode, a user one for an unprivileged trainer. Here,
-in the new mount namespace, private and so invisible to the machine:
+import. The namespaces themselves are made by the supervisor's ``unshare_namespaces``: PID,
+mount, IPC and UTS, the cgroup one for a fresh episode, a user one for an unprivileged
+trainer. Here, in the new mount namespace, private and so invisible to the machine:
 
 - ``/proc`` of the PID namespace, so that no process outside it can be named;
 - ``/dev`` assembled: a tmpfs with ``null``, ``zero``, ``full``, ``random``, ``urandom`` and
