@@ -280,7 +280,7 @@ async def _start(
             # others' forks are asked for meanwhile.
             offload = _offload.call if template.has_parked() else anyio.to_thread.run_sync
             try:
-                return await offload(_spawn, ep, chosen, frames, _Slot(), waited, held)
+                return await offload(_spawn, ep, chosen, frames, held, None, 0.0)
             except _templates.TemplateGone as exc:
                 # The next episode starts a new template; this one need not wait for it.
                 ep.log.note(f"{exc}; this episode starts fresh")
@@ -292,7 +292,7 @@ async def _start(
         held.callback(slot.release)
         waited += time.monotonic() - since
         try:
-            return await _offload.call(_spawn, ep, chosen, frames, slot, waited, held)
+            return await _offload.call(_spawn, ep, chosen, frames, held, slot, waited)
         except OSError:
             slot.release()  # while it waits for room, others may start
             raise
@@ -335,14 +335,14 @@ def _spawn(
     ep: _st.Episode,
     chosen: _st.Chosen,
     frames: Frames,
-    slot: _Slot,
-    waited: float,
     held: contextlib.AsyncExitStack,
+    slot: _Slot | None,
+    waited: float,
 ) -> _st.Started:
     """Start the shim and hand it its episode; blocking, in a worker thread. What it makes
-    goes on ``held`` at once. ``slot``: its place at the start gate, given back at hello;
-    ``waited``: how long it waited for one. Raises :class:`~.stages.StartFailed` (with the
-    child killed)."""
+    goes on ``held`` at once. ``slot``: its place at the start gate, given back at hello
+    (None for a fork, which starts no interpreter); ``waited``: how long it waited for one.
+    Raises :class:`~.stages.StartFailed` (with the child killed)."""
     env, template, ready = chosen.env, chosen.template, chosen.ready
     # A fresh shim whose PID namespace needs no user namespace: the parent makes it.
     pid1 = ep.pid1 and template is None and ready.prep.userns is False
@@ -370,7 +370,7 @@ def _spawn(
         graces=Graces(spec.timeout, spec.kill_grace, spec.cancel_grace, spec.exit_grace),
         leaves=prep.leaves,
         network=prep.network,
-        at_hello=slot.release,
+        at_hello=slot.release if slot is not None else _nothing,
     )
     forked = isinstance(child, _templates.Forked)
     spawned = time.monotonic()
@@ -404,6 +404,10 @@ async def _observe(
 
 
 # --- the release ------------------------------------------------------------------------------
+
+
+def _nothing() -> None:
+    pass
 
 
 def _close_child(frames: Frames, child: _child.Child, channel: int) -> None:
