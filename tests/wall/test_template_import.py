@@ -301,6 +301,14 @@ async def test_what_the_template_starts_late_dies_with_it(agents: Agents, combin
     assert tagged_daemons(agents) == []
 
 
+def _sleeps(proc: psutil.Process) -> bool:
+    """Whether ``proc`` runs LATE_DAEMON's ``sleep`` (not the template's program)."""
+    try:
+        return "time.sleep(300)" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 PARENT_OF_A_TEMPLATE = """
 import anyio, isolate, sys
 spec = isolate.EpisodeSpec.model_validate_json(sys.argv[1])
@@ -317,7 +325,10 @@ def test_the_parents_death_takes_the_template_and_what_it_started(
     agents: Agents, combination: str
 ) -> None:
     needs_template(combination)
-    spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
+    # After the parent's death, the template cancels what leads a session of its own below it
+    # as it cancels its forks (the late process among them), and waits up to cancel_grace for
+    # it: one that has not taken its SIGINT by then is killed. A short grace bounds that.
+    spec = agents.spec(LATE_DAEMON, containment=combination, preload=True, cancel_grace=1.0)
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT_OF_A_TEMPLATE, spec.model_dump_json()],
         stdout=subprocess.PIPE,
@@ -330,8 +341,14 @@ def test_the_parents_death_takes_the_template_and_what_it_started(
         tag = f"PID_DIR={agents.pids}".encode()
         own = {p.pid for p in episode_processes(tag)}  # the template's (its episode is over)
         template.send_signal(signal.SIGUSR1)
-        wait_for(lambda: {p.pid for p in episode_processes(tag)} - own, 5.0, "the late process")
-        seen = episode_processes(tag)
+
+        def late() -> list[psutil.Process]:
+            # Once it runs its own program: before its exec, the child of subprocess shares
+            # the template's memory and environment, and is not yet what the import started.
+            return [p for p in episode_processes(tag) if p.pid not in own and _sleeps(p)]
+
+        wait_for(late, 5.0, "the late process")
+        seen = [p for p in episode_processes(tag) if p.pid in own] + late()
         assert len(seen) == len(own) + 1
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
