@@ -30,7 +30,7 @@ import sys
 shim = sys.modules["_isolate_shim"]
 signal, wire = shim.signal, shim.wire
 
-EPISODE_ENV = wire.EPISODE_ENV
+EPISODE_ENV, EPISODE_TAG_ENV = wire.EPISODE_ENV, wire.EPISODE_TAG_ENV
 send, receive = wire.send_message, wire.receive_message
 PR_GET_DUMPABLE = 3
 #: The handshake goes to the worker in packets of at most this many bytes.
@@ -170,7 +170,7 @@ def episode(message, pipes, shim_main, random_state, ahead):
     for fd in pipes:
         if fd > 2:
             os.close(fd)
-    os.environ[EPISODE_ENV] = str(message.get("episode_id"))  # what its processes inherit
+    tag_episode(message)
     reseed(random_state)
     sys.argv[1:] = []
     if message.get("alone"):  # SIGINT, the episode's cancellation, waits for its handler
@@ -181,6 +181,13 @@ def episode(message, pipes, shim_main, random_state, ahead):
         select.select([0], [], [])
     code = shim_main(ahead, bool(message.get("alone")))
     return code if isinstance(code, int) else 0
+
+
+def tag_episode(message):
+    """The episode's id and tag in ``os.environ``, for what its processes inherit: the parent's
+    sweep finds them by the tag."""
+    os.environ[EPISODE_ENV] = str(message.get("episode_id"))
+    os.environ[EPISODE_TAG_ENV] = str(message.get("tag"))
 
 
 def reseed(random_state):
@@ -203,7 +210,12 @@ class Ahead:
         """Pass the worker its episode: the handshake ``raw`` as read, the channel, stderr (fd
         2) and ``exit_w``. The worker's pid, or None if it is gone (then fork one as a fresh
         start does)."""
-        header = {"t": "episode", "episode_id": os.environ.get(EPISODE_ENV), "size": len(raw)}
+        header = {
+            "t": "episode",
+            "episode_id": os.environ.get(EPISODE_ENV),
+            "tag": os.environ.get(EPISODE_TAG_ENV),
+            "size": len(raw),
+        }
         try:
             send(self.sock, header, [frames_fd, 2, exit_w])
             view = memoryview(raw)
@@ -298,7 +310,7 @@ def parked_worker(sock, supervisor_pid, random_state):
     os.dup2(stderr, 1)  # stdout and stderr go to the episode's log, as the fork's do
     os.dup2(stderr, 2)
     os.close(stderr)
-    os.environ[EPISODE_ENV] = str(message.get("episode_id"))
+    tag_episode(message)
     reseed(random_state)
     sys.argv[1:] = []
     hs = shim.json_loads(b"".join(chunks).decode("utf-8"))

@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 1
 #: What the parent writes on the shim's stdin, after the handshake, to cancel the episode.
 CANCEL = b"cancel\n"
-#: Set in every process of an episode, to its id; the parent's sweep finds them by it.
+#: Set in every process of an episode, to its id (the caller's, which two episodes may share).
 EPISODE_ENV = "ISOLATE_EPISODE_ID"
+#: Set in every process of an episode, to a random tag of its own: the parent's sweep finds
+#: them by it, and never another episode's.
+EPISODE_TAG_ENV = "ISOLATE_EPISODE_TAG"
 #: Containment layers, strongest first; a combination joins them with ``+`` in this order.
 LAYERS = ("cgroup", "pidns", "landlock")
 #: An error frame's message and traceback are cut to these many characters.

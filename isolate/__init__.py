@@ -8,7 +8,7 @@
 See docs/api.md for the failure taxonomy and docs/protocol.md for the wire protocol.
 """
 
-from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
+from agent_shim.shim_wire import EPISODE_ENV, EPISODE_TAG_ENV, PROTOCOL_VERSION
 
 from ._core.episode.launcher import run_episode
 from ._core.model.config import DEFAULT_INHERIT_ENV, EpisodeSpec, Limits
@@ -32,6 +32,7 @@ __all__ = [
     "ArgumentError",
     "DEFAULT_INHERIT_ENV",
     "EPISODE_ENV",
+    "EPISODE_TAG_ENV",
     "EpisodeCrashed",
     "EpisodeError",
     "EpisodeOutcome",

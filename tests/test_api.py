@@ -27,6 +27,7 @@ EXPORTED = [
     "ArgumentError",
     "DEFAULT_INHERIT_ENV",
     "EPISODE_ENV",
+    "EPISODE_TAG_ENV",
     "EpisodeCrashed",
     "EpisodeError",
     "EpisodeOutcome",
@@ -117,6 +118,7 @@ def test_import_has_no_side_effect(tmp_path: Path) -> None:
         ("env", {"A": "x\x00y"}),
         ("env", {"": "x"}),
         ("env", {isolate.EPISODE_ENV: "mine"}),
+        ("env", {isolate.EPISODE_TAG_ENV: "mine"}),
     ],
 )
 def test_spec_rejects_an_invalid_field(field: str, value: Any) -> None:

@@ -198,7 +198,7 @@ async def test_default_environment_is_an_allow_list(agents: Agents) -> None:
     outcome = await isolate.run_episode(spec, {})
     assert outcome.status == "ok", outcome.summary()
     allowed = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR"}
-    allowed |= {"TERM", "PID_DIR", isolate.EPISODE_ENV}
+    allowed |= {"TERM", "PID_DIR", isolate.EPISODE_ENV, isolate.EPISODE_TAG_ENV}
     unexpected = [n for n in outcome.info if n not in allowed and not n.startswith("LC_")]
     # The interpreter itself may add a few (e.g. LC_CTYPE coercion); nothing else.
     assert unexpected == [], unexpected
@@ -297,6 +297,7 @@ async def test_secret_env_in_an_error_is_scrubbed(agents: Agents) -> None:
         ({"A=B": "v"}, "invalid variable name 'A=B'"),
         ({"": "v"}, "invalid variable name ''"),
         ({isolate.EPISODE_ENV: "v"}, "invalid variable name"),
+        ({isolate.EPISODE_TAG_ENV: "v"}, "invalid variable name"),
         ({"E2B_API_KEY": 42}, "must be a str or SecretStr, not int"),
         ({"E2B_API_KEY": "sk-\0-x"}, "the value of E2B_API_KEY contains a NUL byte"),
         ({"PID_DIR": "v"}, "in both secret_env and spec.env: PID_DIR"),

@@ -570,7 +570,7 @@ async def main():
     except OSError:
         pass
     try:
-        template.fork("emfile", theirs.fileno())
+        template.fork("emfile", "emfile", theirs.fileno())
         out["errno"] = None
     except OSError as exc:
         out["errno"] = exc.errno

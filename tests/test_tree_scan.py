@@ -20,11 +20,13 @@ import anyio
 import psutil
 import pytest
 
+import isolate
+from agent_shim.shim_wire import EPISODE_ENV
 from isolate._core.system import tree
 from isolate._core.system.tree import ProcessTree
 
 from . import _internals
-from .conftest import wait_for
+from .conftest import Agents, wait_for
 from .test_procfs import ZOMBIE_LEADER
 from .test_stale_leaves import cgroups_here
 
@@ -85,13 +87,14 @@ def test_the_tag_scan_finds_the_tag_first_or_among_others_and_nothing_like_it(
 def test_live_finds_a_tagged_process_outside_the_shims_tree_and_session(
     started: list[subprocess.Popen[bytes]],
 ) -> None:
-    episode = f"sweep-{secrets.token_hex(4)}"
-    env = {tree.EPISODE_ENV: episode}
-    escaped = _sleeper(started, env, start_new_session=True)
+    tag = f"sweep-{secrets.token_hex(4)}"
+    escaped = _sleeper(started, {tree.EPISODE_TAG_ENV: tag}, start_new_session=True)
+    # Another episode's process with the same id, and a tag of its own: not this episode's.
+    _sleeper(started, {EPISODE_ENV: tag, tree.EPISODE_TAG_ENV: tag + "x"}, start_new_session=True)
     shim = _sleeper(started, {}, start_new_session=True)
-    sweep = ProcessTree(psutil.Process(shim.pid), os.getsid(shim.pid), episode)
+    sweep = ProcessTree(psutil.Process(shim.pid), os.getsid(shim.pid), tag)
     assert [p.pid for p in sweep.live()] == [escaped.pid, shim.pid]  # the shim last
-    # Without the episode's id (a template's forks), the tag is not scanned for.
+    # Without the episode's tag (a template's forks), the tag is not scanned for.
     blind = ProcessTree(psutil.Process(shim.pid), os.getsid(shim.pid), None)
     assert [p.pid for p in blind.live()] == [shim.pid]
 
@@ -217,7 +220,7 @@ def _ready(
     procs: list[subprocess.Popen[bytes]], command: list[str], episode: str
 ) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        command, env={tree.EPISODE_ENV: episode}, stdout=subprocess.PIPE, start_new_session=True
+        command, env={tree.EPISODE_TAG_ENV: episode}, stdout=subprocess.PIPE, start_new_session=True
     )
     procs.append(proc)
     assert proc.stdout is not None
@@ -328,3 +331,51 @@ def test_live_puts_the_shim_last_and_its_pid_1_just_before_it(
     (sleeper,) = [p.pid for p in below if p.pid != pid_1]
     sweep = ProcessTree(psutil.Process(shim.pid), shim.pid, None)
     assert [p.pid for p in sweep.live()] == [sleeper, pid_1, shim.pid]
+
+
+ONE_ID_HANGS = """
+import os, subprocess, sys, time
+def run(data):
+    # A process in a session of its own: only the scan for the episode's tag finds it.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    time.sleep(60)
+"""
+
+ONE_ID_WORKS = """
+import os, subprocess, sys, time
+def run(data):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    deadline = time.monotonic() + 6.0
+    while time.monotonic() < deadline and not os.path.exists(data["swept"]):
+        time.sleep(0.05)
+    alive = child.poll() is None
+    child.kill()
+    child.wait()
+    return 1.0, {"swept": os.path.exists(data["swept"]), "child alive": alive}
+"""
+
+
+@pytest.mark.anyio
+async def test_two_episodes_with_one_id_sweep_only_their_own(agents: Agents) -> None:
+    """The caller may give two episodes one id (a rollout per sample of one record). The sweep
+    of one that times out finds its processes by its own tag, and leaves the other's alone."""
+    swept = agents.tmp / "swept"
+    hangs = agents.spec(ONE_ID_HANGS, timeout=1.0)
+    works = agents.spec(ONE_ID_WORKS, timeout=20.0)
+    outcomes: dict[str, isolate.EpisodeOutcome] = {}
+
+    async def hang() -> None:
+        outcomes["hangs"] = await isolate.run_episode(hangs, {}, episode_id="one-id")
+        swept.touch()
+
+    async def work() -> None:
+        data = {"swept": str(swept)}
+        outcomes["works"] = await isolate.run_episode(works, data, episode_id="one-id")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(hang)
+        tg.start_soon(work)
+    assert outcomes["hangs"].status == "timeout", outcomes["hangs"].summary()
+    assert outcomes["hangs"].killed >= 1, outcomes["hangs"].summary()  # its own, escaped child
+    assert outcomes["works"].status == "ok", outcomes["works"].summary()
+    assert outcomes["works"].info == {"swept": True, "child alive": True}

@@ -23,9 +23,11 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
+from agent_shim.shim_wire import EPISODE_ENV
+
 from ..._core.episode.launcher import run_episode
 from ..._core.model.outcome import EpisodeOutcome
-from ..._core.system.tree import is_alive, tagged
+from ..._core.system.tree import is_alive, pids_with_env
 from ...workflow import default_log_dir, episode_kwargs, episode_spec
 from .scripted_llm import ScriptedLLM, demo_script
 
@@ -50,7 +52,7 @@ def left_behind(outcome: EpisodeOutcome) -> int:
     import psutil
 
     procs = []
-    for pid in tagged(outcome.episode_id):
+    for pid in pids_with_env(EPISODE_ENV, outcome.episode_id):  # the demo's ids are its own
         try:
             procs.append(psutil.Process(pid))
         except psutil.Error:

@@ -153,9 +153,10 @@ class Launch:
 
 
 def start(
-    launch: Launch, template: _templates.Template | None, episode_id: str
+    launch: Launch, template: _templates.Template | None, episode_id: str, tag: str
 ) -> tuple[Child, int]:
-    """Start the shim: forked from ``template`` when there is one, else fresh. Returns the child
+    """Start the shim: forked from ``template`` when there is one, else fresh (``tag``: the
+    episode's, which a fork sets in its environment). Returns the child
     and the parent's end of its socket; blocking (run it in a worker thread: fork+exec of a big
     parent must not stall the event loop). :class:`~isolate._core.templates.TemplateGone` when
     the template did not fork (then the caller starts it fresh, after its wait at the start
@@ -165,7 +166,7 @@ def start(
     try:
         if template is not None:
             # A fork that comes late holds this pair's end: EOF for it once we give up.
-            child = template.fork(episode_id, theirs.fileno())
+            child = template.fork(episode_id, tag, theirs.fileno())
         else:
             born = _pidns.born_in_new() if launch.pid1 else contextlib.nullcontext()
             with born:
@@ -257,9 +258,7 @@ def send_handshake(
     rest = write_some(channel, memoryview(line))
     if prep.leaves is not None and not forked:
         move(child, prep.leaves)  # overlaps the shim's start-up
-    tree = ProcessTree(
-        _process(child), child.pid, req.episode_id, prep.leaves, shim_counts=child.alone
-    )
+    tree = ProcessTree(_process(child), child.pid, req.tag, prep.leaves, shim_counts=child.alone)
     if isinstance(child, Fresh):
         child.open_pidfd()
     return rest, tree

@@ -347,7 +347,7 @@ def _spawn(
     # A fresh shim whose PID namespace needs no user namespace: the parent makes it.
     pid1 = ep.pid1 and template is None and ready.prep.userns is False
     launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd, pid1)
-    child, channel = _child.start(launch, template, ep.req.episode_id)
+    child, channel = _child.start(launch, template, ep.req.episode_id, ep.req.tag)
     held.callback(_close_child, frames, child, channel)
     if template is not None:
         ep.log.note(f"forked from {template.name} (pid {child.pid})")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from agent_shim.shim_wire import EPISODE_ENV, PROTOCOL_VERSION
+from agent_shim.shim_wire import EPISODE_ENV, EPISODE_TAG_ENV, PROTOCOL_VERSION
 
 from .. import containment as _containment
 from ..containment import sandbox as _sandbox
@@ -44,6 +44,7 @@ class Request:
     secret_env: dict[str, SecretStr]
     episode_id: str
     nonce: str  # marks the shim's frames: a line without it is not one
+    tag: str  # in its processes' environment, this episode's alone (EPISODE_TAG_ENV)
     redact: Redactor  # scrubs every secret above from what comes back
 
     @classmethod
@@ -74,7 +75,15 @@ class Request:
             raise ArgumentError(f"data and kwargs must be JSON-serialisable: {exc}") from None
         values = [s.get_secret_value() for s in [*wrapped.values(), *env.values()]]
         return cls(
-            spec, data, dict(kwargs), wrapped, env, eid, _secrets.token_hex(16), Redactor(values)
+            spec,
+            data,
+            dict(kwargs),
+            wrapped,
+            env,
+            eid,
+            _secrets.token_hex(16),
+            _secrets.token_hex(16),
+            Redactor(values),
         )
 
 
@@ -187,7 +196,7 @@ def _check_paths(spec: EpisodeSpec, shim: Path) -> str | None:
 def exec_env(req: Request, prep: Prepared) -> tuple[dict[str, str], str | None]:
     """The shim's exec environment, and the line that names what it withholds (or None)."""
     # The secret_env names go in the handshake, never in the exec environment.
-    env, withheld = spec_env(req.spec, req.episode_id, req.secrets, req.secret_env)
+    env, withheld = spec_env(req.spec, req.episode_id, req.secrets, req.secret_env, req.tag)
     return prep.wall.exec_env(env), describe_withheld(withheld) if withheld else None
 
 
@@ -250,6 +259,9 @@ def _secret(name: str, value: object) -> SecretStr:
     return SecretStr(value)
 
 
+_OURS = (EPISODE_ENV, EPISODE_TAG_ENV)  # set by isolate in every process of an episode
+
+
 def _secret_env(
     spec: EpisodeSpec, secret_env: Mapping[str, str | SecretStr]
 ) -> dict[str, SecretStr]:
@@ -257,7 +269,7 @@ def _secret_env(
     without NUL (said without echoing them), none that the spec's ``env`` sets as well."""
     out: dict[str, SecretStr] = {}
     for name, value in secret_env.items():
-        if not isinstance(name, str) or not is_env_name(name) or name == EPISODE_ENV:
+        if not isinstance(name, str) or not is_env_name(name) or name in _OURS:
             raise ArgumentError(f"secret_env: invalid variable name {name!r}")
         secret = _secret(name, value)
         if "\x00" in secret.get_secret_value():

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-from agent_shim.shim_wire import EPISODE_ENV
+from agent_shim.shim_wire import EPISODE_ENV, EPISODE_TAG_ENV
 
 if TYPE_CHECKING:
     from ..model.config import EpisodeSpec
@@ -142,19 +142,21 @@ def episode_env(
     own: Mapping[str, str],
     episode_id: str,
     *,
+    tag: str,
     secret_values: Collection[str] = (),
     delivered: Iterable[str] = (),
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The exec environment of an episode's shim (or a template's), but its sandbox's TMPDIR:
     what ``inherit`` passes of ours, less the ``delivered`` names (the handshake carries
-    them), then ``own`` (the spec's) and the episode's tag; and what was withheld (name ->
-    reason)."""
+    them), then ``own`` (the spec's), the episode's id and its ``tag``; and what was withheld
+    (name -> reason)."""
     env, withheld = split_env(os.environ, inherit, secret_values=secret_values)
     for name in delivered:
         env.pop(name, None)
         withheld.pop(name, None)
     env.update(own)
     env[EPISODE_ENV] = episode_id
+    env[EPISODE_TAG_ENV] = tag
     return env, withheld
 
 
@@ -163,15 +165,22 @@ def spec_env(
     episode_id: str,
     secrets: Mapping[str, str | SecretStr] | None = None,
     secret_env: Mapping[str, str | SecretStr] | None = None,
+    tag: str | None = None,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """:func:`episode_env` for ``spec``: the one builder of the base environment of an episode,
     a template and a parked fork. An inherited variable that holds the value of one of
     ``secrets`` or ``secret_env`` is withheld; ``secret_env``'s names are left out (the
-    handshake carries them)."""
+    handshake carries them). ``tag``: the episode's own (default: its id, for a template's
+    environment, which each fork tags anew)."""
     given = [*(secrets or {}).values(), *(secret_env or {}).values()]
     values = [v.get_secret_value() if isinstance(v, SecretStr) else str(v) for v in given]
     return episode_env(
-        spec.inherit_env, spec.env, episode_id, secret_values=values, delivered=secret_env or {}
+        spec.inherit_env,
+        spec.env,
+        episode_id,
+        tag=episode_id if tag is None else tag,
+        secret_values=values,
+        delivered=secret_env or {},
     )
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import psutil
 
-from agent_shim.shim_wire import EPISODE_ENV
+from agent_shim.shim_wire import EPISODE_TAG_ENV
 
 from .procfs import ns_pids
 from .reaping import SWEEP_GIVE_UP_S, Box, Reaper, is_alive, key, processes
@@ -63,9 +63,9 @@ def pids_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def tagged(episode_id: str) -> list[int]:
-    """Pids whose initial environment carries this episode's tag."""
-    return pids_with_env(EPISODE_ENV, episode_id)
+def tagged(tag: str) -> list[int]:
+    """Pids whose initial environment carries this episode's tag (``EPISODE_TAG_ENV``)."""
+    return pids_with_env(EPISODE_TAG_ENV, tag)
 
 
 class ProcessTree:
@@ -75,17 +75,17 @@ class ProcessTree:
         self,
         shim: psutil.Process | None,
         sid: int,
-        episode_id: str | None,
+        tag: str | None,
         box: Box | None = None,
         shim_counts: bool = False,
     ) -> None:
-        """``episode_id`` None: no scan for the environment tag (a template's forks carry its
+        """``tag`` None: no scan for the environment tag (a template's forks carry its
         tag, and must not be taken for its own processes). ``shim_counts``: the top process
         is the agent's own (a template's fork that is its own worker), counted when killed."""
         self.shim = shim
         self.shim_counts = shim_counts
         self.sid = sid
-        self.episode_id = episode_id
+        self.tag = tag  # the episode's EPISODE_TAG_ENV
         self.box = box
         self._reaper = Reaper(self.live, box=box, stop_first=True, counted=self._counted)
 
@@ -109,8 +109,8 @@ class ProcessTree:
         if self.box is not None:
             add(processes(self.box.members()))
         add(processes(_session_members(self.sid)))
-        if self.episode_id is not None:
-            add(processes(tagged(self.episode_id)))
+        if self.tag is not None:
+            add(processes(tagged(self.tag)))
         live = [p for p in found.values() if is_alive(p)]
         shim_pid = self.shim.pid if self.shim is not None else -1
         # The shim last: its descendants die first, rather than being orphaned to an init

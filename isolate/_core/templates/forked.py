@@ -55,13 +55,18 @@ def readable(fd: int, seconds: float) -> bool:
 
 
 def send_episode(
-    hand: socket.socket, episode_id: str, channel: int, pipe: tuple[int, int], alone: bool
+    hand: socket.socket,
+    episode_id: str,
+    tag: str,
+    channel: int,
+    pipe: tuple[int, int],
+    alone: bool,
 ) -> int | None:
     """Hand a parked fork its episode and the write end of its stderr ``pipe`` (closed here;
     its read end too on failure): the read end, or None if the fork is gone. ``alone``: the
     fork is its own worker."""
     err_r, err_w = pipe
-    message = {"t": "episode", "episode_id": episode_id, "alone": alone}
+    message = {"t": "episode", "episode_id": episode_id, "tag": tag, "alone": alone}
     try:
         send_message(hand, message, [channel, err_w])
     except OSError:
@@ -122,12 +127,12 @@ class Forked:
         assert self.stderr is not None
         return self.stderr.fileno()
 
-    def hand_over(self, episode_id: str, channel: int, pipe: tuple[int, int]) -> None:
+    def hand_over(self, episode_id: str, tag: str, channel: int, pipe: tuple[int, int]) -> None:
         """Send the parked fork its episode: ``channel`` and the write end of its stderr
         ``pipe`` (both ends owned from here on); blocking. Raises :class:`TemplateGone` if it
         is gone."""
         assert self.hand is not None
-        err = send_episode(self.hand, episode_id, channel, pipe, self.alone)
+        err = send_episode(self.hand, episode_id, tag, channel, pipe, self.alone)
         if err is None:
             raise TemplateGone(f"the parked fork {self.pid} is gone")
         self.hand.close()

@@ -140,7 +140,7 @@ class Template:
         pool = self.pool
         return pool is not None and bool(pool.parked)
 
-    def fork(self, episode_id: str, channel: int) -> Forked:
+    def fork(self, episode_id: str, tag: str, channel: int) -> Forked:
         """Fork one episode whose stdin and stdout are ``channel`` (the child's end of the
         launcher's socket): a parked fork from the pool when one is there, else one parked now
         with its hand-over sent right behind the request; blocking. Raises
@@ -153,7 +153,7 @@ class Template:
                 os.close(pipe[1])
                 break
             try:
-                parked.hand_over(episode_id, channel, pipe)
+                parked.hand_over(episode_id, tag, channel, pipe)
                 return parked
             except BaseException as exc:
                 # Taken, not handed over: it ends as a dead pair does, and the next is tried.
@@ -161,11 +161,11 @@ class Template:
                 parked.close()
                 if not isinstance(exc, TemplateGone):
                     raise
-        return self.park((episode_id, channel))
+        return self.park((episode_id, tag, channel))
 
-    def park(self, episode: tuple[str, int] | None = None) -> Forked:
-        """A new fork, parked; with ``episode`` (id, channel) handed over at once. Blocking;
-        raises :class:`TemplateGone`."""
+    def park(self, episode: tuple[str, str, int] | None = None) -> Forked:
+        """A new fork, parked; with ``episode`` (id, tag, channel) handed over at once.
+        Blocking; raises :class:`TemplateGone`."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         hand, its_hand = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         err: int | None = None
