@@ -24,6 +24,9 @@ EPISODE_ENV = "ISOLATE_EPISODE_ID"
 #: Set in every process of an episode, to a random tag of its own: the parent's sweep finds
 #: them by it, and never another episode's.
 EPISODE_TAG_ENV = "ISOLATE_EPISODE_TAG"
+#: The variables isolate sets in every process of an episode: neither the spec nor the
+#: caller's secret_env may set them, and they vary per episode.
+EPISODE_VARS = (EPISODE_ENV, EPISODE_TAG_ENV)
 #: Containment layers, strongest first; a combination joins them with ``+`` in this order.
 LAYERS = ("cgroup", "pidns", "landlock")
 #: An error frame's message and traceback are cut to these many characters.

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from agent_shim.shim_wire import EPISODE_ENV, EPISODE_TAG_ENV, PROTOCOL_VERSION
+from agent_shim.shim_wire import EPISODE_VARS, PROTOCOL_VERSION
 
 from .. import containment as _containment
 from ..containment import sandbox as _sandbox
@@ -259,9 +259,6 @@ def _secret(name: str, value: object) -> SecretStr:
     return SecretStr(value)
 
 
-_OURS = (EPISODE_ENV, EPISODE_TAG_ENV)  # set by isolate in every process of an episode
-
-
 def _secret_env(
     spec: EpisodeSpec, secret_env: Mapping[str, str | SecretStr]
 ) -> dict[str, SecretStr]:
@@ -269,7 +266,7 @@ def _secret_env(
     without NUL (said without echoing them), none that the spec's ``env`` sets as well."""
     out: dict[str, SecretStr] = {}
     for name, value in secret_env.items():
-        if not isinstance(name, str) or not is_env_name(name) or name in _OURS:
+        if not isinstance(name, str) or not is_env_name(name) or name in EPISODE_VARS:
             raise ArgumentError(f"secret_env: invalid variable name {name!r}")
         secret = _secret(name, value)
         if "\x00" in secret.get_secret_value():

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent_shim.shim_wire import EPISODE_ENV, EPISODE_TAG_ENV, LAYERS, canonical_containment
+from agent_shim.shim_wire import EPISODE_VARS, LAYERS, canonical_containment
 
 from .sandbox_config import Sandbox
 
@@ -186,7 +186,7 @@ class EpisodeSpec(BaseModel):
         for name, item in value.items():
             if not _ENV_NAME.match(name) or "\x00" in item:
                 raise ValueError(f"env: invalid variable {name!r} (no '=' or NUL allowed)")
-            if name in (EPISODE_ENV, EPISODE_TAG_ENV):
+            if name in EPISODE_VARS:
                 raise ValueError(f"env: {name} is set by isolate itself")
         return value
 

@@ -22,13 +22,7 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from agent_shim.shim_wire import (
-    EPISODE_ENV,
-    EPISODE_TAG_ENV,
-    json_file,
-    receive_message,
-    send_message,
-)
+from agent_shim.shim_wire import EPISODE_VARS, json_file, receive_message, send_message
 
 from .. import containment as _containment
 from ..containment import sandbox as _sandbox
@@ -74,7 +68,7 @@ def _key(
 ) -> tuple[Any, ...]:
     # The fork's worker sets the TMPDIR itself (the handshake's ``temp_env``): not part of the
     # key, or every sandboxed episode (a private TMPDIR each) had a template.
-    per_episode = (EPISODE_ENV, EPISODE_TAG_ENV, *_wall.TEMP_ENV)
+    per_episode = (*EPISODE_VARS, *_wall.TEMP_ENV)
     return (
         spec.python,
         agent_root,
@@ -170,7 +164,7 @@ async def acquire(
         started: tuple[Template | None, str | None] = (None, None)
         try:
             # The episode's environment, tagged with the template's name: each fork tags anew.
-            tagged = {**env, EPISODE_ENV: name, EPISODE_TAG_ENV: name}
+            tagged = {**env, **dict.fromkeys(EPISODE_VARS, name)}
             started = await _start(spec, tagged, agent_root, level, entry)
         finally:
             template, refused = _settle(entry, *started)
