@@ -4,6 +4,7 @@ nor grow the parent; pipes held by grandchildren do not delay the result."""
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -204,6 +205,89 @@ async def test_the_log_shows_what_came_while_the_episode_runs(agents: Agents) ->
         tg.start_soon(read_then_release)
         outcome = await isolate.run_episode(spec, {}, episode_id="live")
     assert outcome.status == "ok", outcome.summary()
+
+
+@both_starts
+async def test_episodes_with_one_id_keep_logs_of_their_own(agents: Agents) -> None:
+    """Two running episodes the caller gave one id do not write one file: the second one's
+    log is ``<id>.<tag>.log``, named in its first line and in its outcome. Once the first has
+    ended, the id's own file is free again, and a later episode appends to it."""
+    release = agents.tmp / "release-twins"
+    spec = agents.spec(
+        f"""
+        import os, time
+        def run(data):
+            print("marker", data["marker"], flush=True)
+            while not os.path.exists({str(release)!r}):
+                time.sleep(0.01)
+            return 1.0
+        """,
+        inherit_env=NO_UNBUFFERED,
+    )
+    markers = ("twin-one-4c1d", "twin-two-93ab")
+    outcomes: dict[str, isolate.EpisodeOutcome] = {}
+
+    async def one(marker: str) -> None:
+        outcomes[marker] = await isolate.run_episode(spec, {"marker": marker}, episode_id="twin")
+
+    def both_printed() -> bool:
+        text = "".join(p.read_text() for p in agents.logs.glob("twin*.log"))
+        return all(f"marker {m}" in text for m in markers)
+
+    async with anyio.create_task_group() as tg:
+        for marker in markers:
+            tg.start_soon(one, marker)
+        await wait_until(both_printed)  # both run at once, each has written its log
+        release.touch()
+    assert all(o.status == "ok" for o in outcomes.values()), [
+        o.summary() for o in outcomes.values()
+    ]
+    paths = {m: o.log_path for m, o in outcomes.items()}
+    assert all(p is not None for p in paths.values())
+    first = agents.logs.absolute() / "twin.log"
+    assert sorted(p.name for p in paths.values() if p is not None)[-1] == "twin.log"
+    for marker, path in paths.items():
+        assert path is not None
+        text = path.read_text()
+        others = [m for m in markers if m != marker]
+        assert f"marker {marker}" in text
+        assert not any(f"marker {m}" in text for m in others)
+        if path != first:
+            assert re.fullmatch(r"twin\.[0-9a-f]{8}\.log", path.name), path.name
+            assert f"another running episode writes {first}: this one's log is {path}" in text
+    again = await isolate.run_episode(spec, {"marker": "twin-again-77e0"}, episode_id="twin")
+    assert again.status == "ok", again.summary()
+    assert again.log_path == first
+    text = first.read_text()
+    assert "marker twin-again-77e0" in text
+    assert sum(f"marker {m}" in text for m in markers) == 1
+    assert agents.left() == []
+
+
+async def test_a_log_held_by_another_process_is_left_to_it(agents: Agents) -> None:
+    """A process outside (another trainer with the same log directory, say) writes
+    ``<id>.log`` and holds its lock: the episode writes its own file beside it and never
+    touches that one."""
+    agents.logs.mkdir(parents=True, exist_ok=True)
+    held = agents.logs / "shared-id.log"
+    stand_in = f"import fcntl, sys, time; f = open({str(held)!r}, 'ab'); "
+    stand_in += "fcntl.flock(f, fcntl.LOCK_EX); f.write(b'stand-in 5e2f\\n'); f.flush(); "
+    stand_in += "print('locked', flush=True); sys.stdin.read()"
+    async with await anyio.open_process([sys.executable, "-c", stand_in]) as holder:
+        assert holder.stdout is not None
+        assert holder.stdin is not None
+        assert await holder.stdout.receive() == b"locked\n"
+        spec = agents.spec("def run(data):\n    print('episode 0b7c')\n    return 1.0\n")
+        outcome = await isolate.run_episode(spec, {}, episode_id="shared-id")
+        await holder.stdin.aclose()
+        assert await holder.wait() == 0
+    assert outcome.status == "ok", outcome.summary()
+    assert outcome.log_path is not None
+    assert outcome.log_path.parent == held.parent.absolute()
+    assert outcome.log_path.name != held.name
+    assert "episode 0b7c" in outcome.log_path.read_text()
+    assert held.read_bytes() == b"stand-in 5e2f\n"
+    assert agents.left() == []
 
 
 #: Lines an agent floods the protocol channel with, ``@NONCE@`` standing for the episode's

@@ -4,6 +4,7 @@ outcome's tail of its stderr, both with isolate's own ``[isolate]`` lines betwee
 from __future__ import annotations
 
 import codecs
+import fcntl
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,21 +30,31 @@ class EpisodeLog:
         self._written = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("backslashreplace")
 
-    def open(self, log_dir: Path, episode_id: str) -> None:
-        """Open ``<log_dir>/<episode_id>.log`` for appending; a full fd table is the caller's to
-        wait out (the OSError goes on), any other failure is a :class:`SetupProblem`."""
+    def open(self, log_dir: Path, episode_id: str, tag: str) -> None:
+        """Open ``<log_dir>/<episode_id>.log`` for appending (a retry's log goes on where the
+        last try's ended). While another running episode writes that file (one with the same
+        id, in any process), this one's is ``<episode_id>.<tag[:8]>.log`` instead, and its
+        first line names the other. A full fd table is the caller's to wait out (the OSError
+        goes on), any other failure is a :class:`SetupProblem`."""
         if self._file is not None:
             return
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
-            self.path = (log_dir / f"{episode_id}.log").absolute()
-            self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+            taken = (log_dir / f"{episode_id}.log").absolute()
+            self.path, self._file = taken, _open_unshared(taken)
+            if self._file is None:
+                self.path = taken.with_name(f"{episode_id}.{tag[:8]}.log")
+                self._file = _open_unshared(self.path)
         except OSError as exc:
             if _admission.exhausted(exc):
                 raise
             raise SetupProblem(
                 f"cannot open a log file in {log_dir}: {exc.strerror or exc}"
             ) from None
+        if self._file is None:  # both taken: the tag is another running episode's too
+            raise SetupProblem(f"cannot open a log file in {log_dir}: {self.path} is in use")
+        if self.path != taken:
+            self.note(f"another running episode writes {taken}: this one's log is {self.path}")
 
     def keep_stderr(self, data: bytes, *, final: bool = False) -> None:
         """Keep what the child wrote as valid UTF-8: bytes that are not are written as
@@ -108,3 +119,18 @@ class EpisodeLog:
             pass
         problem = f"cannot write the log {self.path}: {exc.strerror or exc}"
         self.note(f"{problem}; it stops here, the outcome's tail goes on")
+
+
+def _open_unshared(path: Path) -> BinaryIO | None:
+    """``path`` opened for appending, with an exclusive lock (``flock``, released when it is
+    closed); None while another open file holds the lock. Where the file system has no such
+    locks (ENOLCK, say), the file without one."""
+    file = open(path, "ab")  # noqa: SIM115 - the caller's to close
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        return None
+    except OSError:
+        pass
+    return file

@@ -324,7 +324,7 @@ def _open_log(ep: _st.Episode, prep: Prepared) -> dict[str, str]:
     """Open the log, then build the exec environment: the log's first line names what it
     withholds. Blocking; OSError for a full fd table goes on."""
     if ep.spec.log_dir is not None:
-        ep.log.open(ep.spec.log_dir, ep.req.episode_id)
+        ep.log.open(ep.spec.log_dir, ep.req.episode_id, ep.req.tag)
     env, withheld = exec_env(ep.req, prep)
     if withheld is not None:
         ep.log.note(withheld)
