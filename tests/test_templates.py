@@ -187,8 +187,10 @@ async def test_a_template_killed_between_episodes_is_replaced(agents: Agents) ->
         proc.send_signal(signal.SIGSEGV)
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: not template_processes(agents)))
     second = await isolate.run_episode(spec, {})
-    assert (second.status, second.start) == ("ok", "template"), second.summary()
-    assert "killed by SIGSEGV; starting a new one (restart 1)" in second.stderr_tail
+    # A fresh start says why in the tail (a replacement refused, say): shown if it fails.
+    said = f"{second.summary()}\n{second.stderr_tail}"
+    assert (second.status, second.start) == ("ok", "template"), said
+    assert "killed by SIGSEGV; starting a new one (restart 1)" in second.stderr_tail, said
 
 
 THREAD_AT_IMPORT = """
