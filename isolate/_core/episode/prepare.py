@@ -81,9 +81,9 @@ class Request:
             wrapped,
             env,
             eid,
-            _secrets.token_hex(16),
-            _secrets.token_hex(16),
-            Redactor(values),
+            nonce=_secrets.token_hex(16),
+            tag=_secrets.token_hex(16),
+            redact=Redactor(values),
         )
 
 
