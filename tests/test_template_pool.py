@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import isolate
+from isolate.workflow import SWEAgentWorkflow
 
 from . import _internals
 from .cancellation._shims import SILENT_SHIM
@@ -31,7 +32,14 @@ from .conftest import (
     wait_for,
     wait_until,
 )
-from .test_templates import TEMP_AGENT, fresh_after_no_fork, slow_to_fork, template_processes
+from .test_cli import URL
+from .test_templates import (
+    TEMP_AGENT,
+    fresh_after_no_fork,
+    refusing_agent,
+    slow_to_fork,
+    template_processes,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -460,6 +468,98 @@ async def test_park_zero_empties_the_pool(agents: Agents) -> None:
     )
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "template")
+
+
+async def test_park_without_waiting_returns_before_its_forks_which_follow(agents: Agents) -> None:
+    """``wait=False``: back once the pool is sized, with its template stopped and so no fork
+    parked; the forks follow once it goes on, and episodes take them."""
+    spec = agents.spec(AGENT, preload=True)
+    first = await isolate.run_episode(spec, {})
+    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    (template,) = _internals.started_templates()
+    importer = psutil.Process(template.pid)
+    importer.suspend()
+    try:
+        with anyio.fail_after(5):  # it would wait for the forks, well past that
+            assert await isolate.park(spec, 2, wait=False) == 0
+        assert pool().target == 2
+        assert parked() == []
+    finally:
+        importer.resume()
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
+    before = {f.pid for f in parked()}
+    started: list[int] = []
+    outcome = await isolate.run_episode(spec, {}, on_start=started.append)
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert set(started) <= before
+
+
+async def test_park_refuses_a_wait_that_is_not_a_bool(agents: Agents) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    with pytest.raises(isolate.ArgumentError, match="park: wait must be a bool, got 'no'"):
+        await isolate.park(spec, 2, wait="no")  # type: ignore[arg-type]
+    assert _internals.started_templates() == []
+
+
+WORKFLOW_AGENT = """
+import json, os
+def run_agent_with_reward(data, **kw):
+    with open(os.path.join(os.environ["PID_DIR"], f"ran.{os.getpid()}"), "w") as f:
+        f.write(json.dumps(data))
+    return 1.0
+"""
+
+
+async def test_the_workflow_parks_what_econfig_park_asks_for(agents: Agents) -> None:
+    """econfig ``park``: the drop-in's first episode of a template asks for its pool; the
+    episodes of the next step take its forks."""
+    package = agents.root / "aweagent"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lifecycle.py").write_text(WORKFLOW_AGENT)
+    econfig = {
+        "agent_root": str(agents.root),
+        "preload": True,
+        "park": 3,
+        "env": {"PID_DIR": str(agents.pids)},
+    }
+    wf = SWEAgentWorkflow(econfig=econfig, timeout=30)
+    assert await wf.run({"instance_id": "w-0"}, base_url=URL) == 1.0
+    assert pool().target == 3
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 3))
+    before = {innermost_pid(f.pid) for f in parked()}  # as its agent's getpid() says
+
+    async def one(i: int) -> None:
+        assert await wf.run({"instance_id": f"w-{i}"}, base_url=URL) == 1.0
+
+    async with anyio.create_task_group() as tg:
+        for i in range(1, 4):
+            tg.start_soon(one, i)
+    ran = {int(p.name.split(".")[1]) for p in agents.pids.glob("ran.*")}
+    assert before <= ran  # each parked fork ran an episode of the step
+    assert pool().target == 3
+
+
+async def test_the_workflow_runs_on_when_econfig_park_gets_no_template(
+    agents: Agents, caplog: pytest.LogCaptureFixture
+) -> None:
+    refusing_agent(agents)
+    econfig = {"agent_root": str(agents.root), "preload": True, "park": 2}
+    econfig["env"] = {"PID_DIR": str(agents.pids)}
+    wf = SWEAgentWorkflow(econfig=econfig, timeout=30)
+    with caplog.at_level("WARNING", logger="AReaL-SWEAgent"):
+        assert await wf.run({"instance_id": "w-0"}, base_url=URL) == 1.0
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("econfig.park")]
+    assert len(said) == 1, said
+    assert said[0].startswith("econfig.park: park: no template for this spec: "), said[0]
+    assert _internals.started_templates() == []
+
+
+def test_econfig_park_is_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match="econfig.park needs econfig.preload"):
+        SWEAgentWorkflow(econfig={"park": 2})
+    with pytest.raises(ValueError, match="econfig.park must be an int from 0 to 1024, got -1"):
+        SWEAgentWorkflow(econfig={"park": -1, "preload": True})
 
 
 @pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _internals.MAX_PARKED + 1])

@@ -38,11 +38,12 @@ from pydantic import SecretStr
 from .._core.containment.sandbox import ports_of_url
 from .._core.episode.launcher import run_episode
 from .._core.model.config import EpisodeSpec
+from .._core.model.errors import IsolateError
 from .._core.model.outcome import EpisodeOutcome
 from .._core.model.sandbox_config import Sandbox
 from .._core.network.allowlist import rule_for_url
 from .._core.system.env import PASSTHROUGH_ENV
-from .._core.templates import remedy
+from .._core.templates import park, remedy
 from ._econfig import UPSTREAM_OVERRIDES, EConfig, plain
 
 __all__ = ["PASSTHROUGH_ENV", "SWEAgentWorkflow", "resolve_agent_root"]
@@ -235,7 +236,8 @@ class SWEAgentWorkflow:
             ``cancel_grace`` and ``exit_grace`` (seconds, as EpisodeSpec's), ``env``,
             ``inherit_env`` (default :data:`PASSTHROUGH_ENV`), ``containment``,
             ``limits`` and ``preload`` (as EpisodeSpec's; ``preload`` a bool or a list of
-            module names), ``secret_env`` (names of
+            module names), ``park`` (forks of the template kept parked ahead of demand,
+            asked for at its first episode; needs ``preload``), ``secret_env`` (names of
             variables of this process passed as ``run_episode(secret_env=...)``), ``sandbox``
             (True, or a dict of :class:`~isolate.Sandbox`'s fields; ``result_dir`` is added
             to ``write``, and ``base_url``'s port to ``connect`` when that is set),
@@ -261,6 +263,7 @@ class SWEAgentWorkflow:
         self.timeout = timeout_of(cfg, timeout)
         self.agent_root = resolve_agent_root(cfg)
         self._preload_refused: set[str] = set()  # each reason warned about once
+        self._parked: set[str] = set()  # the specs whose template econfig.park asked a pool of
         episode_spec(cfg, self.agent_root, self.timeout, None)
         episode_secret_env(cfg)
         # Warn now, not mid-training, when the checkout is missing.
@@ -318,6 +321,8 @@ class SWEAgentWorkflow:
         # start slot or a template is part of it. Cancelled, the episode ends as at its own
         # deadline, its teardown inside the timeout (see within_timeout).
         with anyio.CancelScope(deadline=called + spec.timeout):
+            if cfg.park:
+                await self._park(spec, cfg, api_key)
             await run_episode(
                 spec,
                 data,
@@ -330,6 +335,24 @@ class SWEAgentWorkflow:
         self._log_outcome(instance_id, outcome)
         elapsed = anyio.current_time() - called
         return self._reward(instance_id, outcome, cfg.on_crash, timeout, elapsed)
+
+    async def _park(self, spec: EpisodeSpec, cfg: EConfig, api_key: str) -> None:
+        """econfig ``park``: at the first episode of a template, ask for its pool; that episode
+        waits for the template's start (as it would anyway), not for the forks."""
+        key = spec.model_dump_json(exclude={"timeout"})
+        if key in self._parked:
+            return
+        self._parked.add(key)
+        try:
+            await park(
+                spec,
+                cfg.park,
+                secrets={"override_api_key": api_key},
+                secret_env=episode_secret_env(cfg),
+                wait=False,
+            )
+        except IsolateError as exc:
+            logger.warning("econfig.park: %s: episodes fork on demand or start fresh", exc)
 
     def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
         # One structured line per episode, for grepping a night's run.

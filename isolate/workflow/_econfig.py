@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from .._core.model.config import is_env_name
 from .._core.network.allowlist import parse_rules
+from .._core.templates import MAX_PARKED
 
 #: The econfig keys that name the agent root, first one set wins.
 ROOT_KEYS = ("agent_root", "aweagent_root", "swe_agent_root")
@@ -90,6 +91,8 @@ class EConfig(BaseModel):
     containment: Any = "auto"
     limits: Any = None
     preload: bool | tuple[str, ...] = False
+    park: int = 0
+    """Forks of the template kept parked ahead of demand (``isolate.park``); needs ``preload``."""
     secret_env: tuple[str, ...] = ()
     """Names of this process's variables handed to the agent by ``run_episode(secret_env=)``."""
     sandbox: Any = None
@@ -178,6 +181,21 @@ class EConfig(BaseModel):
                 f"econfig.preload must be a bool or a list of module names, got {value!r}"
             )
         return value
+
+    @field_validator("park", mode="before")
+    @classmethod
+    def _park(cls, value: Any) -> int:
+        if value is None:
+            return 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PARKED:
+            raise ValueError(f"econfig.park must be an int from 0 to {MAX_PARKED}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _park_needs_preload(self) -> EConfig:
+        if self.park and not self.preload:
+            raise ValueError("econfig.park needs econfig.preload: without it no template is forked")
+        return self
 
     @field_validator("secret_env", mode="before")
     @classmethod

@@ -360,19 +360,23 @@ async def park(
     *,
     secrets: Mapping[str, str | SecretStr] | None = None,
     secret_env: Mapping[str, str | SecretStr] | None = None,
+    wait: bool = True,
 ) -> int:
     """Keep ``n`` forks of ``spec``'s template parked ahead of demand, and wait until they
     are: an episode of ``spec`` then starts with a hand-over (see docs/templates.md). Starts
     the template if need be. The pool is refilled in the background, up to ``n``, once no
     fork has been taken from it for a short quiet period (at once once it is empty); ``n=0``
-    empties it. ``secrets`` and ``secret_env``: those the episodes
-    will get (only their names and values matter: an inherited variable that holds one is
-    withheld, which changes the template). Returns how many are parked.
+    empties it. ``secrets`` and ``secret_env``: those the episodes will get (only their names
+    and values matter: an inherited variable that holds one is withheld, which changes the
+    template). ``wait=False``: return once the template is started and the pool sized, while
+    its thread parks the forks. Returns how many are parked (at the return).
 
     Raises :class:`ArgumentError` for a bad ``n`` (not an int from 0 to 1024) or a spec
     without ``preload``, and :class:`IsolateError` when no template can be used for ``spec``
-    (the reason its episodes would start fresh) or a fork cannot be parked.
+    (the reason its episodes would start fresh) or, when it waits, a fork cannot be parked.
     """
+    if not isinstance(wait, bool):
+        raise ArgumentError(f"park: wait must be a bool, got {wait!r}")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_PARKED:
         raise ArgumentError(f"park: n must be an int from 0 to {MAX_PARKED}, got {n!r}")
     if not spec.preload:
@@ -394,9 +398,9 @@ async def park(
     pool = await anyio.to_thread.run_sync(_resize, template, n, template.name)
     pool.release_fds()
     pool.hold = _admission.hold_fds(PARKED_FDS * n, f"{template.name}'s parked forks")
-    while not pool.filled() and pool.problem is None:  # noqa: ASYNC110 - its thread fills it
+    while wait and not pool.filled() and pool.problem is None:  # noqa: ASYNC110 - its thread fills it
         await anyio.sleep(0.005)
-    if pool.problem is not None and not pool.filled():
+    if wait and pool.problem is not None and not pool.filled():
         raise IsolateError(f"park: cannot park a fork of {template.name}: {pool.problem}")
     return min(n, len(pool.parked))
 
