@@ -13,6 +13,12 @@ request until all have started (their first line) and until all have returned. E
 ratio of a template arm to the forkserver, and their median: the round trip, the time until
 all have started, and the burst's overhead (until all returned, less the 1 s they hold).
 
+The ``asked`` arm asks for its pool without waiting for it (``park(spec, n, wait=False)``, as
+econfig ``park`` does in the AReaL drop-in): its round trips are a sequence with a pool of 4
+that refills as it can (not before each), and its burst is the second of two RL steps: a
+burst that asked for a pool of its size as it started, then the next one right after it
+returned.
+
 ``--network``: the template's episodes under ``Sandbox(network=["127.0.0.1:9"])``, each fork in
 a network namespace of its own with the parent's proxy (the forkserver's processes share the
 machine's network); with ``--fresh N``, N such episodes started fresh too (no ``preload``),
@@ -151,12 +157,14 @@ async def _fresh(spec: isolate.EpisodeSpec, n: int) -> list[float]:
     return times
 
 
-ARMS = ("forkserver", "no pool", "pool")
+ARMS = ("forkserver", "no pool", "pool", "asked")
 
 
 async def _template_arm(
     spec: isolate.EpisodeSpec, arm: str, args: argparse.Namespace
 ) -> dict[str, float]:
+    if arm == "asked":
+        return await _asked_arm(spec, args)
     parked = 4 if arm == "pool" else 0
     await isolate.park(spec, parked)
     rt, first = await _round_trips(spec, args.n, parked)
@@ -164,6 +172,21 @@ async def _template_arm(
     await _filled(args.burst if arm == "pool" else 0)  # their workers forked too
     started, returned = await _burst(spec, args.burst)
     await isolate.park(spec, 0)  # no refill beside the next arm
+    return {"launch": rt, "first": first, "started": started, "returned": returned}
+
+
+async def _asked_arm(spec: isolate.EpisodeSpec, args: argparse.Namespace) -> dict[str, float]:
+    """A pool asked for without waiting (``park(..., wait=False)``, as econfig ``park`` does),
+    never waited for: the round trips of a sequence, with a pool of 4 that refills as it
+    can; then two RL steps, a burst asked for a pool of its size as it starts, and the next
+    burst right after it returned: the second's figures."""
+    await isolate.park(spec, 4, wait=False)
+    rt, first = await _round_trips(spec, args.n, 0)
+    await isolate.park(spec, 0)
+    await isolate.park(spec, args.burst, wait=False)
+    await _burst(spec, args.burst)
+    started, returned = await _burst(spec, args.burst)
+    await isolate.park(spec, 0)
     return {"launch": rt, "first": first, "started": started, "returned": returned}
 
 
@@ -226,7 +249,7 @@ async def _main(args: argparse.Namespace) -> None:
         for _ in range(3):  # warm: the template starts
             await isolate.run_episode(spec, {})
         for r in range(args.rounds):
-            for arm in ARMS[r % 3 :] + ARMS[: r % 3]:
+            for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
                 if arm == "forkserver":
                     row = await anyio.to_thread.run_sync(_forkserver_arm, root, args, r)
                 else:
