@@ -17,7 +17,7 @@ The ``asked`` arm asks for its pool without waiting for it (``park(spec, n, wait
 econfig ``park`` does in the AReaL drop-in): its round trips are a sequence with a pool of 4
 that refills as it can (not before each), and its burst is the second of two RL steps: a
 burst that asked for a pool of its size as it started, then the next one right after it
-returned.
+returned (and the first step's figures beside).
 
 ``--network``: the template's episodes under ``Sandbox(network=["127.0.0.1:9"])``, each fork in
 a network namespace of its own with the parent's proxy (the forkserver's processes share the
@@ -184,10 +184,17 @@ async def _asked_arm(spec: isolate.EpisodeSpec, args: argparse.Namespace) -> dic
     rt, first = await _round_trips(spec, args.n, 0)
     await isolate.park(spec, 0)
     await isolate.park(spec, args.burst, wait=False)
-    await _burst(spec, args.burst)
+    started1, returned1 = await _burst(spec, args.burst)
     started, returned = await _burst(spec, args.burst)
     await isolate.park(spec, 0)
-    return {"launch": rt, "first": first, "started": started, "returned": returned}
+    return {
+        "launch": rt,
+        "first": first,
+        "started": started,
+        "returned": returned,
+        "first step: started": started1,
+        "first step: returned": returned1,
+    }
 
 
 def _forkserver_arm(root: Path, args: argparse.Namespace, r: int) -> dict[str, float]:
@@ -265,6 +272,8 @@ async def _main(args: argparse.Namespace) -> None:
     for arm in ARMS:
         for key, label in LABELS.items():
             figures[f"{arm}: {label.format(b=args.burst)}"] = [row[key] for row in runs[arm]]
+    for key in ("first step: started", "first step: returned"):
+        figures[f"asked: burst {args.burst}, {key}, s"] = [row[key] for row in runs["asked"]]
     figures.update(_ratios(runs, args.burst))
     print(
         f"{started_at}–{time.strftime('%H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "
