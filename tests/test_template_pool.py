@@ -555,6 +555,35 @@ async def test_the_workflow_runs_on_when_econfig_park_gets_no_template(
     assert _internals.started_templates() == []
 
 
+async def test_the_workflow_times_out_as_before_while_econfig_park_waits_for_a_template(
+    agents: Agents,
+) -> None:
+    """The first episode waits for its template's start, within its own timeout: a template
+    slower than that is a timeout, as without ``park`` (the template is not kept: the start
+    it waited for is ended); a later episode asks for the pool again."""
+    package = agents.root / "aweagent"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "lifecycle.py").write_text("import time\ntime.sleep(3)\n" + WORKFLOW_AGENT)
+    econfig = {
+        "agent_root": str(agents.root),
+        "preload": True,
+        "park": 2,
+        "timeout": 1.0,
+        "kill_grace": 0.2,
+        "cancel_grace": 0.2,
+        "env": {"PID_DIR": str(agents.pids)},
+    }
+    wf = SWEAgentWorkflow(econfig=econfig)
+    with pytest.raises(isolate.EpisodeTimeout):
+        await wf.run({"instance_id": "w-0"}, base_url=URL)
+    # A record with time for the template's start: the same template (the graces fit in
+    # either timeout, unscaled), whose pool is asked for again.
+    record = {"instance_id": "w-1", "econfig": {"timeout": 30.0}}
+    assert await wf.run(record, base_url=URL) == 1.0
+    assert pool().target == 2
+
+
 def test_econfig_park_is_checked_at_construction() -> None:
     with pytest.raises(ValueError, match="econfig.park needs econfig.preload"):
         SWEAgentWorkflow(econfig={"park": 2})

@@ -320,9 +320,10 @@ class SWEAgentWorkflow:
         # The agent's time counts from this call, as under the seed's wait_for: a wait for a
         # start slot or a template is part of it. Cancelled, the episode ends as at its own
         # deadline, its teardown inside the timeout (see within_timeout).
-        with anyio.CancelScope(deadline=called + spec.timeout):
-            if cfg.park:
+        if cfg.park:
+            with anyio.CancelScope(deadline=called + spec.timeout):
                 await self._park(spec, cfg, api_key)
+        with anyio.CancelScope(deadline=called + spec.timeout):
             await run_episode(
                 spec,
                 data,
@@ -353,6 +354,9 @@ class SWEAgentWorkflow:
             )
         except IsolateError as exc:
             logger.warning("econfig.park: %s: episodes fork on demand or start fresh", exc)
+        except anyio.get_cancelled_exc_class():
+            self._parked.discard(key)  # the deadline came first: the next episode asks again
+            raise
 
     def _log_outcome(self, instance_id: str, outcome: EpisodeOutcome) -> None:
         # One structured line per episode, for grepping a night's run.
