@@ -26,6 +26,7 @@ from isolate._core.system import admission as _admission
 from isolate._core.system import env as _env
 from isolate._core.system import procfs as _procfs
 from isolate._core.system import tree as _tree
+from isolate._core.templates import pool as _template_pool
 from isolate._core.templates import process as _template_process
 from isolate._core.templates import registry as _template_registry
 
@@ -107,6 +108,8 @@ QUIET_MS = _templates.QUIET_MS
 MAX_PARKED = _templates.MAX_PARKED
 # The module of one template and its forks: a test shortens its fork timeout.
 template_process = _template_process
+# The pool's module: its memory floor (``MIN_AVAILABLE``) and ``memory_problem``.
+template_pool = _template_pool
 # What the template code takes from the shim's wire to read a message: the wire's own function.
 template_receivers = (_template_process.receive_message, _template_registry.receive_message)
 

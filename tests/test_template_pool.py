@@ -7,6 +7,7 @@ import errno
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -589,6 +590,80 @@ def test_econfig_park_is_checked_at_construction() -> None:
         SWEAgentWorkflow(econfig={"park": 2})
     with pytest.raises(ValueError, match="econfig.park must be an int from 0 to 1024, got -1"):
         SWEAgentWorkflow(econfig={"park": -1, "preload": True})
+
+
+async def test_no_fork_is_parked_while_memory_is_short_and_the_pool_fills_after(
+    agents: Agents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the pool's memory floor (here all of the machine's memory, which no machine has
+    available) ``park`` says why and parks nothing, episodes fork on demand; once memory is
+    there again, the pool fills."""
+    monkeypatch.setattr(_internals.template_pool, "MIN_AVAILABLE", 1.0)
+    spec = agents.spec(AGENT, preload=True)
+    with pytest.raises(
+        isolate.IsolateError,
+        match=r"park: cannot park a fork of template\.\w+: the machine has \d+ MiB of memory "
+        r"available, below the 100% of its \d+ MiB that parked forks leave free",
+    ):
+        await isolate.park(spec, 2)
+    assert parked() == []
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    monkeypatch.setattr(_internals.template_pool, "MIN_AVAILABLE", 0.1)
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
+
+
+HOG = """
+import sys
+sys.stdin.readline()  # in its cgroup first
+held = bytearray(int(sys.argv[1]) << 20)
+held[::4096] = b"x" * len(held[::4096])  # every page touched: charged to its cgroup
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_cgroup_near_its_memory_limit_is_short_of_memory(tmp_path: Path) -> None:
+    """A real cgroup with a 128 MiB limit: empty it has room; with a process holding 120 MiB in
+    it (~122 MiB charged), less than the floor's 10% is left, and the problem names the cgroup
+    and its limit."""
+    found = _internals.cgroups()
+    kind = found.controller("memory")
+    if kind is None:
+        pytest.skip("no memory cgroup controller this process may use")
+    root = found.v2 if kind == "v2" else found.v1["memory"]
+    assert root is not None
+    where = root / f"memtest.{os.getpid()}.{tmp_path.name}"
+    where.mkdir()
+    try:
+        limit_file = "memory.max" if kind == "v2" else "memory.limit_in_bytes"
+        (where / limit_file).write_text(str(128 << 20))
+        assert _internals.template_pool.memory_problem([where]) is None
+        with subprocess.Popen(
+            [sys.executable, "-c", HOG, "120"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as hog:
+            assert hog.stdin is not None
+            assert hog.stdout is not None
+            try:
+                (where / "cgroup.procs").write_text(str(hog.pid))
+                hog.stdin.write("go\n")
+                hog.stdin.flush()
+                assert hog.stdout.readline() == "held\n"
+                problem = _internals.template_pool.memory_problem([where])
+            finally:
+                hog.kill()
+        assert problem is not None
+        assert re.fullmatch(
+            rf"cgroup {re.escape(str(where))} has \d+ MiB of its 128 MiB memory limit left, "
+            r"below the 10% that parked forks leave free",
+            problem,
+        ), problem
+    finally:
+        wait_for(lambda: not (where / "cgroup.procs").read_text().strip())
+        where.rmdir()
 
 
 @pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _internals.MAX_PARKED + 1])

@@ -18,6 +18,7 @@ import select
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 from agent_shim.shim_wire import send_message
 
@@ -34,6 +35,10 @@ MAX_PARKED = 1024
 PARKED_FDS = 3
 #: After a failed park, how long the pool waits before it tries again (seconds).
 _RETRY_S = 1.0
+#: The share of memory a pool leaves free: it parks no fork while the machine's
+#: ``MemAvailable`` is below this share of ``MemTotal``, nor while the room left under a memory
+#: limit of the trainer's own cgroup is below this share of the limit.
+MIN_AVAILABLE = 0.10
 #: How long after the last hand-over the pool waits before it parks a fork (ms): its two forks
 #: of the image would run beside the episodes being started, and those of a burst come closer
 #: together than this.
@@ -190,6 +195,12 @@ class Pool:
 
     def _park_one(self) -> None:
         template, leaves = self.template, None
+        short_of_memory = memory_problem()
+        if short_of_memory is not None:
+            with self._changed:
+                self.problem = short_of_memory
+                self._changed.notify_all()
+            return
         try:
             if template.leaves is not None:
                 leaves = _containment.Leaves(
@@ -234,3 +245,70 @@ def _end(forked: Forked) -> None:
     """Kill a parked fork, close what the parent holds of it, remove its leaves."""
     forked.kill()
     forked.close()
+
+
+def memory_problem(dirs: list[Path] | None = None) -> str | None:
+    """Why no fork may be parked now for want of memory, or None: the machine's
+    ``MemAvailable`` below ``MIN_AVAILABLE`` of its ``MemTotal``, or the room under the memory
+    limit of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1) below that share of
+    the limit. Blocking."""
+    total, available = _meminfo()
+    if total and available is not None and available < MIN_AVAILABLE * total:
+        return (
+            f"the machine has {available >> 20} MiB of memory available, below the "
+            f"{MIN_AVAILABLE:.0%} of its {total >> 20} MiB that parked forks leave free"
+        )
+    for where in _own_cgroups() if dirs is None else dirs:
+        limit, used = _cgroup_memory(where)
+        if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
+            return (
+                f"cgroup {where} has {max(0, limit - used) >> 20} MiB of its {limit >> 20} MiB "
+                f"memory limit left, below the {MIN_AVAILABLE:.0%} that parked forks leave free"
+            )
+    return None
+
+
+def _meminfo() -> tuple[int | None, int | None]:
+    """(MemTotal, MemAvailable) in bytes, each None where not known."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    found[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def _own_cgroups() -> list[Path]:
+    """The trainer's own cgroup directories that may limit its memory (v2; v1 ``memory``)."""
+    found = _containment.cgroups()
+    leaves_roots = [found.v2] if found.v2 is not None else []
+    if "memory" in found.v1:
+        leaves_roots.append(found.v1["memory"])
+    return [root.parent for root in leaves_roots]
+
+
+#: A v1 limit this large is no limit (the kernel's "unlimited" is ~2**63, page-aligned).
+_NO_LIMIT = 1 << 60
+
+
+def _cgroup_memory(where: Path) -> tuple[int | None, int | None]:
+    """(limit, usage) in bytes of cgroup directory ``where`` (v2 ``memory.max`` and
+    ``memory.current``, else v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``);
+    (None, None) without a limit."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
+        try:
+            limit_text = (where / limit_file).read_text().strip()
+            used = int((where / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+            return None, None
+        return int(limit_text), used
+    return None, None
