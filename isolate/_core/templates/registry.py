@@ -373,7 +373,8 @@ async def park(
 
     Raises :class:`ArgumentError` for a bad ``n`` (not an int from 0 to 1024) or a spec
     without ``preload``, and :class:`IsolateError` when no template can be used for ``spec``
-    (the reason its episodes would start fresh) or, when it waits, a fork cannot be parked.
+    (the reason its episodes would start fresh) or, when it waits, a fork cannot be parked
+    (memory short of the pool's floor among the reasons: ``pool.MIN_AVAILABLE``).
     """
     if not isinstance(wait, bool):
         raise ArgumentError(f"park: wait must be a bool, got {wait!r}")
