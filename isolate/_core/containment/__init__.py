@@ -37,6 +37,7 @@ from .probes import (
     layers,
     move_waits_for_rcu,
     needs_userns,
+    own_memory_cgroups,
     pidns_problem,
     seccomp_available,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "layers",
     "move_waits_for_rcu",
     "needs_userns",
+    "own_memory_cgroups",
     "pidns_problem",
     "plan_limits",
     "problem",

@@ -8,7 +8,7 @@ import re
 import secrets
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -138,29 +138,56 @@ def probe_cgroups() -> Cgroups:
         return Cgroups(None, frozenset(), {}, f"cannot read /proc ({exc.strerror or exc})")
     v1: dict[str, Path] = {}
     for name in _V1:
-        for fstype, root, point, options in mounts:
-            if fstype == "cgroup" and name in options and name in own:
-                base = _join(root, point, own[name])
-                found = _writable_root(base)[0] if base is not None else None
-                if found is not None:
-                    v1[name] = found
-                    break
+        for base in _bases(mounts, own, name):
+            found = _writable_root(base)[0]
+            if found is not None:
+                v1[name] = found
+                break
     v2_mounts = [(root, point) for fstype, root, point, _ in mounts if fstype == "cgroup2"]
     if not v2_mounts:
         return Cgroups(None, frozenset(), v1, "no cgroup v2 tree is mounted")
     if "" not in own:
         return Cgroups(None, frozenset(), v1, "this process is in no cgroup v2 group")
     problem = "no cgroup v2 mount shows this process's group"
-    for root, point in v2_mounts:
-        base = _join(root, point, own[""])
-        if base is None:
-            continue
+    for base in _bases(mounts, own, ""):
         found, problem_here = _writable_root(base)
         if found is None:
             problem = problem_here or problem
             continue
         return Cgroups(found, _enable_v2_controllers(found), v1, None)
     return Cgroups(None, frozenset(), v1, problem)
+
+
+def _bases(
+    mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str], name: str
+) -> Iterator[Path]:
+    """This process's group in hierarchy ``name`` (``""``: v2; else a v1 controller), one
+    directory per mount that shows it."""
+    if name not in own:
+        return
+    for fstype, root, point, options in mounts:
+        if fstype == ("cgroup2" if name == "" else "cgroup") and (name == "" or name in options):
+            base = _join(root, point, own[name])
+            if base is not None:
+                yield base
+
+
+def own_memory_cgroups() -> list[Path]:
+    """This process's own groups that may hold a memory limit, writable or not: its v2 group
+    and its v1 ``memory`` group, each the first mount that shows it (probed once); none where
+    ``/proc`` cannot be read."""
+    return once(f"memory-cgroups.{os.getpid()}", _own_memory_cgroups)
+
+
+def _own_memory_cgroups() -> list[Path]:
+    try:
+        mounts, own = _mounts(), _own_cgroups()
+    except OSError:
+        return []
+    found: list[Path] = []
+    for name in ("", "memory"):
+        found += [base for base in _bases(mounts, own, name) if base.is_dir()][:1]
+    return found
 
 
 def move_waits_for_rcu(v2: Path) -> bool | None:

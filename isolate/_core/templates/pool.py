@@ -195,13 +195,10 @@ class Pool:
 
     def _park_one(self) -> None:
         template, leaves = self.template, None
-        short_of_memory = memory_problem()
-        if short_of_memory is not None:
-            with self._changed:
-                self.problem = short_of_memory
-                self._changed.notify_all()
-            return
         try:
+            short_of_memory = memory_problem()
+            if short_of_memory is not None:
+                raise SetupProblem(short_of_memory)
             if template.leaves is not None:
                 leaves = _containment.Leaves(
                     _containment.cgroups(), "parked", template.leaves.writes
@@ -250,15 +247,15 @@ def _end(forked: Forked) -> None:
 def memory_problem(dirs: list[Path] | None = None) -> str | None:
     """Why no fork may be parked now for want of memory, or None: the machine's
     ``MemAvailable`` below ``MIN_AVAILABLE`` of its ``MemTotal``, or the room under the memory
-    limit of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1) below that share of
-    the limit. Blocking."""
+    limit of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1, writable or not)
+    below that share of the limit. Blocking."""
     total, available = _meminfo()
     if total and available is not None and available < MIN_AVAILABLE * total:
         return (
             f"the machine has {available >> 20} MiB of memory available, below the "
             f"{MIN_AVAILABLE:.0%} of its {total >> 20} MiB that parked forks leave free"
         )
-    for where in _own_cgroups() if dirs is None else dirs:
+    for where in _containment.own_memory_cgroups() if dirs is None else dirs:
         limit, used = _cgroup_memory(where)
         if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
             return (
@@ -282,15 +279,6 @@ def _meminfo() -> tuple[int | None, int | None]:
     return found.get("MemTotal"), found.get("MemAvailable")
 
 
-def _own_cgroups() -> list[Path]:
-    """The trainer's own cgroup directories that may limit its memory (v2; v1 ``memory``)."""
-    found = _containment.cgroups()
-    leaves_roots = [found.v2] if found.v2 is not None else []
-    if "memory" in found.v1:
-        leaves_roots.append(found.v1["memory"])
-    return [root.parent for root in leaves_roots]
-
-
 #: A v1 limit this large is no limit (the kernel's "unlimited" is ~2**63, page-aligned).
 _NO_LIMIT = 1 << 60
 
@@ -308,7 +296,7 @@ def _cgroup_memory(where: Path) -> tuple[int | None, int | None]:
             used = int((where / usage_file).read_text())
         except (OSError, ValueError):
             continue
-        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+        if not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:  # v2 says "max"
             return None, None
         return int(limit_text), used
     return None, None
