@@ -36,6 +36,7 @@ from .conftest import (
 from .test_cli import URL
 from .test_templates import (
     TEMP_AGENT,
+    drop_in_agent,
     fresh_after_no_fork,
     refusing_agent,
     slow_to_fork,
@@ -514,10 +515,7 @@ def run_agent_with_reward(data, **kw):
 async def test_the_workflow_parks_what_econfig_park_asks_for(agents: Agents) -> None:
     """econfig ``park``: the drop-in's first episode of a template asks for its pool; the
     episodes of the next step take its forks."""
-    package = agents.root / "aweagent"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "lifecycle.py").write_text(WORKFLOW_AGENT)
+    drop_in_agent(agents, WORKFLOW_AGENT)
     econfig = {
         "agent_root": str(agents.root),
         "preload": True,
@@ -562,10 +560,7 @@ async def test_the_workflow_times_out_as_before_while_econfig_park_waits_for_a_t
     """The first episode waits for its template's start, within its own timeout: a template
     slower than that is a timeout, as without ``park`` (the template is not kept: the start
     it waited for is ended); a later episode asks for the pool again."""
-    package = agents.root / "aweagent"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "lifecycle.py").write_text("import time\ntime.sleep(3)\n" + WORKFLOW_AGENT)
+    drop_in_agent(agents, "import time\ntime.sleep(3)\n" + WORKFLOW_AGENT)
     econfig = {
         "agent_root": str(agents.root),
         "preload": True,

@@ -484,15 +484,22 @@ def test_the_preload_flag_reaches_the_spec(tmp_path: Path, flag: list[str]) -> N
     assert spec.preload is bool(flag)
 
 
-def test_doctor_preload_names_the_thread_and_the_fix(
-    agents: Agents, capsys: pytest.CaptureFixture[str]
-) -> None:
+def drop_in_agent(agents: Agents, lifecycle: str) -> None:
+    """``aweagent.lifecycle`` (the drop-in's entrypoint package) in the agent root, with
+    ``lifecycle`` as its source."""
     package = agents.root / "aweagent"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "lifecycle.py").write_text(
+    (package / "lifecycle.py").write_text(lifecycle)
+
+
+def test_doctor_preload_names_the_thread_and_the_fix(
+    agents: Agents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    drop_in_agent(
+        agents,
         THREAD_AT_IMPORT.replace("cost-map-retry", "litellm-model-cost-map-retry")
-        + "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+        + "def run_agent_with_reward(data, **kw):\n    return 1.0\n",
     )
     assert cli_main(["doctor", "--agent-root", str(agents.root), "--preload"]) == 1
     out = capsys.readouterr().out
@@ -504,11 +511,9 @@ def test_doctor_preload_names_the_thread_and_the_fix(
 def test_doctor_preload_on_a_forkable_agent(
     agents: Agents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    package = agents.root / "aweagent"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "lifecycle.py").write_text(
-        "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+    drop_in_agent(
+        agents,
+        "def run_agent_with_reward(data, **kw):\n    return 1.0\n",
     )
     assert cli_main(["doctor", "--agent-root", str(agents.root), "--preload"]) == 0
     out = capsys.readouterr().out
@@ -527,11 +532,9 @@ LITELLM_REASON = "thread 'litellm-model-cost-map-retry' running after import"
 
 def refusing_agent(agents: Agents) -> None:
     """aweagent.lifecycle (the drop-in's entrypoint) and agent_refused:run, both refused."""
-    package = agents.root / "aweagent"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "lifecycle.py").write_text(
-        LITELLM_LIKE + "def run_agent_with_reward(data, **kw):\n    return 1.0\n"
+    drop_in_agent(
+        agents,
+        LITELLM_LIKE + "def run_agent_with_reward(data, **kw):\n    return 1.0\n",
     )
     (agents.root / "agent_refused.py").write_text(
         LITELLM_LIKE.replace("def run(data)", "def run(data, **kw)")
