@@ -19,6 +19,10 @@ that refills as it can (not before each), and its burst is the second of two RL 
 burst that asked for a pool of its size as it started, then the next one right after it
 returned (and the first step's figures beside).
 
+The ``bursts`` arm is the default, a pool nobody asked for, sized from the last burst: a
+template of its own each round, its round trips a sequence (its pool of one refilling behind
+each), and two RL steps, the second's figures (the first's beside).
+
 ``--network``: the template's episodes under ``Sandbox(network=["127.0.0.1:9"])``, each fork in
 a network namespace of its own with the parent's proxy (the forkserver's processes share the
 machine's network); with ``--fresh N``, N such episodes started fresh too (no ``preload``),
@@ -157,14 +161,16 @@ async def _fresh(spec: isolate.EpisodeSpec, n: int) -> list[float]:
     return times
 
 
-ARMS = ("forkserver", "no pool", "pool", "asked")
+ARMS = ("forkserver", "no pool", "pool", "asked", "bursts")
 
 
 async def _template_arm(
-    spec: isolate.EpisodeSpec, arm: str, args: argparse.Namespace
+    spec: isolate.EpisodeSpec, arm: str, args: argparse.Namespace, r: int
 ) -> dict[str, float]:
     if arm == "asked":
         return await _asked_arm(spec, args)
+    if arm == "bursts":
+        return await _bursts_arm(spec, args, r)
     parked = 4 if arm == "pool" else 0
     await isolate.park(spec, parked)
     rt, first = await _round_trips(spec, args.n, parked)
@@ -187,6 +193,29 @@ async def _asked_arm(spec: isolate.EpisodeSpec, args: argparse.Namespace) -> dic
     started1, returned1 = await _burst(spec, args.burst)
     started, returned = await _burst(spec, args.burst)
     await isolate.park(spec, 0)
+    return {
+        "launch": rt,
+        "first": first,
+        "started": started,
+        "returned": returned,
+        "first step: started": started1,
+        "first step: returned": returned1,
+    }
+
+
+async def _bursts_arm(
+    spec: isolate.EpisodeSpec, args: argparse.Namespace, r: int
+) -> dict[str, float]:
+    """The default: a pool nobody asked for, sized from the bursts. A template of its own each
+    round (one that ``park`` never sized): its round trips a sequence, then two RL steps, the
+    second's figures. Its pool is emptied after, ``park(spec, 0)``."""
+    own = spec.model_copy(update={"env": {**spec.env, "BENCH_BURSTS_ROUND": str(r)}})
+    for _ in range(3):  # warm: the template starts
+        await isolate.run_episode(own, {})
+    rt, first = await _round_trips(own, args.n, 0)
+    started1, returned1 = await _burst(own, args.burst)
+    started, returned = await _burst(own, args.burst)
+    await isolate.park(own, 0)
     return {
         "launch": rt,
         "first": first,
@@ -260,7 +289,7 @@ async def _main(args: argparse.Namespace) -> None:
                 if arm == "forkserver":
                     row = await anyio.to_thread.run_sync(_forkserver_arm, root, args, r)
                 else:
-                    row = await _template_arm(spec, arm, args)
+                    row = await _template_arm(spec, arm, args, r)
                 runs[arm].append(row)
                 load.append(os.getloadavg()[0])
         await isolate.park(spec, 0)
@@ -272,8 +301,9 @@ async def _main(args: argparse.Namespace) -> None:
     for arm in ARMS:
         for key, label in LABELS.items():
             figures[f"{arm}: {label.format(b=args.burst)}"] = [row[key] for row in runs[arm]]
-    for key in ("first step: started", "first step: returned"):
-        figures[f"asked: burst {args.burst}, {key}, s"] = [row[key] for row in runs["asked"]]
+    for arm in ("asked", "bursts"):
+        for key in ("first step: started", "first step: returned"):
+            figures[f"{arm}: burst {args.burst}, {key}, s"] = [row[key] for row in runs[arm]]
     figures.update(_ratios(runs, args.burst))
     print(
         f"{started_at}–{time.strftime('%H:%M UTC', time.gmtime())}, {os.cpu_count()} cores, "

@@ -8,6 +8,9 @@ listed, each with its module, in ``tests/test_architecture.py`` (``UNIT_UNDER_TE
 
 from __future__ import annotations
 
+import os as _os
+import stat as _stat
+
 from isolate._core import containment as _containment
 from isolate._core import templates as _templates
 from isolate._core.containment import leaves as _leaves
@@ -29,6 +32,7 @@ from isolate._core.system import tree as _tree
 from isolate._core.templates import pool as _template_pool
 from isolate._core.templates import process as _template_process
 from isolate._core.templates import registry as _template_registry
+from isolate._core.templates import sizing as _template_sizing
 
 # -- Containment: what this machine provides.
 # Why a containment cannot run on this machine, or None: a test skips with the reason.
@@ -98,16 +102,50 @@ pids_with_env = _tree.pids_with_env
 # -- Templates of this process.
 # The templates of this process: their pids are not the agent's, and their count is checked.
 started_templates = _templates.started_templates
+
+
+def templates_logs() -> tuple[set[int], set[tuple[int, int]]]:
+    """The pids of the running templates' own processes, and (st_dev, st_ino) of each one's
+    log file where it has one: the stderr of its processes, and of every fork of it (and the
+    worker a parked fork forked ahead) from its birth until it is handed an episode."""
+    own: set[int] = set()
+    logs: set[tuple[int, int]] = set()
+    for template in started_templates():
+        own |= template.own_pids()
+        if template.importer is None:
+            continue
+        try:
+            found = _os.stat(f"/proc/{template.importer}/fd/2")
+        except OSError:
+            continue
+        if _stat.S_ISREG(found.st_mode):
+            logs.add((found.st_dev, found.st_ino))
+    return own, logs
+
+
+def writes_to(pid: int, logs: set[tuple[int, int]]) -> bool:
+    """Whether the stderr of process ``pid`` is one of ``logs``."""
+    try:
+        found = _os.stat(f"/proc/{pid}/fd/2")
+    except OSError:
+        return False
+    return (found.st_dev, found.st_ino) in logs
+
+
 # Closes every template, from outside an event loop: the session's end.
 close_all = _templates.close_all
 # A template's pool of parked forks and a fork: what a test counts and inspects.
 Pool = _templates.Pool
+# How many episodes of a template run at once: the size of a pool no caller sized.
+Burst = _templates.Burst
 Forked = _templates.Forked
 # How long a pool waits, quiet, before it refills, and how many forks it parks at most.
 QUIET_MS = _templates.QUIET_MS
 MAX_PARKED = _templates.MAX_PARKED
 # The module of one template and its forks: a test shortens its fork timeout.
 template_process = _template_process
+# A pool sized from bursts: the share of the fd budget it may hold.
+template_sizing = _template_sizing
 # The pool's module: its memory floor (``MIN_AVAILABLE``) and ``memory_problem``.
 template_pool = _template_pool
 # What the template code takes from the shim's wire to read a message: the wire's own function.

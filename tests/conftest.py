@@ -605,10 +605,16 @@ class Agents:
         """Live processes of this test's episodes, by the PID_DIR in their environment. Judge
         by this, not by recorded pids: inside a PID namespace those are the namespace's
         numbers, and on the host they name unrelated processes. Running templates
-        (``preload``) are not an episode's."""
-        templates = {pid for t in _internals.started_templates() for pid in t.own_pids()}
-        procs = episode_processes(f"\0PID_DIR={self.pids}\0".encode())
-        return [p for p in procs if p.pid not in templates]
+        (``preload``) are not an episode's, nor the forks they keep parked (with the
+        workers those forked ahead), which write to their template's log until they are
+        handed an episode: the specs made here name a log directory."""
+        marker = f"\0PID_DIR={self.pids}\0".encode()
+        own, logs = _internals.templates_logs()
+        return [
+            p
+            for p in episode_processes(marker)
+            if p.pid not in own and not _internals.writes_to(p.pid, logs)
+        ]
 
     def pid_files(self) -> dict[str, int]:
         """The pids recorded so far. A ``.tmp`` file is a record being written: it may be

@@ -476,8 +476,7 @@ async def test_park_without_waiting_returns_before_its_forks_which_follow(agents
     """``wait=False``: back once the pool is sized, with its template stopped and so no fork
     parked; the forks follow once it goes on, and episodes take them."""
     spec = agents.spec(AGENT, preload=True)
-    first = await isolate.run_episode(spec, {})
-    assert (first.status, first.start) == ("ok", "template"), first.summary()
+    assert await isolate.park(spec, 0) == 0  # the template started, no fork parked
     (template,) = _internals.started_templates()
     importer = psutil.Process(template.pid)
     importer.suspend()
@@ -656,6 +655,58 @@ def test_a_cgroup_near_its_memory_limit_is_short_of_memory(tmp_path: Path) -> No
             r"below the 10% that parked forks leave free",
             problem,
         ), problem
+    finally:
+        wait_for(lambda: not (where / "cgroup.procs").read_text().strip())
+        where.rmdir()
+
+
+THREADS = """
+import sys, threading
+sys.stdin.readline()  # in its cgroup first
+stop = threading.Event()
+for _ in range(int(sys.argv[1])):
+    threading.Thread(target=stop.wait).start()
+print("running", flush=True)
+sys.stdin.read()
+stop.set()
+"""
+
+
+def test_a_cgroup_near_its_pids_limit_leaves_no_room_for_a_parked_fork(tmp_path: Path) -> None:
+    """A real cgroup with ``pids.max`` 20: empty it has room; with a process of 19 threads in
+    it (each counts), one is left, below the floor's 10%, and the problem names the cgroup."""
+    found = _internals.cgroups()
+    kind = found.controller("pids")
+    if kind is None:
+        pytest.skip("no pids cgroup controller this process may use")
+    root = found.v2 if kind == "v2" else found.v1["pids"]
+    assert root is not None
+    where = root / f"pidstest.{os.getpid()}.{tmp_path.name}"
+    where.mkdir()
+    try:
+        (where / "pids.max").write_text("20")
+        assert _internals.template_pool.pids_problem([where]) is None
+        with subprocess.Popen(
+            [sys.executable, "-c", THREADS, "18"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as busy:
+            assert busy.stdin is not None
+            assert busy.stdout is not None
+            try:
+                (where / "cgroup.procs").write_text(str(busy.pid))
+                busy.stdin.write("go\n")
+                busy.stdin.flush()
+                assert busy.stdout.readline() == "running\n"
+                assert (where / "pids.current").read_text().strip() == "19"
+                problem = _internals.template_pool.pids_problem([where])
+            finally:
+                busy.kill()
+        assert problem == (
+            f"cgroup {where} has room for 1 of its 20 processes, below the 10% that parked "
+            "forks leave free"
+        )
     finally:
         wait_for(lambda: not (where / "cgroup.procs").read_text().strip())
         where.rmdir()

@@ -56,10 +56,13 @@ def template_processes(agents: Agents, parent: int | None = None) -> list[psutil
         except (psutil.Error, OSError):
             continue
     outers = {proc.pid for proc, ppid, _ in procs if ppid == (parent or os.getpid())}
+    inits = {proc.pid for proc, _, _ in procs if _is_namespace_init(proc.pid)}
+    # The importer's parent is the outer process or PID 1; a fork's, before it has a session
+    # of its own, is the importer.
     return [
         proc
-        for proc, _, sid in procs
-        if sid in outers and proc.pid not in outers and not _is_namespace_init(proc.pid)
+        for proc, ppid, sid in procs
+        if sid in outers and proc.pid not in outers | inits and ppid in outers | inits
     ]
 
 
@@ -455,7 +458,10 @@ async def test_a_template_counts_in_the_fd_budget(agents: Agents) -> None:
     before = budget.used
     outcome = await isolate.run_episode(spec, {})
     assert outcome.start == "template"
-    assert budget.used == before + 3  # its control and life sockets, its pidfd, while it runs
+    # Its control and life sockets and its pidfd, while it runs; and those of the one fork its
+    # pool parks, sized from that episode.
+    parked = _internals.template_pool.PARKED_FDS
+    assert budget.used == before + 3 + parked
     await isolate.close_templates()
     assert budget.used == before
 
@@ -806,7 +812,9 @@ async def slow_to_fork(
     spec: isolate.EpisodeSpec, monkeypatch: pytest.MonkeyPatch
 ) -> psutil.Process:
     """The importer of ``spec``'s template, started by a first episode (``ok``), with the
-    parent's wait for a fork cut to 0.2 s: suspended, it answers no fork request in time."""
+    parent's wait for a fork cut to 0.2 s: suspended, it answers no fork request in time. No
+    fork is parked ahead (``park(spec, 0)``): each episode asks for its own."""
+    await isolate.park(spec, 0)
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
     (template,) = _internals.started_templates()

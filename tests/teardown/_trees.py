@@ -15,7 +15,6 @@ import pytest
 from .. import _internals
 from ..conftest import (
     Agents,
-    episode_processes,
     is_gone,
     wait_until,
 )
@@ -52,9 +51,7 @@ def combination(request: pytest.FixtureRequest) -> str:
 def tree(agents: Agents, marker: str = "") -> list[psutil.Process]:
     """Live processes of this test's episodes (host view, any level) by their environment,
     which at the pidns level is the only sure way: recorded pids are the namespace's."""
-    procs = episode_processes(f"PID_DIR={agents.pids}".encode())
-    templates = {pid for t in _internals.started_templates() for pid in t.own_pids()}
-    return [p for p in procs if marker in _environ(p) and p.pid not in templates]
+    return [p for p in agents.left() if marker in _environ(p)]
 
 
 def _environ(proc: psutil.Process) -> str:

@@ -285,6 +285,7 @@ async def test_what_the_template_starts_late_dies_with_it(agents: Agents, combin
     the template, at close_templates() and when the parent is killed."""
     needs_template(combination)
     spec = agents.spec(LATE_DAEMON, containment=combination, preload=True)
+    await isolate.park(spec, 0)  # no fork parked: the template's only child is its daemon
     first = await isolate.run_episode(spec, {})
     assert (first.status, first.start) == ("ok", "template"), first.summary()
     (template,) = _internals.started_templates()

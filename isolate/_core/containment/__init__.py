@@ -37,7 +37,7 @@ from .probes import (
     layers,
     move_waits_for_rcu,
     needs_userns,
-    own_memory_cgroups,
+    own_limit_cgroups,
     pidns_problem,
     seccomp_available,
 )
@@ -59,7 +59,7 @@ __all__ = [
     "layers",
     "move_waits_for_rcu",
     "needs_userns",
-    "own_memory_cgroups",
+    "own_limit_cgroups",
     "pidns_problem",
     "plan_limits",
     "problem",

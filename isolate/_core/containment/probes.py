@@ -172,20 +172,20 @@ def _bases(
                 yield base
 
 
-def own_memory_cgroups() -> list[Path]:
-    """This process's own groups that may hold a memory limit, writable or not: its v2 group
-    and its v1 ``memory`` group, each the first mount that shows it (probed once); none where
-    ``/proc`` cannot be read."""
-    return once(f"memory-cgroups.{os.getpid()}", _own_memory_cgroups)
+def own_limit_cgroups(controller: str) -> list[Path]:
+    """This process's own groups that may hold a limit of ``controller`` (``memory``,
+    ``pids``), writable or not: its v2 group and its v1 group of that controller, each the
+    first mount that shows it (probed once); none where ``/proc`` cannot be read."""
+    return once(f"{controller}-cgroups.{os.getpid()}", lambda: _own_cgroups_of(controller))
 
 
-def _own_memory_cgroups() -> list[Path]:
+def _own_cgroups_of(controller: str) -> list[Path]:
     try:
         mounts, own = _mounts(), _own_cgroups()
     except OSError:
         return []
     found: list[Path] = []
-    for name in ("", "memory"):
+    for name in ("", controller):
         found += [base for base in _bases(mounts, own, name) if base.is_dir()][:1]
     return found
 

@@ -299,6 +299,10 @@ async def _start(
 
     started = await _retrying(ep, chosen.ready.ticket, spawn)
     chosen.ready.ticket.started()
+    template = started.chosen.template
+    if started.forked and template is not None:
+        _templates.began(template)  # its pool follows its bursts
+        held.callback(_templates.ended, template)
     return started
 
 

@@ -251,6 +251,11 @@ def _budget() -> _Budget:
         return budget
 
 
+def capacity() -> int:
+    """The fds the episodes of this event loop may hold at once; in the event loop."""
+    return max(0, _budget().capacity)
+
+
 def waiting() -> int:
     """Episodes waiting for file descriptors right now, in every event loop of the process.
     Safe to call from any thread."""

@@ -15,14 +15,16 @@ it starts wait for it. A template that cannot be used (not importable, a thread 
 import, a socket open) is refused for its key until :func:`close_templates`: its episodes start
 fresh, with the reason in their logs. One that dies is replaced by the next episode.
 
-With :func:`park`, a template keeps forks parked ahead of demand, each in a cgroup leaf of its
-own, waiting for its hand-over (``pool``).
+A template keeps forks parked ahead of demand, each in a cgroup leaf of its own, waiting for its
+hand-over (``pool``): as many as its episodes' last burst (``burst``), or as :func:`park` says.
 
-The parts: ``process`` (one template and its forks), ``pool`` (its parked forks),
+The parts: ``process`` (one template and its forks), ``pool`` (its parked forks), ``burst``
+(how many to park), ``sizing`` (the pool following them),
 ``namespaces`` (each fork's own user, IPC and UTS namespaces),
 ``registry`` (the templates of this process, by key).
 """
 
+from .burst import Burst
 from .forked import Forked, TemplateGone, pidfd_pid
 from .namespaces import shared as shared_by_forks
 from .pool import MAX_PARKED, QUIET_MS, Pool
@@ -38,8 +40,10 @@ from .registry import (
     try_start,
     unusable,
 )
+from .sizing import began, ended
 
 __all__ = [
+    "Burst",
     "Forked",
     "MAX_PARKED",
     "Pool",
@@ -47,8 +51,10 @@ __all__ = [
     "Template",
     "TemplateGone",
     "acquire",
+    "began",
     "close_all",
     "close_templates",
+    "ended",
     "park",
     "pidfd_pid",
     "preload_list",

@@ -1,7 +1,7 @@
-"""Forks of one template parked ahead of demand (``isolate.park``): each forked, moved into a
-cgroup leaf of its own made ahead with the episodes' limits, told so, then forking its worker
-there, and waiting for its hand-over, so that an episode's start is a hand-over: no fork and no
-cgroup move on its critical path.
+"""Forks of one template parked ahead of demand (``isolate.park``, or sized from its bursts:
+``sizing``): each forked, moved into a cgroup leaf of its own made ahead with the episodes'
+limits, told so, then forking its worker there, and waiting for its hand-over, so that an
+episode's start is a hand-over: no fork and no cgroup move on its critical path.
 
 A parked fork and its worker hold no secret and have run none of an episode's code: the
 handshake comes after the hand-over, as a fork's does. A thread of the pool's own refills it
@@ -35,9 +35,9 @@ MAX_PARKED = 1024
 PARKED_FDS = 3
 #: After a failed park, how long the pool waits before it tries again (seconds).
 _RETRY_S = 1.0
-#: The share of memory a pool leaves free: it parks no fork while the machine's
-#: ``MemAvailable`` is below this share of ``MemTotal``, nor while the room left under a memory
-#: limit of the trainer's own cgroup is below this share of the limit.
+#: The share of memory and of process numbers a pool leaves free: it parks no fork while the
+#: machine's ``MemAvailable`` is below this share of ``MemTotal``, nor while the room left under
+#: a memory or pids limit of the trainer's own cgroup is below this share of the limit.
 MIN_AVAILABLE = 0.10
 #: How long after the last hand-over the pool waits before it parks a fork (ms): its two forks
 #: of the image would run beside the episodes being started, and those of a burst come closer
@@ -66,22 +66,27 @@ class Pool:
         self.taken = 0
         self.made = 0
         self.last_taken = -float("inf")
-        self._dead: list[Forked] = []
+        #: Forks out of the pool that its thread ends (killed, leaves removed): dead, or beyond
+        #: the target.
+        self._ending: list[Forked] = []
         self._changed = threading.Condition()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="isolate-park", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:  # no thread can be started now
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
 
     def resize(self, n: int) -> None:
-        """Keep ``n`` forks parked from now on; blocking (parked ones beyond ``n`` end)."""
+        """Keep ``n`` forks parked from now on; parked ones beyond ``n`` end in its thread."""
         with self._changed:
             self.target = n
-            extra = [self.parked.pop() for _ in range(max(0, len(self.parked) - n))]
+            self._ending += [self.parked.pop() for _ in range(max(0, len(self.parked) - n))]
         self._wake()
-        for forked in extra:
-            _end(forked)
 
     def take(self) -> Forked | None:
         """A live parked fork, or None; the pool refills behind it."""
@@ -90,7 +95,7 @@ class Pool:
             while self.parked and found is None:
                 forked = self.parked.popleft()
                 if forked.parked_dead():
-                    self._dead.append(forked)  # the pool's thread removes its leaf
+                    self._ending.append(forked)  # the pool's thread removes its leaf
                 else:
                     found = forked
             if found is not None:
@@ -113,9 +118,9 @@ class Pool:
         """Kill the parked forks and remove their leaves; blocking."""
         with self._changed:
             self.closed = True
-            gone = list(self.parked) + self._dead
+            gone = list(self.parked) + self._ending
             self.parked.clear()
-            self._dead = []
+            self._ending = []
             self._changed.notify_all()
         self._wake()
         for forked in gone:
@@ -152,7 +157,7 @@ class Pool:
         with self._changed:
             if self.closed:
                 raise _Closed
-            dead, self._dead = self._dead, []
+            dead, self._ending = self._ending, []
             dead += [f for f in self.parked if f.pidfd in suspects and f.parked_dead()]
             for forked in dead:
                 if forked in self.parked:
@@ -196,9 +201,9 @@ class Pool:
     def _park_one(self) -> None:
         template, leaves = self.template, None
         try:
-            short_of_memory = memory_problem()
-            if short_of_memory is not None:
-                raise SetupProblem(short_of_memory)
+            short = memory_problem() or pids_problem()
+            if short is not None:
+                raise SetupProblem(short)
             if template.leaves is not None:
                 leaves = _containment.Leaves(
                     _containment.cgroups(), "parked", template.leaves.writes
@@ -255,12 +260,27 @@ def memory_problem(dirs: list[Path] | None = None) -> str | None:
             f"the machine has {available >> 20} MiB of memory available, below the "
             f"{MIN_AVAILABLE:.0%} of its {total >> 20} MiB that parked forks leave free"
         )
-    for where in _containment.own_memory_cgroups() if dirs is None else dirs:
-        limit, used = _cgroup_memory(where)
+    for where in _containment.own_limit_cgroups("memory") if dirs is None else dirs:
+        limit, used = _cgroup_room(where, _MEMORY_FILES)
         if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
             return (
                 f"cgroup {where} has {max(0, limit - used) >> 20} MiB of its {limit >> 20} MiB "
                 f"memory limit left, below the {MIN_AVAILABLE:.0%} that parked forks leave free"
+            )
+    return None
+
+
+def pids_problem(dirs: list[Path] | None = None) -> str | None:
+    """Why no fork may be parked now for want of process numbers, or None: the room under the
+    ``pids.max`` of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1) below
+    ``MIN_AVAILABLE`` of that limit, which the running episodes' processes count against too.
+    Blocking."""
+    for where in _containment.own_limit_cgroups("pids") if dirs is None else dirs:
+        limit, used = _cgroup_room(where, _PIDS_FILES)
+        if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
+            return (
+                f"cgroup {where} has room for {max(0, limit - used)} of its {limit} processes, "
+                f"below the {MIN_AVAILABLE:.0%} that parked forks leave free"
             )
     return None
 
@@ -281,16 +301,19 @@ def _meminfo() -> tuple[int | None, int | None]:
 
 #: A v1 limit this large is no limit (the kernel's "unlimited" is ~2**63, page-aligned).
 _NO_LIMIT = 1 << 60
+#: (limit, usage) files of a cgroup's memory: v2's, then v1's.
+_MEMORY_FILES = (
+    ("memory.max", "memory.current"),
+    ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+)
+#: The same of its process numbers, named alike in v2 and v1.
+_PIDS_FILES = (("pids.max", "pids.current"),)
 
 
-def _cgroup_memory(where: Path) -> tuple[int | None, int | None]:
-    """(limit, usage) in bytes of cgroup directory ``where`` (v2 ``memory.max`` and
-    ``memory.current``, else v1 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``);
-    (None, None) without a limit."""
-    for limit_file, usage_file in (
-        ("memory.max", "memory.current"),
-        ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-    ):
+def _cgroup_room(where: Path, files: tuple[tuple[str, str], ...]) -> tuple[int | None, int | None]:
+    """(limit, usage) of cgroup directory ``where``, from the first pair of ``files`` it has;
+    (None, None) without a limit ("max", or a v1 "unlimited")."""
+    for limit_file, usage_file in files:
         try:
             limit_text = (where / limit_file).read_text().strip()
             used = int((where / usage_file).read_text())

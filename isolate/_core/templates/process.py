@@ -27,6 +27,7 @@ from ..system.procfs import ns_pid, parent_pid
 from ..system.reaping import GIVE_UP_S, Reaper
 from ..system.tree import ProcessTree
 from . import namespaces as _namespaces
+from .burst import Burst
 from .forked import STATUS_WAIT_S, Forked, TemplateGone, pidfd_pid, readable, send_episode
 from .life import Life
 
@@ -73,8 +74,13 @@ class Template:
         self.importer: int | None = None
         self.importer_fd: int | None = None
         self.forks: set[Forked] = set()
-        #: Forks parked ahead of demand (``isolate.park``), once asked for.
+        #: Forks parked ahead of demand, once asked for (``isolate.park``) or once its first
+        #: episode began (sized from its bursts: ``burst``).
         self.pool: Pool | None = None
+        #: Its episodes running now and the most at once of late: the pool's size, unless
+        #: ``sized`` (the caller's, from ``isolate.park``).
+        self.burst = Burst()
+        self.sized = False
         self.closing = False
         self._finished = False
         self._forks_lock = threading.Lock()

@@ -2,8 +2,8 @@
 of that key, refused for good when unusable, replaced when dead, closed by
 :func:`close_templates`.
 
-Everything here but :func:`acquire`, :func:`try_start` and :func:`close_templates` blocks: run it
-in a worker thread.
+Everything here but :func:`acquire`, :func:`park`, :func:`try_start` and
+:func:`close_templates` blocks: run it in a worker thread.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from ..system import admission as _admission
 from ..system.env import spec_env
 from ..system.shim import boot_path
 from . import namespaces as _namespaces
-from .pool import MAX_PARKED, PARKED_FDS, Pool
+from . import sizing as _sizing
+from .pool import MAX_PARKED
 from .process import Template
 
 
@@ -49,8 +50,9 @@ class _Entry:
     refused: str | None = None
     restarts: int = 0
     closed: bool = False
-    parked: int = 0
-    """How many forks its template keeps parked (``isolate.park``), a new one too."""
+    parked: int | None = None
+    """How many forks its template keeps parked when a caller chose (``isolate.park``), a new
+    one too; None: as many as its episodes' bursts (``burst``)."""
 
 
 _lock = threading.Lock()
@@ -173,9 +175,10 @@ async def acquire(
             _refused(refused, note, refused_because)
             return None
         note(f"template {name} started (pid {template.pid})")
-        if entry.parked:  # a new template after one that died: its pool too
-            pool = await anyio.to_thread.run_sync(_resize, template, entry.parked, name)
-            pool.hold = _admission.hold_fds(PARKED_FDS * entry.parked, f"{name}'s parked forks")
+        if entry.parked is not None:  # a new template after one that died: its pool too
+            template.sized = True
+            if entry.parked:
+                _sizing.hold(_sizing.resize(template, entry.parked), template)
         return template
 
 
@@ -344,16 +347,6 @@ async def try_start(spec: EpisodeSpec) -> tuple[str | None, float]:
     return refused, seconds
 
 
-def _resize(template: Template, n: int, name: str) -> Pool:
-    """Keep ``n`` forks of ``template`` parked; blocking. Its fds are counted by the caller."""
-    with _lock:  # one pool per template, however many ask at once
-        pool = template.pool
-        if pool is None:
-            pool = template.pool = Pool(template)
-    pool.resize(n)
-    return pool
-
-
 async def park(
     spec: EpisodeSpec,
     n: int,
@@ -366,15 +359,18 @@ async def park(
     are: an episode of ``spec`` then starts with a hand-over (see docs/templates.md). Starts
     the template if need be. The pool is refilled in the background, up to ``n``, once no
     fork has been taken from it for a short quiet period (at once once it is empty); ``n=0``
-    empties it. ``secrets`` and ``secret_env``: those the episodes will get (only their names
-    and values matter: an inherited variable that holds one is withheld, which changes the
-    template). ``wait=False``: return once the template is started and the pool sized, while
-    its thread parks the forks. Returns how many are parked (at the return).
+    empties it. The size holds from then on: a template ``park`` never sized keeps as many
+    forks parked as the most of its episodes that ran at once in its last burst. ``secrets``
+    and ``secret_env``: those the episodes will get (only their names and values matter: an
+    inherited variable that holds one is withheld, which changes the template).
+    ``wait=False``: return once the template is started and the pool sized, while its thread
+    parks the forks. Returns how many are parked (at the return).
 
     Raises :class:`ArgumentError` for a bad ``n`` (not an int from 0 to 1024) or a spec
     without ``preload``, and :class:`IsolateError` when no template can be used for ``spec``
     (the reason its episodes would start fresh) or, when it waits, a fork cannot be parked
-    (memory short of the pool's floor among the reasons: ``pool.MIN_AVAILABLE``).
+    (memory or process numbers short of the pool's floor among the reasons:
+    ``pool.MIN_AVAILABLE``).
     """
     if not isinstance(wait, bool):
         raise ArgumentError(f"park: wait must be a bool, got {wait!r}")
@@ -396,9 +392,9 @@ async def park(
         for entry in _entries.values():
             if entry.template is template:
                 entry.parked = n
-    pool = await anyio.to_thread.run_sync(_resize, template, n, template.name)
-    pool.release_fds()
-    pool.hold = _admission.hold_fds(PARKED_FDS * n, f"{template.name}'s parked forks")
+        template.sized = True
+    pool = _sizing.resize(template, n)
+    _sizing.hold(pool, template)
     while wait and not pool.filled() and pool.problem is None:  # noqa: ASYNC110 - its thread fills it
         await anyio.sleep(0.005)
     if wait and pool.problem is not None and not pool.filled():

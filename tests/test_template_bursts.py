@@ -1,0 +1,172 @@
+"""A template's pool sized from its episodes' bursts, where no caller sized it
+(``isolate.park``): as many forks parked as the most of its episodes that ran at once in the
+last burst, so that the next burst starts with hand-overs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+import isolate
+
+from . import _internals
+from .conftest import Agents, is_gone, wait_for, wait_until
+
+pytestmark = pytest.mark.anyio
+
+HOLDING = """
+import os, time
+def run(data):
+    if "go" in data:
+        open(data["started"] + str(os.getpid()), "w").close()
+        for _ in range(6000):
+            if os.path.exists(data["go"]):
+                break
+            time.sleep(0.01)
+    return 1.0
+"""
+
+
+def pool() -> _internals.Pool:
+    (template,) = _internals.started_templates()
+    assert template.pool is not None
+    return template.pool
+
+
+def parked_pids() -> set[int]:
+    return {f.pid for f in pool().parked}
+
+
+async def burst(spec: isolate.EpisodeSpec, n: int, box: Path, fill: int | None = None) -> list[int]:
+    """Start ``n`` episodes at once, wait until each runs, let the pool refill meanwhile to
+    ``fill`` (default ``n``; all of them still running), then let them end; the pids they
+    started with."""
+    await anyio.Path(box).mkdir()
+    data = {"started": str(box / "started."), "go": str(box / "go")}
+    pids: list[int] = []
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, data, on_start=pids.append))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(n):
+            tg.start_soon(one)
+        await wait_until(lambda: len(list(box.glob("started.*"))) == n, 30.0)
+        want = n if fill is None else fill
+        await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(pool().parked) >= want))
+        (box / "go").touch()
+    assert [(o.status, o.start) for o in outcomes] == [("ok", "template")] * n
+    return pids
+
+
+def test_a_burst_is_measured_by_the_most_episodes_running_at_once() -> None:
+    size = _internals.Burst()
+    assert size.size() == 0
+    for _ in range(3):
+        size.began()
+    size.ended()
+    size.began()  # 3 at once still
+    assert size.size() == 3
+    for _ in range(3):
+        size.ended()
+    assert (size.running, size.size()) == (0, 3)  # over: the next step needs as many
+    size.began()
+    assert size.size() == 3  # a smaller burst going on does not shrink it
+    size.ended()
+    assert size.size() == 1  # once it is over, it does
+
+
+async def test_the_next_burst_starts_from_forks_parked_after_the_last(
+    agents: Agents, tmp_path: Path
+) -> None:
+    spec = agents.spec(HOLDING, preload=True)
+    first = await burst(spec, 3, tmp_path / "first")
+    assert pool().target == 3
+    ahead = parked_pids()
+    assert len(ahead) == 3
+    assert not ahead & set(first)
+    second = await burst(spec, 3, tmp_path / "second")
+    assert set(second) == ahead  # hand-overs, not forks made on demand
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_a_smaller_burst_shrinks_the_pool_once_it_is_over(
+    agents: Agents, tmp_path: Path
+) -> None:
+    spec = agents.spec(HOLDING, preload=True)
+    await burst(spec, 3, tmp_path / "three")
+    ahead = [psutil.Process(pid) for pid in parked_pids()]
+    outcome = await isolate.run_episode(spec, {})
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    assert pool().target == 1
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(pool().parked) == 1))
+    ended = [p for p in ahead if p.pid not in parked_pids()]
+    assert len(ended) == 2  # one taken by the episode, one beyond the new size
+    await anyio.to_thread.run_sync(
+        lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in ended))
+    )
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_a_pool_sized_by_park_does_not_follow_the_bursts(
+    agents: Agents, tmp_path: Path
+) -> None:
+    spec = agents.spec(HOLDING, preload=True)
+    assert await isolate.park(spec, 1) == 1
+    box = tmp_path / "box"
+    box.mkdir()
+    data = {"started": str(box / "started."), "go": str(box / "go")}
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, data))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(one)
+        await wait_until(lambda: len(list(box.glob("started.*"))) == 3, 30.0)
+        assert pool().target == 1
+        (box / "go").touch()
+    assert [(o.status, o.start) for o in outcomes] == [("ok", "template")] * 3
+    assert pool().target == 1
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(pool().parked) == 1))
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_a_pool_sized_to_zero_by_park_parks_nothing_after_a_burst(
+    agents: Agents, tmp_path: Path
+) -> None:
+    spec = agents.spec(HOLDING, preload=True)
+    assert await isolate.park(spec, 0) == 0
+    outcomes = [await isolate.run_episode(spec, {}) for _ in range(2)]
+    assert [(o.status, o.start) for o in outcomes] == [("ok", "template")] * 2
+    assert (pool().target, list(pool().parked)) == (0, [])
+    await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_a_pool_sized_from_bursts_holds_a_bounded_share_of_the_fd_budget(
+    agents: Agents, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the share made such that two parked forks' fds are all it may hold, a burst of
+    three leaves a pool of two, counted in the budget."""
+    budget = _internals.fd_budget()
+    per_fork = _internals.template_pool.PARKED_FDS
+    share = budget.capacity // (per_fork * 2)
+    monkeypatch.setattr(_internals.template_sizing, "_FD_SHARE", share)
+    assert budget.capacity // (share * per_fork) == 2
+    spec = agents.spec(HOLDING, preload=True)
+    await burst(spec, 2, tmp_path / "two")
+    await burst(spec, 3, tmp_path / "three", fill=2)
+    assert pool().target == 2
+    assert pool().hold is not None
+    assert pool().hold.fds == 2 * per_fork
+    await isolate.close_templates()
+    assert agents.left() == []
