@@ -126,7 +126,7 @@ async def _footprint(spec: isolate.EpisodeSpec, n: int) -> dict[str, list[float]
     """What one of ``n`` parked forks costs with its worker forked ahead: their own pages
     (USS; PSS would share the image's out among the forks), and their page tables (KiB)."""
     await isolate.park(spec, n)
-    (template,) = _templates.started_templates()
+    template = _templates.started_templates()[0]  # the spec's: the first started
     assert template.pool is not None
     pairs = []
     for forked in template.pool.parked:

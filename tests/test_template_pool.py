@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -354,6 +355,35 @@ async def test_a_pool_not_yet_empty_waits_for_the_quiet_period_however_low(
         outcome = await isolate.run_episode(spec, {})
         assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
     assert (pool().taken, pool().made, len(parked())) == (7, made, 1)
+
+
+async def test_an_empty_pool_parks_none_while_an_episode_waits_for_a_fork_on_demand(
+    agents: Agents,
+) -> None:
+    """The template serves one request at a time: while an episode waits for its fork (here
+    from a suspended importer), an empty pool asks for none, and parks once it has its fork."""
+    spec = agents.spec(AGENT, preload=True)
+    await isolate.park(spec, 0)  # the template started, its pool empty
+    (template,) = _internals.started_templates()
+    importer = psutil.Process(template.pid)
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def episode() -> None:
+        outcomes.append(await isolate.run_episode(spec, {}))
+
+    importer.suspend()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(episode)
+            await wait_until(lambda: template.asking == 1, 10.0)
+            assert await isolate.park(spec, 1, wait=False) == 0
+            assert pool()._quiet_left(time.monotonic()) is None  # until woken
+            importer.resume()
+    finally:
+        importer.resume()
+    assert [(o.status, o.start) for o in outcomes] == [("ok", "template")]
+    assert template.asking == 0
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 1))
 
 
 async def test_an_empty_pool_refills_without_a_quiet_period(agents: Agents) -> None:

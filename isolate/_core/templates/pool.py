@@ -5,10 +5,10 @@ episode's start is a hand-over: no fork and no cgroup move on its critical path.
 
 A parked fork and its worker hold no secret and have run none of an episode's code: the
 handshake comes after the hand-over, as a fork's does. A thread of the pool's own refills it
-up to its size once no hand-over has come for ``QUIET_MS`` (at once once it is empty),
-replaces a parked fork that died (or whose worker did), and,
-should the template die, kills the parked forks and removes their leaves; :meth:`Pool.close`
-does the same at ``close_templates()``.
+up to its size once no hand-over has come for ``QUIET_MS`` (once it is empty: once no episode
+waits for a fork made on demand), replaces a parked fork that died (or whose worker did),
+and, should the template die, kills the parked forks and removes their leaves;
+:meth:`Pool.close` does the same at ``close_templates()``.
 """
 
 from __future__ import annotations
@@ -128,6 +128,10 @@ class Pool:
         if threading.current_thread() is not self._thread:
             self._thread.join(_RETRY_S + 2.0)
 
+    def wake(self) -> None:
+        """Have its thread look again (its template's forks asked for on demand are done)."""
+        self._wake()
+
     def _wake(self) -> None:
         with self._changed:
             if self._wake_w < 0:
@@ -188,14 +192,16 @@ class Pool:
             self.problem = None  # try again
         return ready
 
-    def _quiet_left(self, now: float) -> float:
-        """How long the pool, short, waits before it parks one (0.0: at once): the rest of the
-        quiet period after the last hand-over, unless it is empty. While a burst takes its
-        forks, the refill's forks would take the CPU its hand-overs need; once it is empty the
-        rest of the burst forks on demand anyway, and a stream that never pauses finds one
-        parked at a time. Under ``_changed``."""
+    def _quiet_left(self, now: float) -> float | None:
+        """How long the pool, short, waits before it parks one (0.0: at once; None: until
+        woken): the rest of the quiet period after the last hand-over, unless it is empty.
+        While a burst takes its forks, the refill's forks would take the CPU its hand-overs
+        need. Empty, it parks once no episode waits for a fork made on demand: the template
+        serves one request at a time, and the rest of a burst larger than the pool would wait
+        behind the refill's; a stream that never pauses finds one parked at a time. Under
+        ``_changed``."""
         if not self.parked:
-            return 0.0
+            return 0.0 if self.template.asking == 0 else None
         return max(0.0, self.last_taken + self.quiet_s - now)
 
     def _park_one(self) -> None:

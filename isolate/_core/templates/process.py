@@ -74,6 +74,9 @@ class Template:
         self.importer: int | None = None
         self.importer_fd: int | None = None
         self.forks: set[Forked] = set()
+        #: Episodes waiting for a fork made on demand (:meth:`fork`): the pool parks none
+        #: meanwhile, the template would serve it before theirs.
+        self.asking = 0
         #: Forks parked ahead of demand, once asked for (``isolate.park``) or once its first
         #: episode began (sized from its bursts: ``burst``).
         self.pool: Pool | None = None
@@ -167,7 +170,17 @@ class Template:
                 parked.close()
                 if not isinstance(exc, TemplateGone):
                     raise
-        return self.park((episode_id, tag, channel))
+        with self._forks_lock:
+            self.asking += 1
+        try:
+            return self.park((episode_id, tag, channel))
+        finally:
+            with self._forks_lock:
+                self.asking -= 1
+                idle = self.asking == 0
+            pool = self.pool
+            if idle and pool is not None:
+                pool.wake()  # an empty pool waits for the forks asked for on demand
 
     def park(self, episode: tuple[str, str, int] | None = None) -> Forked:
         """A new fork, parked; with ``episode`` (id, tag, channel) handed over at once.

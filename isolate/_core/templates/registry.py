@@ -358,13 +358,13 @@ async def park(
     """Keep ``n`` forks of ``spec``'s template parked ahead of demand, and wait until they
     are: an episode of ``spec`` then starts with a hand-over (see docs/templates.md). Starts
     the template if need be. The pool is refilled in the background, up to ``n``, once no
-    fork has been taken from it for a short quiet period (at once once it is empty); ``n=0``
-    empties it. The size holds from then on: a template ``park`` never sized keeps as many
-    forks parked as the most of its episodes that ran at once in its last burst. ``secrets``
-    and ``secret_env``: those the episodes will get (only their names and values matter: an
-    inherited variable that holds one is withheld, which changes the template).
-    ``wait=False``: return once the template is started and the pool sized, while its thread
-    parks the forks. Returns how many are parked (at the return).
+    fork has been taken from it for a short quiet period (once empty, as soon as no episode
+    waits for a fork); ``n=0`` empties it. The size holds from then on: a template ``park``
+    never sized keeps as many forks parked as the most of its episodes that ran at once in its
+    last burst. ``secrets`` and ``secret_env``: those the episodes will get (only their
+    names and values matter: an inherited variable that holds one is withheld, which changes
+    the template). ``wait=False``: return once the template is started and the pool sized,
+    while its thread parks the forks. Returns how many are parked (at the return).
 
     Raises :class:`ArgumentError` for a bad ``n`` (not an int from 0 to 1024) or a spec
     without ``preload``, and :class:`IsolateError` when no template can be used for ``spec``
