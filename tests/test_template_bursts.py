@@ -4,6 +4,8 @@ last burst, so that the next burst starts with hand-overs."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import anyio
@@ -169,4 +171,44 @@ async def test_a_pool_sized_from_bursts_holds_a_bounded_share_of_the_fd_budget(
     assert pool().hold is not None
     assert pool().hold.fds == 2 * per_fork
     await isolate.close_templates()
+    assert agents.left() == []
+
+
+async def test_every_fd_is_back_after_a_template_died_under_a_burst(
+    agents: Agents, tmp_path: Path
+) -> None:
+    """A burst of two sizes the pool at two; the template dies during a burst of one, the next
+    episode starts a new template (the dead one's fds given back), and only then the burst of
+    one ends, which shrinks a pool sized from bursts: the dead template's counts nothing
+    again, and every fd is back in the budget at the end."""
+    budget = _internals.fd_budget()
+    before = budget.used
+    spec = agents.spec(HOLDING, preload=True)
+    await burst(spec, 2, tmp_path / "two")
+    (dead,) = _internals.started_templates()
+    box = tmp_path / "one"
+    await anyio.Path(box).mkdir()
+    data = {"started": str(box / "started."), "go": str(box / "go")}
+    outcomes: list[isolate.EpisodeOutcome] = []
+
+    async def one() -> None:
+        outcomes.append(await isolate.run_episode(spec, data))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one)
+        await wait_until(lambda: len(list(box.glob("started.*"))) == 1, 30.0)
+        assert dead.pool is not None
+        assert dead.pool.target == 2
+        assert dead.importer is not None
+        os.kill(dead.importer, signal.SIGKILL)
+        await anyio.to_thread.run_sync(lambda: wait_for(lambda: not dead.alive()))
+        after = await isolate.run_episode(spec, {})
+        assert (after.status, after.start) == ("ok", "template"), after.summary()
+        assert "starting a new one (restart 1)" in after.stderr_tail
+        assert dead.released
+        (box / "go").touch()
+    assert [o.status for o in outcomes] == ["ok"], outcomes[0].summary()
+    assert dead.pool.hold is None or dead.pool.hold.fds == 0
+    await isolate.close_templates()
+    assert budget.used == before
     assert agents.left() == []

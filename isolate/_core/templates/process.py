@@ -84,6 +84,8 @@ class Template:
         #: ``sized`` (the caller's, from ``isolate.park``).
         self.burst = Burst()
         self.sized = False
+        #: Its fds given back to the budget (:meth:`release_fds`): closed, or dead.
+        self.released = False
         self.closing = False
         self._finished = False
         self._forks_lock = threading.Lock()
@@ -250,7 +252,9 @@ class Template:
         return pid, pidfd
 
     def release_fds(self) -> None:
-        """Give its fd back to the budget; in the event loop, once it is closed."""
+        """Give its fd back to the budget; in the event loop, once it is closed (or dead).
+        Its pool's fds are not counted again after (``sizing.hold``)."""
+        self.released = True
         if self.fds is not None:
             self.fds.release()
             self.fds = None

@@ -30,8 +30,11 @@ def resize(template: Template, n: int) -> Pool:
 
 
 def hold(pool: Pool, template: Template) -> None:
-    """Count the fds of ``pool``'s target in the episodes' budget; in the event loop."""
+    """Count the fds of ``pool``'s target in the episodes' budget; in the event loop. None
+    once its template gave its fds back: nothing would give these back."""
     pool.release_fds()
+    if template.released:
+        return
     pool.hold = _admission.hold_fds(PARKED_FDS * pool.target, f"{template.name}'s parked forks")
 
 
@@ -52,7 +55,7 @@ def ended(template: Template) -> None:
 def _follow(template: Template) -> None:
     """Size the pool of ``template`` from its bursts, unless a caller sized it. A pool that
     cannot be made (no fd for its thread's pipe) is not: the episodes fork on demand."""
-    if template.sized or template.closing:
+    if template.sized or template.closing or template.released:
         return
     room = _admission.capacity() // (_FD_SHARE * PARKED_FDS)
     n = min(MAX_PARKED, room, template.burst.size())
