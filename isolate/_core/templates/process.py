@@ -204,7 +204,7 @@ class Template:
                 _prime_move(self.leaves, self.importer)
             if episode is not None:  # read by the fork once it is there: no round trip more
                 err = send_episode(hand, *episode, os.pipe(), alone)
-            pid, pidfd = self._forked(mine)
+            pid, pidfd = _forked(self, mine)
             ipc = _adopt(self, pid, pidfd, hand) if self.own_namespaces else None
             if episode is not None and err is None:  # its hand-over could not be sent
                 _drop(pidfd)
@@ -224,32 +224,6 @@ class Template:
                 hand.close()
                 if err is not None:
                     os.close(err)
-
-    def _forked(self, reply_socket: socket.socket) -> tuple[int, int]:
-        """The template's answer to a park request: the fork's pid and pidfd. Raises
-        :class:`TemplateGone`."""
-        reply_socket.settimeout(_FORK_TIMEOUT_S)
-        why = None
-        try:
-            reply, fds = receive_message(reply_socket)
-        except TimeoutError:
-            reply, fds, why = None, [], f"no answer within {_FORK_TIMEOUT_S:g} s"
-        except (OSError, ValueError):
-            reply, fds = None, []
-        if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
-            for fd in fds:
-                os.close(fd)
-            why = why or (reply.get("reason") if reply else None)
-            raise TemplateGone(f"template {self.name} did not fork ({why or 'no answer'})")
-        pidfd = fds[0] if fds else None
-        for fd in fds[1:]:
-            os.close(fd)
-        pid = pidfd_pid(pidfd) if pidfd is not None else None
-        if pid is None or pidfd is None or parent_pid(pid) != self.importer:
-            if pidfd is not None:
-                os.close(pidfd)
-            raise TemplateGone(f"template {self.name} named no fork of its own")
-        return pid, pidfd
 
     def release_fds(self) -> None:
         """Give its fd back to the budget; in the event loop, once it is closed (or dead).
@@ -354,6 +328,33 @@ class Template:
         self.life.close()
         if self.wall.sandbox is not None:
             _sandbox.remove_tmpdir(self.wall.sandbox.tmpdir)
+
+
+def _forked(template: Template, reply_socket: socket.socket) -> tuple[int, int]:
+    """``template``'s answer to a park request: the fork's pid and pidfd. Raises
+    :class:`TemplateGone`."""
+    reply_socket.settimeout(_FORK_TIMEOUT_S)
+    why = None
+    try:
+        reply, fds = receive_message(reply_socket)
+    except TimeoutError:
+        reply, fds, why = None, [], f"no answer within {_FORK_TIMEOUT_S:g} s"
+    except (OSError, ValueError):
+        reply, fds = None, []
+    if reply is None or reply.get("t") != "forked" or not isinstance(reply["pid"], int):
+        for fd in fds:
+            os.close(fd)
+        why = why or (reply.get("reason") if reply else None)
+        raise TemplateGone(f"template {template.name} did not fork ({why or 'no answer'})")
+    pidfd = fds[0] if fds else None
+    for fd in fds[1:]:
+        os.close(fd)
+    pid = pidfd_pid(pidfd) if pidfd is not None else None
+    if pid is None or pidfd is None or parent_pid(pid) != template.importer:
+        if pidfd is not None:
+            os.close(pidfd)
+        raise TemplateGone(f"template {template.name} named no fork of its own")
+    return pid, pidfd
 
 
 def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int | None:
