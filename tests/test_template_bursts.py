@@ -212,3 +212,21 @@ async def test_every_fd_is_back_after_a_template_died_under_a_burst(
     await isolate.close_templates()
     assert budget.used == before
     assert agents.left() == []
+
+
+@pytest.mark.parametrize("combination", ["session", "auto"])
+async def test_a_closed_pool_returns_once_every_parked_fork_and_worker_is_gone(
+    agents: Agents, combination: str
+) -> None:
+    """At ``session`` each parked fork has forked its worker ahead; at ``auto`` the fork is its
+    own worker where cgroups and a PID namespace allow. Killed, a process of the image takes
+    milliseconds to exit: the pool's close (``close_templates()``'s first step) returns after,
+    not before."""
+    spec = agents.spec(HOLDING, preload=True, containment=combination)
+    assert await isolate.park(spec, 4) == 4
+    forks = [psutil.Process(pid) for pid in parked_pids()]
+    procs = forks + [child for fork in forks for child in fork.children()]
+    await anyio.to_thread.run_sync(pool().close)
+    assert [p.pid for p in procs if not is_gone(p.pid, p.create_time())] == []
+    await isolate.close_templates()
+    assert agents.left() == []

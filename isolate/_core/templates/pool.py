@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
 import time
 from collections import deque
@@ -25,7 +26,9 @@ from agent_shim.shim_wire import send_message
 from .. import containment as _containment
 from ..model.errors import SetupProblem
 from ..system import admission as _admission
-from .forked import Forked, TemplateGone
+from ..system.procfs import parent_pid
+from ..system.reaping import GIVE_UP_S
+from .forked import Forked, TemplateGone, readable
 from .process import Template
 
 #: The most forks one template keeps parked: each, with its worker forked ahead, holds two
@@ -123,8 +126,7 @@ class Pool:
             self._ending = []
             self._changed.notify_all()
         self._wake()
-        for forked in gone:
-            _end(forked)
+        _end(gone)
         if threading.current_thread() is not self._thread:
             self._thread.join(_RETRY_S + 2.0)
 
@@ -169,8 +171,7 @@ class Pool:
             short = len(self.parked) < self.target
             wait = self._quiet_left(time.monotonic()) if short else None
             fds = [f.pidfd for f in self.parked if f.pidfd is not None]
-        for forked in dead:
-            _end(forked)
+        _end(dead)
         if not self.template.alive() or self.template.closing:
             raise _Closed  # the template died: its parked forks go with the pool
         if short and self.problem is None and wait == 0.0:
@@ -235,7 +236,7 @@ class Pool:
             self.problem = problem
             self._changed.notify_all()
         if not keep:
-            _end(forked)
+            _end([forked])
 
 
 def _moved(forked: Forked) -> str | None:
@@ -249,10 +250,50 @@ def _moved(forked: Forked) -> str | None:
     return None
 
 
-def _end(forked: Forked) -> None:
-    """Kill a parked fork, close what the parent holds of it, remove its leaves."""
-    forked.kill()
-    forked.close()
+def _end(forks: list[Forked]) -> None:
+    """Kill parked forks and the workers they forked ahead, wait until each has exited
+    (``GIVE_UP_S`` in all at most: a process of a big image takes milliseconds to tear its
+    memory down), close what the parent holds of them, remove their leaves."""
+    below = [fd for forked in forks for fd in _children_pidfds(forked)]
+    for forked in forks:
+        forked.kill()
+    for fd in below:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass  # gone already
+    end = time.monotonic() + GIVE_UP_S
+    for fd in [f.pidfd for f in forks if f.pidfd is not None] + below:
+        readable(fd, max(0.0, end - time.monotonic()))
+    for fd in below:
+        os.close(fd)
+    for forked in forks:
+        forked.close()
+
+
+def _children_pidfds(forked: Forked) -> list[int]:
+    """Pidfds of the children of a live parked fork (the worker it forked ahead), each checked
+    to be its child while it still lives (its pid is then its own); none where pidfds or the
+    kernel's list of children are missing."""
+    pid, pidfd = forked.pid, forked.pidfd
+    if pidfd is None or readable(pidfd, 0):
+        return []
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            pids = [int(word) for word in f.read().split()]
+    except (OSError, ValueError):
+        return []
+    fds = []
+    for child in pids:
+        try:
+            fd = os.pidfd_open(child)
+        except OSError:
+            continue
+        if parent_pid(child) == pid and not readable(pidfd, 0):
+            fds.append(fd)
+        else:
+            os.close(fd)
+    return fds
 
 
 def memory_problem(dirs: list[Path] | None = None) -> str | None:
