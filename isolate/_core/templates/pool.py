@@ -89,7 +89,7 @@ class Pool:
         with self._changed:
             self.target = n
             self._ending += [self.parked.pop() for _ in range(max(0, len(self.parked) - n))]
-        self._wake()
+        self.wake()
 
     def take(self) -> Forked | None:
         """A live parked fork, or None; the pool refills behind it."""
@@ -104,7 +104,7 @@ class Pool:
             if found is not None:
                 self.taken += 1
                 self.last_taken = time.monotonic()
-        self._wake()
+        self.wake()
         return found
 
     def filled(self) -> bool:
@@ -125,16 +125,14 @@ class Pool:
             self.parked.clear()
             self._ending = []
             self._changed.notify_all()
-        self._wake()
+        self.wake()
         _end(gone)
         if threading.current_thread() is not self._thread:
             self._thread.join(_RETRY_S + 2.0)
 
     def wake(self) -> None:
-        """Have its thread look again (its template's forks asked for on demand are done)."""
-        self._wake()
-
-    def _wake(self) -> None:
+        """Have its thread look again (a change, or its template's forks asked for on demand
+        are done)."""
         with self._changed:
             if self._wake_w < 0:
                 return  # its thread has ended
@@ -307,14 +305,14 @@ def memory_problem(dirs: list[Path] | None = None) -> str | None:
             f"the machine has {available >> 20} MiB of memory available, below the "
             f"{MIN_AVAILABLE:.0%} of its {total >> 20} MiB that parked forks leave free"
         )
-    for where in _containment.own_limit_cgroups("memory") if dirs is None else dirs:
-        limit, used = _cgroup_room(where, _MEMORY_FILES)
-        if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
-            return (
-                f"cgroup {where} has {max(0, limit - used) >> 20} MiB of its {limit >> 20} MiB "
-                f"memory limit left, below the {MIN_AVAILABLE:.0%} that parked forks leave free"
-            )
-    return None
+    short = _short_cgroup("memory", _MEMORY_FILES, dirs)
+    if short is None:
+        return None
+    where, limit, used = short
+    return (
+        f"cgroup {where} has {max(0, limit - used) >> 20} MiB of its {limit >> 20} MiB "
+        f"memory limit left, below the {MIN_AVAILABLE:.0%} that parked forks leave free"
+    )
 
 
 def pids_problem(dirs: list[Path] | None = None) -> str | None:
@@ -322,13 +320,26 @@ def pids_problem(dirs: list[Path] | None = None) -> str | None:
     ``pids.max`` of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1) below
     ``MIN_AVAILABLE`` of that limit, which the running episodes' processes count against too.
     Blocking."""
-    for where in _containment.own_limit_cgroups("pids") if dirs is None else dirs:
-        limit, used = _cgroup_room(where, _PIDS_FILES)
+    short = _short_cgroup("pids", _PIDS_FILES, dirs)
+    if short is None:
+        return None
+    where, limit, used = short
+    return (
+        f"cgroup {where} has room for {max(0, limit - used)} of its {limit} processes, "
+        f"below the {MIN_AVAILABLE:.0%} that parked forks leave free"
+    )
+
+
+def _short_cgroup(
+    controller: str, files: tuple[tuple[str, str], ...], dirs: list[Path] | None
+) -> tuple[Path, int, int] | None:
+    """The first cgroup of ``dirs`` (default: the trainer's own that may limit
+    ``controller``) whose room under its limit is below ``MIN_AVAILABLE`` of it: (where,
+    limit, usage); None if none is."""
+    for where in _containment.own_limit_cgroups(controller) if dirs is None else dirs:
+        limit, used = _cgroup_room(where, files)
         if limit is not None and used is not None and limit - used < MIN_AVAILABLE * limit:
-            return (
-                f"cgroup {where} has room for {max(0, limit - used)} of its {limit} processes, "
-                f"below the {MIN_AVAILABLE:.0%} that parked forks leave free"
-            )
+            return where, limit, used
     return None
 
 

@@ -227,7 +227,7 @@ class Template:
 
     def release_fds(self) -> None:
         """Give its fd back to the budget; in the event loop, once it is closed (or dead).
-        Its pool's fds are not counted again after (``sizing.hold``)."""
+        Its pool's fds are not counted again after (``sizing.resize``)."""
         self.released = True
         if self.fds is not None:
             self.fds.release()

@@ -178,7 +178,7 @@ async def acquire(
         if entry.parked is not None:  # a new template after one that died: its pool too
             template.sized = True
             if entry.parked:
-                _sizing.hold(_sizing.resize(template, entry.parked), template)
+                _sizing.resize(template, entry.parked)
         return template
 
 
@@ -394,7 +394,6 @@ async def park(
                 entry.parked = n
         template.sized = True
     pool = _sizing.resize(template, n)
-    _sizing.hold(pool, template)
     while wait and not pool.filled() and pool.problem is None:  # noqa: ASYNC110 - its thread fills it
         await anyio.sleep(0.005)
     if wait and pool.problem is not None and not pool.filled():

@@ -11,7 +11,7 @@ from ..system import admission as _admission
 from .pool import MAX_PARKED, PARKED_FDS, Pool
 from .process import Template
 
-__all__ = ["began", "ended", "hold", "resize"]
+__all__ = ["began", "ended", "resize"]
 
 #: A pool sized from bursts holds at most 1/_FD_SHARE of the episodes' fd budget.
 _FD_SHARE = 4
@@ -20,22 +20,18 @@ _making = threading.Lock()
 
 
 def resize(template: Template, n: int) -> Pool:
-    """Keep ``n`` forks of ``template`` parked. Its fds are counted by the caller (:func:`hold`)."""
+    """Keep ``n`` forks of ``template`` parked, their fds counted in the episodes' budget
+    (none once the template gave its own back: nothing would give these back); in the event
+    loop."""
     with _making:  # one pool per template, however many ask at once
         pool = template.pool
         if pool is None:
             pool = template.pool = Pool(template)
     pool.resize(n)
-    return pool
-
-
-def hold(pool: Pool, template: Template) -> None:
-    """Count the fds of ``pool``'s target in the episodes' budget; in the event loop. None
-    once its template gave its fds back: nothing would give these back."""
     pool.release_fds()
-    if template.released:
-        return
-    pool.hold = _admission.hold_fds(PARKED_FDS * pool.target, f"{template.name}'s parked forks")
+    if not template.released:
+        pool.hold = _admission.hold_fds(PARKED_FDS * n, f"{template.name}'s parked forks")
+    return pool
 
 
 def began(template: Template) -> None:
@@ -63,7 +59,6 @@ def _follow(template: Template) -> None:
     if pool is None and n == 0 or pool is not None and pool.target == n:
         return
     try:
-        pool = resize(template, n)
+        resize(template, n)
     except (OSError, RuntimeError):  # RuntimeError: no thread can be started
         return
-    hold(pool, template)
