@@ -190,12 +190,16 @@ async def _asked_arm(spec: isolate.EpisodeSpec, args: argparse.Namespace) -> dic
     rt, first = await _round_trips(spec, args.n, 0)
     await isolate.park(spec, 0)
     await isolate.park(spec, args.burst, wait=False)
-    started1, returned1 = await _burst(spec, args.burst)
-    started, returned = await _burst(spec, args.burst)
+    return {"launch": rt, "first": first, **await _two_steps(spec, args.burst)}
+
+
+async def _two_steps(spec: isolate.EpisodeSpec, n: int) -> dict[str, float]:
+    """Two bursts of ``n``, the second right after the first returned: the second's figures,
+    the first's beside; the pool emptied after, ``park(spec, 0)``."""
+    started1, returned1 = await _burst(spec, n)
+    started, returned = await _burst(spec, n)
     await isolate.park(spec, 0)
     return {
-        "launch": rt,
-        "first": first,
         "started": started,
         "returned": returned,
         "first step: started": started1,
@@ -213,17 +217,7 @@ async def _bursts_arm(
     for _ in range(3):  # warm: the template starts
         await isolate.run_episode(own, {})
     rt, first = await _round_trips(own, args.n, 0)
-    started1, returned1 = await _burst(own, args.burst)
-    started, returned = await _burst(own, args.burst)
-    await isolate.park(own, 0)
-    return {
-        "launch": rt,
-        "first": first,
-        "started": started,
-        "returned": returned,
-        "first step: started": started1,
-        "first step: returned": returned1,
-    }
+    return {"launch": rt, "first": first, **await _two_steps(own, args.burst)}
 
 
 def _forkserver_arm(root: Path, args: argparse.Namespace, r: int) -> dict[str, float]:
