@@ -49,6 +49,32 @@ async def test_a_leaf_that_cannot_be_created_is_a_setup_error(agents: Agents) ->
     assert outcome.pid is None  # nothing was started
 
 
+@pytest.mark.parametrize("pool", [1, 0])
+async def test_a_templates_episode_makes_its_leaf_only_without_a_parked_fork(
+    agents: Agents, pool: int
+) -> None:
+    # No room for one more cgroup below this process's directory once the template and its
+    # pool are there: a parked fork's leaf is the episode's, and one forked on demand cannot
+    # make its own.
+    owner = v2_root() / _internals.owner_name()
+    spec = agents.spec("def run(d):\n    return 1.0\n", containment="cgroup", preload=True)
+    assert await isolate.park(spec, pool) == pool
+    limit = owner / "cgroup.max.descendants"
+    stat = dict(line.split() for line in (owner / "cgroup.stat").read_text().splitlines())
+    try:
+        await anyio.Path(limit).write_text(stat["nr_descendants"])
+        outcome = await isolate.run_episode(spec, {}, episode_id="no-room")
+    finally:
+        await anyio.Path(limit).write_text("max")
+    if pool:
+        assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+        return
+    assert outcome.status == "setup_error", outcome.summary()
+    assert outcome.error is not None
+    assert f"cannot create cgroup {owner}/no-room." in outcome.error.message
+    assert (outcome.containment, outcome.pid) == ("cgroup", None)  # nothing was started
+
+
 def test_the_shim_says_when_it_cannot_join_its_cgroup(agents: Agents, tmp_path: Path) -> None:
     hs, marker = marker_agent(agents)
     hs.update(containment="cgroup", cgroups=[str(tmp_path / "not-a-cgroup")])

@@ -23,8 +23,17 @@ _dir_lock = threading.Lock()
 # --- one episode's cgroup leaves --------------------------------------------------------------
 
 
+_owner: tuple[int, str] | None = None
+
+
 def _owner_name() -> str:
-    return f"{os.getpid()}.{start_time(os.getpid())}"
+    """This process's directory name under the cgroups' ``isolate``: its pid and start time
+    (read once per process)."""
+    global _owner
+    pid = os.getpid()
+    if _owner is None or _owner[0] != pid:
+        _owner = (pid, f"{pid}.{start_time(pid)}")
+    return _owner[1]
 
 
 _active: dict[Path, int] = {}
@@ -46,10 +55,13 @@ class Leaves:
                 roots[name] = groups.v1[name]
         self.parents = {kind: root / _owner_name() for kind, root in roots.items()}
         self.dirs: dict[str, Path] = {}
+        #: :meth:`create` was called (the leaves may be gone since).
+        self.made = False
 
     def create(self) -> None:
         """Make the leaves and write the limits; SetupProblem if one cannot be made. The
         caller removes what was made either way (:meth:`remove`)."""
+        self.made = True
         for kind, parent in self.parents.items():
             leaf = parent / self.name
             with _dir_lock:

@@ -231,7 +231,20 @@ def _enable_v2_controllers(root: Path) -> frozenset[str]:
     return frozenset(enabled)
 
 
+_cap_sys_admin: dict[int, bool] = {}
+
+
 def _has_cap_sys_admin() -> bool:
+    """Whether this process has CAP_SYS_ADMIN (read once per process, as the probes are; not
+    with :func:`once`, whose probes ask it)."""
+    pid = os.getpid()
+    if pid not in _cap_sys_admin:
+        _cap_sys_admin.clear()  # a fork's parent's
+        _cap_sys_admin[pid] = _read_cap_sys_admin()
+    return _cap_sys_admin[pid]
+
+
+def _read_cap_sys_admin() -> bool:
     try:
         with open("/proc/self/status") as f:
             for line in f:

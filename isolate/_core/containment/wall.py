@@ -90,15 +90,17 @@ class Plan:
     def layers(self) -> tuple[str, ...]:
         return _containment.layers(self.containment)
 
-    def make(self, spec: EpisodeSpec, name: str) -> Wall:
+    def make(self, spec: EpisodeSpec, name: str, leaves_later: bool = False) -> Wall:
         """The wall of ``name`` (an episode's id, or a template's name): its leaves made with
-        the limits written, its sandbox's TMPDIR made. Raises SetupProblem, with what it made
-        removed."""
+        the limits written, its sandbox's TMPDIR made. ``leaves_later``: the leaves named, not
+        made (a template's episode may adopt a parked fork's instead:
+        :meth:`~isolate._core.containment.Leaves.create` them if not). Raises SetupProblem,
+        with what it made removed."""
         leaves = None
         if self.groups is not None:
             leaves = _containment.Leaves(self.groups, name, self.limits.writes)
         try:
-            if leaves is not None:
+            if leaves is not None and not leaves_later:
                 leaves.create()
             sandbox = None
             if spec.sandbox is not None:

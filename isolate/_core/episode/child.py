@@ -12,6 +12,7 @@ import dataclasses
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +27,7 @@ from ..model.errors import SetupProblem
 from ..system import pidns as _pidns
 from ..system.tree import ProcessTree
 from . import protocol as proto
-from .prepare import Prepared, Request, handshake
+from .prepare import Prepared, Request, handshake, make_leaves
 
 
 class Child(Protocol):
@@ -161,32 +162,53 @@ def start(
     parent must not stall the event loop). :class:`~isolate._core.templates.TemplateGone` when
     the template did not fork (then the caller starts it fresh, after its wait at the start
     gate); OSError from ``subprocess`` goes on."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    child: Fresh | _templates.Forked
-    try:
+
+    def make(theirs: int) -> Child:
         if template is not None:
             # A fork that comes late holds this pair's end: EOF for it once we give up.
-            child = template.fork(episode_id, tag, theirs.fileno())
-        else:
-            born = _pidns.born_in_new() if launch.pid1 else contextlib.nullcontext()
-            with born:
-                popen = subprocess.Popen(
-                    [launch.python, "-I", str(launch.shim)],
-                    stdin=theirs.fileno(),
-                    stdout=theirs.fileno(),
-                    stderr=subprocess.PIPE,
-                    env=launch.env,
-                    cwd=launch.cwd,
-                    start_new_session=True,  # never preexec_fn: unsafe with threads, no vfork
-                    close_fds=True,
-                    bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
-                )
-            child = Fresh(popen, launch.pid1)
+            return template.fork(episode_id, tag, theirs)
+        born = _pidns.born_in_new() if launch.pid1 else contextlib.nullcontext()
+        with born:
+            popen = subprocess.Popen(
+                [launch.python, "-I", str(launch.shim)],
+                stdin=theirs,
+                stdout=theirs,
+                stderr=subprocess.PIPE,
+                env=launch.env,
+                cwd=launch.cwd,
+                start_new_session=True,  # never preexec_fn: unsafe with threads, no vfork
+                close_fds=True,
+                bufsize=0,  # the pipe is read by fd: no 8 KiB buffer
+            )
+        return Fresh(popen, launch.pid1)
+
+    started = _paired(make)
+    assert started is not None
+    return started
+
+
+def start_parked(
+    template: _templates.Template, episode_id: str, tag: str
+) -> tuple[Child, int] | None:
+    """A parked fork of ``template`` handed this episode, as :func:`start` would; None when
+    none is left in its pool. Touches sockets and pipes only: it may run in the event loop."""
+    return _paired(lambda theirs: template.take_parked(episode_id, tag, theirs))
+
+
+def _paired(make: Callable[[int], Child | None]) -> tuple[Child, int] | None:
+    """``make(fd)`` with the child's end of a new socket pair (closed here after): the child
+    and the parent's end, both non-blocking; None (the pair closed) if it made none."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        child = make(theirs.fileno())
     except BaseException:
         ours.close()
         raise
     finally:
         theirs.close()
+    if child is None:
+        ours.close()
+        return None
     channel = ours.detach()
     for fd in (channel, child.stderr_fd()):
         os.set_blocking(fd, False)
@@ -221,6 +243,12 @@ def into_template(
     adopted = None
     if prep.leaves is not None:
         if child.leaves is None:
+            try:
+                make_leaves(prep)
+            except SetupProblem:
+                child.kill()
+                child.wait()
+                raise
             move(child, prep.leaves)
         else:  # parked in leaves made ahead: the episode adopts them, no move
             made, adopted, child.leaves = prep.leaves, child.leaves, None

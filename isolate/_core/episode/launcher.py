@@ -49,7 +49,7 @@ from . import stages as _st
 from . import verdict as _verdict
 from .episode_log import EpisodeLog
 from .frames import Frames
-from .prepare import Prepared, Request, Unprepared, exec_env, prepare_episode
+from .prepare import Prepared, Request, Unprepared, exec_env, make_leaves, prepare_episode
 from .watch import EpisodeWatch, Graces
 
 __all__ = ["run_episode"]
@@ -276,6 +276,12 @@ async def _start(
         nonlocal chosen, waited
         template = chosen.template
         if template is not None:  # a fork starts no interpreter: no place at the gate
+            if template.has_parked() and chosen.ready.prep.sandbox is None:
+                # A hand-over touches sockets, pipes, cgroupfs and procfs only: in the event
+                # loop, with no worker-thread trip (a fork's sandbox makes its TMPDIR).
+                started = _hand_over(ep, chosen, frames, held)
+                if started is not None:
+                    return started
             # A fork made on demand waits for its template: a thread of its own, so that
             # others' forks are asked for meanwhile.
             offload = _offload.call if template.has_parked() else anyio.to_thread.run_sync
@@ -347,11 +353,40 @@ def _spawn(
     goes on ``held`` at once. ``slot``: its place at the start gate, given back at hello
     (None for a fork, which starts no interpreter); ``waited``: how long it waited for one.
     Raises :class:`~.stages.StartFailed` (with the child killed)."""
-    env, template, ready = chosen.env, chosen.template, chosen.ready
+    template = chosen.template
+    make_leaves(chosen.ready.prep)  # unless made: a parked fork's may still be adopted
     # A fresh shim whose PID namespace needs no user namespace: the parent makes it.
-    pid1 = ep.pid1 and template is None and ready.prep.userns is False
-    launch = _child.Launch(ep.spec.python, ep.shim, env, ep.spec.cwd, pid1)
+    pid1 = ep.pid1 and template is None and chosen.ready.prep.userns is False
+    launch = _child.Launch(ep.spec.python, ep.shim, chosen.env, ep.spec.cwd, pid1)
     child, channel = _child.start(launch, template, ep.req.episode_id, ep.req.tag)
+    return _handshake(ep, chosen, frames, held, (child, channel), slot, waited)
+
+
+def _hand_over(
+    ep: _st.Episode, chosen: _st.Chosen, frames: Frames, held: contextlib.AsyncExitStack
+) -> _st.Started | None:
+    """As :func:`_spawn`, to a parked fork of the template; None when none is left. Waits on
+    nothing but the kernel (sockets, pipes, cgroupfs, procfs): it runs in the event loop."""
+    assert chosen.template is not None
+    made = _child.start_parked(chosen.template, ep.req.episode_id, ep.req.tag)
+    if made is None:
+        return None
+    return _handshake(ep, chosen, frames, held, made, None, 0.0)
+
+
+def _handshake(
+    ep: _st.Episode,
+    chosen: _st.Chosen,
+    frames: Frames,
+    held: contextlib.AsyncExitStack,
+    made: tuple[_child.Child, int],
+    slot: _Slot | None,
+    waited: float,
+) -> _st.Started:
+    """After the start: a fork into its wall, the handshake sent (what the socket takes
+    now), the watch made."""
+    env, template, ready = chosen.env, chosen.template, chosen.ready
+    child, channel = made
     held.callback(_close_child, frames, child, channel)
     if template is not None:
         ep.log.note(f"forked from {template.name} (pid {child.pid})")
@@ -374,7 +409,7 @@ def _spawn(
         graces=Graces(spec.timeout, spec.kill_grace, spec.cancel_grace, spec.exit_grace),
         leaves=prep.leaves,
         network=prep.network,
-        at_hello=slot.release if slot is not None else _nothing,
+        at_hello=slot.release if slot is not None else None,
     )
     forked = isinstance(child, _templates.Forked)
     spawned = time.monotonic()
@@ -408,10 +443,6 @@ async def _observe(
 
 
 # --- the release ------------------------------------------------------------------------------
-
-
-def _nothing() -> None:
-    pass
 
 
 def _close_child(frames: Frames, child: _child.Child, channel: int) -> None:

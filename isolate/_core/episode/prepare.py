@@ -161,7 +161,8 @@ def prepare_episode(req: Request, shim: Path, note: Callable[[str], None]) -> Pr
         plan = _wall.plan(spec)
         # The combination, kept for the outcome even when its wall cannot be made.
         containment = plan.containment
-        wall = plan.make(spec, req.episode_id)
+        # A template's episode may adopt a parked fork's leaves: made once it does not.
+        wall = plan.make(spec, req.episode_id, leaves_later=bool(spec.preload))
     except SetupProblem as exc:
         raise Unprepared(str(exc), containment) from None
     network = None
@@ -169,6 +170,18 @@ def prepare_episode(req: Request, shim: Path, note: Callable[[str], None]) -> Pr
         network = EpisodeNetwork(wall.sandbox.plan.network, note)
     rlimits = {name: list(pair) for name, pair in wall.rlimits.items()}
     return Prepared(agent_root, wall, network, _admission.child_rlimits(rlimits))
+
+
+def make_leaves(prep: Prepared) -> None:
+    """Make the leaves :func:`prepare_episode` only named (a template's episode, which takes a
+    parked fork's where it gets one); nothing if made. Blocking; raises :class:`Unprepared`
+    (what was made is the caller's to remove, as it holds ``prep``)."""
+    leaves = prep.leaves
+    if leaves is not None and not leaves.made:
+        try:
+            leaves.create()
+        except SetupProblem as exc:
+            raise Unprepared(str(exc), prep.containment) from None
 
 
 def _check_paths(spec: EpisodeSpec, shim: Path) -> str | None:

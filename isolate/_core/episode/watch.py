@@ -77,12 +77,12 @@ class EpisodeWatch:
         graces: Graces,
         leaves: _containment.Leaves | None,
         network: EpisodeNetwork | None,
-        at_hello: Callable[[], object],
+        at_hello: Callable[[], object] | None,
     ) -> None:
         self.child, self.channel, self.tree = child, channel, tree
         self.frames, self.log, self.redact, self.graces = frames, log, redact, graces
         self.leaves, self.network = leaves, network
-        self._at_hello = at_hello  # once the shim said hello: its start-up is over
+        self._at_hello = at_hello  # once the shim said hello (its start-up is over), if given
         self.handshake = handshake  # what is still to be written of it
         self.timed_out = False
         self.killed = 0  # what the parent's sweeps killed
@@ -99,8 +99,10 @@ class EpisodeWatch:
         """Until the episode is over; ``deadline`` is ``time.monotonic()`` seconds."""
         stdout_eof, stderr_eof = anyio.Event(), anyio.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_handshake)
-            tg.start_soon(self._hello_seen)
+            if self.handshake:  # the rest, as the socket takes it
+                tg.start_soon(self._write_handshake)
+            if self._at_hello is not None:
+                tg.start_soon(self._hello_seen)
             self._pumps(tg, stdout_eof, stderr_eof)
             if self.network is not None:
                 tg.start_soon(self.network.serve)
@@ -282,6 +284,7 @@ class EpisodeWatch:
 
     async def _hello_seen(self) -> None:
         await self.frames.said_hello.wait()
+        assert self._at_hello is not None
         self._at_hello()
 
     # --- the pipes --------------------------------------------------------------------------

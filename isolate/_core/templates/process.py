@@ -156,6 +156,25 @@ class Template:
         launcher's socket): a parked fork from the pool when one is there, else one parked now
         with its hand-over sent right behind the request; blocking. Raises
         :class:`TemplateGone`."""
+        parked = self.take_parked(episode_id, tag, channel)
+        if parked is not None:
+            return parked
+        with self._forks_lock:
+            self.asking += 1
+        try:
+            return self.park((episode_id, tag, channel))
+        finally:
+            with self._forks_lock:
+                self.asking -= 1
+                idle = self.asking == 0
+            pool = self.pool
+            if idle and pool is not None:
+                pool.wake()  # an empty pool waits for the forks asked for on demand
+
+    def take_parked(self, episode_id: str, tag: str, channel: int) -> Forked | None:
+        """A parked fork from the pool, handed this episode (as :meth:`fork`); None when none
+        is left. Never waits for the template: it touches sockets, pipes and the pool's lock
+        only."""
         while self.pool is not None:
             pipe = os.pipe()  # before the take: EMFILE here takes none, the pool stays whole
             parked = self.pool.take()
@@ -172,17 +191,7 @@ class Template:
                 parked.close()
                 if not isinstance(exc, TemplateGone):
                     raise
-        with self._forks_lock:
-            self.asking += 1
-        try:
-            return self.park((episode_id, tag, channel))
-        finally:
-            with self._forks_lock:
-                self.asking -= 1
-                idle = self.asking == 0
-            pool = self.pool
-            if idle and pool is not None:
-                pool.wake()  # an empty pool waits for the forks asked for on demand
+        return None
 
     def park(self, episode: tuple[str, str, int] | None = None) -> Forked:
         """A new fork, parked; with ``episode`` (id, tag, channel) handed over at once.
