@@ -17,6 +17,7 @@ from isolate._core.containment import leaves as _leaves
 from isolate._core.containment import limits as _limits
 from isolate._core.containment import probes as _probes
 from isolate._core.containment import sandbox as _sandbox
+from isolate._core.episode import child as _child
 from isolate._core.episode import frames as _frames
 from isolate._core.episode import launcher as _launcher
 from isolate._core.episode import prepare as _prepare
@@ -102,6 +103,9 @@ pids_with_env = _tree.pids_with_env
 # -- Templates of this process.
 # The templates of this process: their pids are not the agent's, and their count is checked.
 started_templates = _templates.started_templates
+# A template's parked fork handed an episode in the event loop, or None when the pool has none
+# (then the episode asks the template, in a thread): a test calls it on an empty pool.
+start_parked = _child.start_parked
 
 
 def templates_logs() -> tuple[set[int], set[tuple[int, int]]]:

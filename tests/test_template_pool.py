@@ -3,6 +3,7 @@ hand-over. What a parked fork holds, how the pool refills, and how its forks end
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,21 @@ async def test_episodes_take_parked_forks_and_the_pool_refills(agents: Agents) -
         assert not any("/template." in o.info["cgroup"] for o in outcomes)
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 3))
     assert not {f.pid for f in parked()} & before
+
+
+async def test_a_hand_over_from_an_empty_pool_takes_nothing_and_holds_no_fd(
+    agents: Agents,
+) -> None:
+    spec = agents.spec(AGENT, preload=True)
+    assert await isolate.park(spec, 0) == 0
+    (template,) = _internals.started_templates()
+    before = sorted(os.listdir("/proc/self/fd"))
+    assert _internals.start_parked(template, "none-parked", "tag") is None
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    outcome = await isolate.run_episode(spec, {})  # forked on demand, in its own leaf
+    assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
+    if has_cgroups():
+        assert "/parked." not in outcome.info["cgroup"]
 
 
 async def test_a_parked_pair_holds_no_secret_and_no_handshake(agents: Agents, mode: str) -> None:
@@ -637,6 +654,49 @@ async def test_no_fork_is_parked_while_memory_is_short_and_the_pool_fills_after(
     await anyio.to_thread.run_sync(lambda: wait_for(lambda: len(parked()) == 2))
 
 
+@contextlib.contextmanager
+def own_cgroup(tmp_path: Path, controller: str, name: str) -> Iterator[Path]:
+    """A cgroup made for the test where this process makes its leaves of ``controller``
+    (skips where it has none); removed after, with those made in it, once they are empty."""
+    found = _internals.cgroups()
+    kind = found.controller(controller)
+    if kind is None:
+        pytest.skip(f"no {controller} cgroup controller this process may use")
+    root = found.v2 if kind == "v2" else found.v1[controller]
+    assert root is not None
+    where = root / f"{name}.{os.getpid()}.{tmp_path.name}"
+    where.mkdir()
+    try:
+        yield where
+    finally:
+        for group in sorted([where, *where.glob("*/")], reverse=True):  # deepest first
+            if group.is_dir():
+                wait_for(lambda g=group: not (g / "cgroup.procs").read_text().strip())
+                group.rmdir()
+
+
+@contextlib.contextmanager
+def moved_in(where: Path, code: str, *args: str) -> Iterator[str]:
+    """Run ``code`` (with ``args``), move it into cgroup ``where`` before it reads its first
+    line, and give the line it prints then; it is killed after."""
+    with subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,  # it may import the tests' helpers
+    ) as proc:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        try:
+            (where / "cgroup.procs").write_text(str(proc.pid))
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            yield proc.stdout.readline()
+        finally:
+            proc.kill()
+
+
 HOG = """
 import sys
 sys.stdin.readline()  # in its cgroup first
@@ -651,43 +711,19 @@ def test_a_cgroup_near_its_memory_limit_is_short_of_memory(tmp_path: Path) -> No
     """A real cgroup with a 128 MiB limit: empty it has room; with a process holding 120 MiB in
     it (~122 MiB charged), less than the floor's 10% is left, and the problem names the cgroup
     and its limit."""
-    found = _internals.cgroups()
-    kind = found.controller("memory")
-    if kind is None:
-        pytest.skip("no memory cgroup controller this process may use")
-    root = found.v2 if kind == "v2" else found.v1["memory"]
-    assert root is not None
-    where = root / f"memtest.{os.getpid()}.{tmp_path.name}"
-    where.mkdir()
-    try:
-        limit_file = "memory.max" if kind == "v2" else "memory.limit_in_bytes"
-        (where / limit_file).write_text(str(128 << 20))
+    with own_cgroup(tmp_path, "memory", "memtest") as where:
+        v2 = (where / "memory.max").exists()
+        (where / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(128 << 20))
         assert _internals.template_pool.memory_problem([where]) is None
-        with subprocess.Popen(
-            [sys.executable, "-c", HOG, "120"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as hog:
-            assert hog.stdin is not None
-            assert hog.stdout is not None
-            try:
-                (where / "cgroup.procs").write_text(str(hog.pid))
-                hog.stdin.write("go\n")
-                hog.stdin.flush()
-                assert hog.stdout.readline() == "held\n"
-                problem = _internals.template_pool.memory_problem([where])
-            finally:
-                hog.kill()
-        assert problem is not None
-        assert re.fullmatch(
-            rf"cgroup {re.escape(str(where))} has \d+ MiB of its 128 MiB memory limit left, "
-            r"below the 10% that parked forks leave free",
-            problem,
-        ), problem
-    finally:
-        wait_for(lambda: not (where / "cgroup.procs").read_text().strip())
-        where.rmdir()
+        with moved_in(where, HOG, "120") as said:
+            assert said == "held\n"
+            problem = _internals.template_pool.memory_problem([where])
+    assert problem is not None
+    assert re.fullmatch(
+        rf"cgroup {re.escape(str(where))} has \d+ MiB of its 128 MiB memory limit left, "
+        r"below the 10% that parked forks leave free",
+        problem,
+    ), problem
 
 
 THREADS = """
@@ -695,8 +731,12 @@ import sys, threading
 sys.stdin.readline()  # in its cgroup first
 stop = threading.Event()
 for _ in range(int(sys.argv[1])):
-    threading.Thread(target=stop.wait).start()
-print("running", flush=True)
+    threading.Thread(target=stop.wait, daemon=True).start()  # an error below ends it
+if sys.argv[2:] == ["floor"]:  # what the pool's floor says from in here
+    from tests import _internals
+    print(_internals.template_pool.pids_problem(), flush=True)
+else:
+    print("running", flush=True)
 sys.stdin.read()
 stop.set()
 """
@@ -705,41 +745,32 @@ stop.set()
 def test_a_cgroup_near_its_pids_limit_leaves_no_room_for_a_parked_fork(tmp_path: Path) -> None:
     """A real cgroup with ``pids.max`` 20: empty it has room; with a process of 19 threads in
     it (each counts), one is left, below the floor's 10%, and the problem names the cgroup."""
-    found = _internals.cgroups()
-    kind = found.controller("pids")
-    if kind is None:
-        pytest.skip("no pids cgroup controller this process may use")
-    root = found.v2 if kind == "v2" else found.v1["pids"]
-    assert root is not None
-    where = root / f"pidstest.{os.getpid()}.{tmp_path.name}"
-    where.mkdir()
-    try:
+    with own_cgroup(tmp_path, "pids", "pidstest") as where:
         (where / "pids.max").write_text("20")
         assert _internals.template_pool.pids_problem([where]) is None
-        with subprocess.Popen(
-            [sys.executable, "-c", THREADS, "18"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        ) as busy:
-            assert busy.stdin is not None
-            assert busy.stdout is not None
-            try:
-                (where / "cgroup.procs").write_text(str(busy.pid))
-                busy.stdin.write("go\n")
-                busy.stdin.flush()
-                assert busy.stdout.readline() == "running\n"
-                assert (where / "pids.current").read_text().strip() == "19"
-                problem = _internals.template_pool.pids_problem([where])
-            finally:
-                busy.kill()
-        assert problem == (
-            f"cgroup {where} has room for 1 of its 20 processes, below the 10% that parked "
-            "forks leave free"
-        )
-    finally:
-        wait_for(lambda: not (where / "cgroup.procs").read_text().strip())
-        where.rmdir()
+        with moved_in(where, THREADS, "18") as said:
+            assert said == "running\n"
+            assert (where / "pids.current").read_text().strip() == "19"
+            problem = _internals.template_pool.pids_problem([where])
+    assert problem == (
+        f"cgroup {where} has room for 1 of its 20 processes, below the 10% that parked "
+        "forks leave free"
+    )
+
+
+def test_the_pids_floor_reads_the_limit_of_a_cgroup_above_the_trainers(tmp_path: Path) -> None:
+    """A trainer in a cgroup without a limit, below one with ``pids.max`` 20 (a container's,
+    say): with 19 of its threads counted there, its own floor names the cgroup above."""
+    with own_cgroup(tmp_path, "pids", "pidsabove") as above:
+        own = above / "trainer"
+        own.mkdir()
+        (above / "pids.max").write_text("20")
+        with moved_in(own, THREADS, "18", "floor") as said:
+            assert (own / "pids.max").read_text().strip() == "max"
+    assert said.strip() == (
+        f"cgroup {above} has room for 1 of its 20 processes, below the 10% that parked "
+        "forks leave free"
+    )
 
 
 @pytest.mark.parametrize("n", [-1, 1.5, True, "2", None, _internals.MAX_PARKED + 1])

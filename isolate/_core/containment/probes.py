@@ -163,18 +163,27 @@ def _bases(
 ) -> Iterator[Path]:
     """This process's group in hierarchy ``name`` (``""``: v2; else a v1 controller), one
     directory per mount that shows it."""
+    for base, _ in _bases_at(mounts, own, name):
+        yield base
+
+
+def _bases_at(
+    mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str], name: str
+) -> Iterator[tuple[Path, Path]]:
+    """:func:`_bases`, each with the mount point it is under."""
     if name not in own:
         return
     for fstype, root, point, options in mounts:
         if fstype == ("cgroup2" if name == "" else "cgroup") and (name == "" or name in options):
             base = _join(root, point, own[name])
             if base is not None:
-                yield base
+                yield base, Path(point)
 
 
 def own_limit_cgroups(controller: str) -> list[Path]:
     """This process's own groups that may hold a limit of ``controller`` (``memory``,
-    ``pids``), writable or not: its v2 group and its v1 group of that controller, each the
+    ``pids``), writable or not, and the groups above each up to its mount (a container's
+    limit may sit there): its v2 group and its v1 group of that controller, each from the
     first mount that shows it (probed once); none where ``/proc`` cannot be read."""
     return once(f"{controller}-cgroups.{os.getpid()}", lambda: _own_cgroups_of(controller))
 
@@ -186,7 +195,10 @@ def _own_cgroups_of(controller: str) -> list[Path]:
         return []
     found: list[Path] = []
     for name in ("", controller):
-        found += [base for base in _bases(mounts, own, name) if base.is_dir()][:1]
+        for base, point in _bases_at(mounts, own, name):
+            if base.is_dir():
+                found += [base, *(up for up in base.parents if point in (up, *up.parents))]
+                break
     return found
 
 

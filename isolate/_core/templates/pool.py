@@ -40,7 +40,8 @@ PARKED_FDS = 3
 _RETRY_S = 1.0
 #: The share of memory and of process numbers a pool leaves free: it parks no fork while the
 #: machine's ``MemAvailable`` is below this share of ``MemTotal``, nor while the room left under
-#: a memory or pids limit of the trainer's own cgroup is below this share of the limit.
+#: a memory or pids limit of the trainer's cgroup (or one above it) is below this share of the
+#: limit.
 MIN_AVAILABLE = 0.10
 #: How long after the last hand-over the pool waits before it parks a fork (ms): its two forks
 #: of the image would run beside the episodes being started, and those of a burst come closer
@@ -297,7 +298,7 @@ def _children_pidfds(forked: Forked) -> list[int]:
 def memory_problem(dirs: list[Path] | None = None) -> str | None:
     """Why no fork may be parked now for want of memory, or None: the machine's
     ``MemAvailable`` below ``MIN_AVAILABLE`` of its ``MemTotal``, or the room under the memory
-    limit of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1, writable or not)
+    limit of a cgroup in ``dirs`` (default: the trainer's own and those above, v2 and v1)
     below that share of the limit. Blocking."""
     total, available = _meminfo()
     if total and available is not None and available < MIN_AVAILABLE * total:
@@ -317,7 +318,7 @@ def memory_problem(dirs: list[Path] | None = None) -> str | None:
 
 def pids_problem(dirs: list[Path] | None = None) -> str | None:
     """Why no fork may be parked now for want of process numbers, or None: the room under the
-    ``pids.max`` of a cgroup in ``dirs`` (default: the trainer's own, v2 and v1) below
+    ``pids.max`` of a cgroup in ``dirs`` (default: the trainer's own and those above) below
     ``MIN_AVAILABLE`` of that limit, which the running episodes' processes count against too.
     Blocking."""
     short = _short_cgroup("pids", _PIDS_FILES, dirs)
