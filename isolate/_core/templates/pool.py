@@ -73,6 +73,8 @@ class Pool:
         #: Forks out of the pool that its thread ends (killed, leaves removed): dead, or beyond
         #: the target.
         self._ending: list[Forked] = []
+        #: Its thread waits with a timeout: it looks at the pool again by itself.
+        self._timed = False
         self._changed = threading.Condition()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -105,7 +107,11 @@ class Pool:
             if found is not None:
                 self.taken += 1
                 self.last_taken = time.monotonic()
-        self.wake()
+            # Its thread, waiting for the quiet after a hand-over, looks again then anyway:
+            # woken at each of a burst's hand-overs, it would take the GIL from them.
+            woken = not self._timed
+        if woken:
+            self.wake()
         return found
 
     def filled(self) -> bool:
@@ -169,6 +175,9 @@ class Pool:
                     self.parked.remove(forked)
             short = len(self.parked) < self.target
             wait = self._quiet_left(time.monotonic()) if short else None
+            if short and self.problem is not None:
+                wait = _RETRY_S
+            self._timed = wait is not None
             fds = [f.pidfd for f in self.parked if f.pidfd is not None]
         _end(dead)
         if not self.template.alive() or self.template.closing:
@@ -181,8 +190,6 @@ class Pool:
             poller.register(fd, select.POLLIN)
         if self.template.importer_fd is not None:
             poller.register(self.template.importer_fd, select.POLLIN)
-        if short and self.problem is not None:
-            wait = _RETRY_S
         ready = {fd for fd, _ in poller.poll(None if wait is None else wait * 1000)}
         try:
             os.read(self._wake_r, 4096)
