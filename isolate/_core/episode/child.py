@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import subprocess
@@ -292,17 +293,33 @@ def send_handshake(
     return rest, tree
 
 
-def _process(child: Child) -> psutil.Process | None:
+def _process(child: Child) -> psutil.Process | Callable[[], psutil.Process | None] | None:
+    """The child as psutil sees it, for its process tree; for a fork with a pidfd, a function
+    that finds it once the tree first asks (a teardown that has to look, in a worker thread:
+    not on every hand-over)."""
+    forked = isinstance(child, _templates.Forked)
+    if isinstance(child, _templates.Forked) and child.pidfd is not None:
+        return functools.partial(_forked_process, child)
     # After the move: reading /proc/PID/stat of a process that is still in exec takes ~2 ms.
     try:
         shim = psutil.Process(child.pid)
     except (psutil.Error, OSError):  # only an error of Popen itself is worth a retry
         return None
-    if isinstance(child, _templates.Forked) and child.poll() is not None:
-        # Not our child: a pid its template has reaped may be reused at once. The fork's own
-        # pidfd says whether this psutil handle can be another process.
+    if forked and child.poll() is not None:
+        # Not our child: a pid its template has reaped may be reused at once.
         return None
     return shim
+
+
+def _forked_process(forked: _templates.Forked) -> psutil.Process | None:
+    """A template's fork as psutil sees it, None once it has exited: its pid, not ours to
+    reap, may be another process's by then. Its pidfd says whether the handle can be another
+    process (safe from any thread, unlike its reply socket)."""
+    try:
+        found = psutil.Process(forked.pid)
+    except (psutil.Error, OSError):
+        return None
+    return None if forked.has_exited() else found
 
 
 def write_some(fd: int, data: memoryview) -> memoryview:

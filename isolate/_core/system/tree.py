@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -73,7 +73,7 @@ class ProcessTree:
 
     def __init__(
         self,
-        shim: psutil.Process | None,
+        shim: psutil.Process | Callable[[], psutil.Process | None] | None,
         sid: int,
         tag: str | None,
         box: Box | None = None,
@@ -81,13 +81,27 @@ class ProcessTree:
     ) -> None:
         """``tag`` None: no scan for the environment tag (a template's forks carry its
         tag, and must not be taken for its own processes). ``shim_counts``: the top process
-        is the agent's own (a template's fork that is its own worker), counted when killed."""
-        self.shim = shim
+        is the agent's own (a template's fork that is its own worker), counted when killed.
+        ``shim``: the top process, or a function that finds it when first asked (None once
+        it is gone)."""
+        self._shim: psutil.Process | None = None
+        self._find_shim: Callable[[], psutil.Process | None] | None = None
+        if callable(shim):
+            self._find_shim = shim
+        else:
+            self._shim = shim
         self.shim_counts = shim_counts
         self.sid = sid
         self.tag = tag  # the episode's EPISODE_TAG_ENV
         self.box = box
         self._reaper = Reaper(self.live, box=box, stop_first=True, counted=self._counted)
+
+    @property
+    def shim(self) -> psutil.Process | None:
+        find = self._find_shim
+        if find is not None:
+            self._shim, self._find_shim = find(), None
+        return self._shim
 
     def live(self) -> list[psutil.Process]:
         """Every live process of the episode, the shim (and its PID 1) last. Blocking: run in a

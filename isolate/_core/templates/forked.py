@@ -143,6 +143,11 @@ class Forked:
         """Whether this parked fork has exited (killed from outside, say)."""
         return self._exited()
 
+    def has_exited(self) -> bool:
+        """Whether the fork has exited, from its pidfd (from any thread: its status, on the
+        reply socket, is read in the event loop); from ``/proc`` where it has none."""
+        return self._exited()
+
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal) once known, else None."""
         while self.returncode is None and not self._eof:
