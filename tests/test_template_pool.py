@@ -220,7 +220,7 @@ async def test_a_parked_worker_killed_from_outside_is_replaced_with_its_fork(
     (victim,) = parked()
     _, worker = await anyio.to_thread.run_sync(parked_procs, victim)
     worker.kill()
-    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.has_exited()))
     outcome = await isolate.run_episode(spec, {})
     assert (outcome.status, outcome.start) == ("ok", "template"), outcome.summary()
     await anyio.to_thread.run_sync(
@@ -228,7 +228,7 @@ async def test_a_parked_worker_killed_from_outside_is_replaced_with_its_fork(
     )
     _, fresh = await anyio.to_thread.run_sync(parked_procs, parked()[0])
     assert fresh.pid != worker.pid
-    assert not parked()[0].parked_dead()
+    assert not parked()[0].has_exited()
 
 
 SLEEPER = """
@@ -471,7 +471,7 @@ async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents, mod
     (victim,) = parked()
     procs = await anyio.to_thread.run_sync(parked_procs, victim)
     os.kill(victim.pid, signal.SIGKILL)
-    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.parked_dead()))
+    await anyio.to_thread.run_sync(lambda: wait_for(lambda: victim.has_exited()))
     # Its worker forked ahead, if any, dies with it.
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: all(is_gone(p.pid, p.create_time()) for p in procs))
@@ -482,7 +482,7 @@ async def test_a_parked_fork_killed_from_outside_is_replaced(agents: Agents, mod
     await anyio.to_thread.run_sync(
         lambda: wait_for(lambda: [f.pid for f in parked()] not in ([], [victim.pid]))
     )
-    assert not parked()[0].parked_dead()
+    assert not parked()[0].has_exited()
 
 
 async def test_a_template_that_dies_takes_its_parked_forks_and_the_next_refills(

@@ -297,7 +297,6 @@ def _process(child: Child) -> psutil.Process | Callable[[], psutil.Process | Non
     """The child as psutil sees it, for its process tree; for a fork with a pidfd, a function
     that finds it once the tree first asks (a teardown that has to look, in a worker thread:
     not on every hand-over)."""
-    forked = isinstance(child, _templates.Forked)
     if isinstance(child, _templates.Forked) and child.pidfd is not None:
         return functools.partial(_forked_process, child)
     # After the move: reading /proc/PID/stat of a process that is still in exec takes ~2 ms.
@@ -305,7 +304,7 @@ def _process(child: Child) -> psutil.Process | Callable[[], psutil.Process | Non
         shim = psutil.Process(child.pid)
     except (psutil.Error, OSError):  # only an error of Popen itself is worth a retry
         return None
-    if forked and child.poll() is not None:
+    if isinstance(child, _templates.Forked) and child.poll() is not None:
         # Not our child: a pid its template has reaped may be reused at once.
         return None
     return shim

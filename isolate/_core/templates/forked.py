@@ -139,15 +139,6 @@ class Forked:
         self.hand = None
         self.stderr = open(err, "rb", buffering=0)  # noqa: SIM115 - in close()
 
-    def parked_dead(self) -> bool:
-        """Whether this parked fork has exited (killed from outside, say)."""
-        return self._exited()
-
-    def has_exited(self) -> bool:
-        """Whether the fork has exited, from its pidfd (from any thread: its status, on the
-        reply socket, is read in the event loop); from ``/proc`` where it has none."""
-        return self._exited()
-
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal) once known, else None."""
         while self.returncode is None and not self._eof:
@@ -165,7 +156,7 @@ class Forked:
                 self.returncode = os.waitstatus_to_exitcode(message["status"])
                 cpu = message.get("cpu_s")
                 self.cpu_s = float(cpu) if isinstance(cpu, (int, float)) else None
-        if self.returncode is None and self._eof and self._exited():
+        if self.returncode is None and self._eof and self.has_exited():
             self._status_from_init()
         return self.returncode
 
@@ -186,7 +177,10 @@ class Forked:
         if self.ns_pid is None or now - self._orphaned_at >= STATUS_WAIT_S:
             self.returncode, self.status_known = _UNKNOWN, False
 
-    def _exited(self) -> bool:
+    def has_exited(self) -> bool:
+        """Whether the fork has exited (a parked one killed from outside, say), from its pidfd
+        (from any thread: its status, on the reply socket, is read in the event loop); from
+        ``/proc`` where it has none."""
         if self.pidfd is not None:
             return readable(self.pidfd, 0)
         return exited(self.pid)
@@ -198,7 +192,7 @@ class Forked:
         if self.pidfd is not None:
             await anyio.wait_readable(self.pidfd)
         else:
-            while not self._exited():  # noqa: ASYNC110 - no pidfd on this platform
+            while not self.has_exited():  # noqa: ASYNC110 - no pidfd on this platform
                 await anyio.sleep(0.01)
         # The template reaps it at once; should the template be stopped, the status is lost.
         with anyio.move_on_after(STATUS_WAIT_S):
@@ -225,7 +219,7 @@ class Forked:
     def wait(self) -> int:
         """Block until the fork has exited (for a spawn that failed half-way)."""
         end = time.monotonic() + STATUS_WAIT_S
-        while self.poll() is None and (not self._exited() or time.monotonic() < end):
+        while self.poll() is None and (not self.has_exited() or time.monotonic() < end):
             time.sleep(0.005)
         if self.returncode is None:
             self.returncode, self.status_known = _UNKNOWN, False

@@ -100,7 +100,7 @@ class Pool:
         with self._changed:
             while self.parked and found is None:
                 forked = self.parked.popleft()
-                if forked.parked_dead():
+                if forked.has_exited():
                     self._ending.append(forked)  # the pool's thread removes its leaf
                 else:
                     found = forked
@@ -169,7 +169,7 @@ class Pool:
             if self.closed:
                 raise _Closed
             dead, self._ending = self._ending, []
-            dead += [f for f in self.parked if f.pidfd in suspects and f.parked_dead()]
+            dead += [f for f in self.parked if f.pidfd in suspects and f.has_exited()]
             for forked in dead:
                 if forked in self.parked:
                     self.parked.remove(forked)

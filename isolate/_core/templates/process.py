@@ -381,7 +381,7 @@ def _adopt(template: Template, pid: int, pidfd: int, hand: socket.socket) -> int
         with template._forks_lock:
             same = [f for f in template.forks if f.ipc == ipc]
         return any(
-            not f.parked_dead() and _namespaces.still_in(f.pid, "ipc", ipc) and not f.parked_dead()
+            not f.has_exited() and _namespaces.still_in(f.pid, "ipc", ipc) and not f.has_exited()
             for f in same
         )
 
