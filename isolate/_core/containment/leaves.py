@@ -15,7 +15,7 @@ from pathlib import Path
 from ..model.errors import SetupProblem
 from ..system.procfs import start_time
 from ..system.reaping import GIVE_UP_S, Reaper, processes
-from .probes import Cgroups, once, probe_cgroups
+from .probes import Cgroups, once, per_process, probe_cgroups
 
 #: Guards our per-parent directories: created by the first leaf, removed after the last.
 _dir_lock = threading.Lock()
@@ -23,17 +23,11 @@ _dir_lock = threading.Lock()
 # --- one episode's cgroup leaves --------------------------------------------------------------
 
 
-_owner: tuple[int, str] | None = None
-
-
 def _owner_name() -> str:
     """This process's directory name under the cgroups' ``isolate``: its pid and start time
     (read once per process)."""
-    global _owner
     pid = os.getpid()
-    if _owner is None or _owner[0] != pid:
-        _owner = (pid, f"{pid}.{start_time(pid)}")
-    return _owner[1]
+    return per_process("owner", lambda: f"{pid}.{start_time(pid)}")
 
 
 _active: dict[Path, int] = {}

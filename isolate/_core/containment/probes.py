@@ -40,6 +40,19 @@ _probed: dict[str, object] = {}
 _T = TypeVar("_T")
 
 
+_per_process: dict[tuple[str, int], object] = {}
+
+
+def per_process(key: str, make: Callable[[], _T]) -> _T:
+    """What ``make()`` returned the first time ``key`` was asked for in this process (a fork
+    asks again), without a lock: for cheap reads that a probe, holding :func:`once`'s, may ask
+    too, and that an episode's start must not wait behind a probe for."""
+    mine = (key, os.getpid())
+    if mine not in _per_process:
+        _per_process[mine] = make()
+    return _per_process[mine]  # type: ignore[return-value]
+
+
 def once(key: str, make: Callable[[], _T]) -> _T:
     """What ``make()`` returned the first time ``key`` was asked for in this process (one
     probe at a time: a second caller waits for the first)."""
@@ -243,17 +256,9 @@ def _enable_v2_controllers(root: Path) -> frozenset[str]:
     return frozenset(enabled)
 
 
-_cap_sys_admin: dict[int, bool] = {}
-
-
 def _has_cap_sys_admin() -> bool:
-    """Whether this process has CAP_SYS_ADMIN (read once per process, as the probes are; not
-    with :func:`once`, whose probes ask it)."""
-    pid = os.getpid()
-    if pid not in _cap_sys_admin:
-        _cap_sys_admin.clear()  # a fork's parent's
-        _cap_sys_admin[pid] = _read_cap_sys_admin()
-    return _cap_sys_admin[pid]
+    """Whether this process has CAP_SYS_ADMIN (read once, as the probes are)."""
+    return per_process("cap_sys_admin", _read_cap_sys_admin)
 
 
 def _read_cap_sys_admin() -> bool:
